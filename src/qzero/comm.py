@@ -1,0 +1,267 @@
+"""The post-step weight gathers: quantized and plain, chunked and bounded by the bucket.
+
+Both public functions share one contract: ``flat`` is a 1-D contiguous buffer with
+the same numel on every rank; rank ``r`` owns ``flat.chunk(world_size)[r]``; on
+return every rank holds the gathered buffer, bit-identical on all ranks. They
+validate their arguments, agree on them across ranks (a mismatch raises on every
+rank instead of hanging), then run :func:`run_gather` on a static
+:class:`~qzero.layout.GatherPlan`. Callers that keep a plan (the optimizer) call
+:func:`run_gather` directly and skip the checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .layout import DEFAULT_BUCKET_NUMEL, ChunkPlan, GatherPlan, plan_gather
+from .quant import kernels_for
+
+QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16)
+
+# torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GatherStats(NamedTuple):
+    """What one gather moved. Byte counts are per rank (what each rank contributes)."""
+
+    num_chunks: int
+    bytes_sent: int
+    plain_bytes: int
+    max_recv_numel: int
+    max_recv_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Bytes sent relative to a plain gather of the same buffer."""
+        return self.bytes_sent / self.plain_bytes if self.plain_bytes else 1.0
+
+
+def stats_of(plan: GatherPlan) -> GatherStats:
+    return GatherStats(
+        num_chunks=len(plan.chunks),
+        bytes_sent=plan.bytes_per_rank,
+        plain_bytes=plan.plain_bytes_per_rank,
+        max_recv_numel=plan.max_recv_numel,
+        max_recv_bytes=plan.max_recv_bytes,
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def quantized_all_gather(
+    flat: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    group_size: int = 64,
+    exact_ranges=(),
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    fmt: str = "int8",
+) -> GatherStats:
+    """Quantize every rank's partition of ``flat`` chunk by chunk, gather, dequantize in place.
+
+    Elements inside ``exact_ranges`` (sorted, disjoint ``(start, stop)`` flat
+    indices) arrive bit-exact; every other element is within half a quantization
+    step of its group (plus the rounding to ``flat.dtype``). Every rank's own
+    partition is overwritten with its dequantized values too, so all replicas are
+    bit-identical. Transient memory is bounded by ``bucket_numel`` elements of
+    receive buffer; there is one collective per chunk.
+    """
+    world, _ = _world_and_rank(group)
+
+    def build() -> GatherPlan:
+        _check_flat(flat)
+        if fmt is not None and flat.dtype not in QUANTIZABLE_DTYPES:
+            raise TypeError(
+                f"quantized_all_gather needs a bf16 or fp16 flat buffer, got {flat.dtype}: "
+                "an fp32 buffer has nothing to gain from quantization and would lose precision"
+            )
+        return _cached_plan(
+            flat.numel(), world, flat.element_size(), bucket_numel, fmt, group_size, _freeze_ranges(exact_ranges)
+        )
+
+    plan = _agreed_plan(build, flat, group, world, "quantized_all_gather")
+    return run_gather(flat, plan, group)
+
+
+def all_gather(
+    flat: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> GatherStats:
+    """The plain gather: every partition in its original dtype, chunked by the same bucket rule.
+
+    With one chunk it gathers straight into ``flat`` with no extra buffer.
+    """
+    world, _ = _world_and_rank(group)
+
+    def build() -> GatherPlan:
+        _check_flat(flat)
+        return _cached_plan(flat.numel(), world, flat.element_size(), bucket_numel, None, 1, ())
+
+    plan = _agreed_plan(build, flat, group, world, "all_gather")
+    return run_gather(flat, plan, group)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None = None) -> GatherStats:
+    """Execute ``plan`` on ``flat`` (no argument checks: the plan was validated when built)."""
+    world, rank = _world_and_rank(group)
+    stats = stats_of(plan)
+    if not plan.chunks:
+        return stats
+    p = plan.partition_numel
+    if not plan.quantized and len(plan.chunks) == 1:
+        if world > 1:
+            all_gather_into(flat, flat[rank * p : (rank + 1) * p], group=group)
+        return stats
+    kernels = kernels_for(flat.device)
+    recv = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device)
+    for chunk in plan.chunks:
+        pb = chunk.payload_bytes
+        buf = recv[: world * pb]
+        mine = buf[rank * pb : (rank + 1) * pb]
+        src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
+        if plan.quantized:
+            kernels.pack_payload(
+                src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device)
+            )
+        else:
+            mine.view(flat.dtype).copy_(src)
+        if world > 1:
+            all_gather_into(buf, mine, group=group)
+        for r in range(world):
+            dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+            payload = buf[r * pb : (r + 1) * pb]
+            if plan.quantized:
+                kernels.unpack_payload(
+                    payload, dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
+                )
+            elif r != rank:
+                dst.copy_(payload.view(flat.dtype))
+    return stats
+
+
+def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
+    """Indices (relative to ``rank``'s slice of ``chunk``) of its exact elements; cached on the plan."""
+    if not plan.exact_ranges:
+        return None
+    key = ("exact_index", chunk.index, rank, device)
+    idx = plan._cache.get(key)
+    if idx is None:
+        ranges = plan.exact_local_ranges(chunk, rank)
+        if ranges:
+            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
+        else:
+            idx = torch.empty(0, dtype=torch.int64, device=device)
+        plan._cache[key] = idx
+    return idx
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _world_and_rank(group) -> tuple[int, int]:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_flat(flat) -> None:
+    if not isinstance(flat, torch.Tensor):
+        raise TypeError(f"flat must be a torch.Tensor, got {type(flat).__name__}")
+    if flat.dim() != 1:
+        raise ValueError(f"flat must be 1-D, got shape {tuple(flat.shape)}")
+    if not flat.is_contiguous():
+        raise ValueError(f"flat must be contiguous, got strides {flat.stride()}")
+
+
+def _freeze_ranges(exact_ranges) -> tuple:
+    if isinstance(exact_ranges, torch.Tensor):
+        exact_ranges = exact_ranges.tolist()
+    try:
+        return tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in exact_ranges)
+    except TypeError:
+        raise TypeError(f"exact_ranges must be a sequence of (start, stop) pairs, got {exact_ranges!r}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(numel, world, elem_size, bucket_numel, fmt, group_size, exact_ranges) -> GatherPlan:
+    return plan_gather(
+        numel,
+        world,
+        elem_size=elem_size,
+        bucket_numel=bucket_numel,
+        fmt=fmt,
+        group_size=group_size,
+        exact_ranges=exact_ranges,
+    )
+
+
+_FIELDS = ("arguments valid", "flat numel", "flat dtype", "format", "group size", "bucket_numel", "exact ranges")
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _signature(plan: GatherPlan, dtype: torch.dtype) -> list[int]:
+    digest = hashlib.blake2b(repr(plan.exact_ranges).encode(), digest_size=7).digest()
+    fmt_code = 0 if plan.fmt is None else 1 + sorted(("fp8", "int4", "int8")).index(plan.fmt)
+    return [
+        1,
+        plan.numel,
+        _DTYPE_CODES.get(dtype, 99),
+        fmt_code,
+        plan.group_size,
+        plan.bucket_numel,
+        int.from_bytes(digest, "little"),
+    ]
+
+
+def _agreed_plan(build, flat, group, world: int, what: str) -> GatherPlan:
+    """Build the plan locally, then make sure every rank built the same one.
+
+    A local argument error is still announced to the other ranks before it is
+    raised, so that they raise too instead of waiting in a collective forever.
+    Nothing is modified before this returns.
+    """
+    try:
+        plan, error = build(), None
+    except (TypeError, ValueError) as e:
+        plan, error = None, e
+    if world > 1:
+        device = flat.device if isinstance(flat, torch.Tensor) else _default_device(group)
+        mine = _signature(plan, flat.dtype) if plan is not None else [0] * len(_FIELDS)
+        sig = torch.tensor(mine, dtype=torch.int64, device=device)
+        table = torch.empty(world * sig.numel(), dtype=torch.int64, device=device)
+        all_gather_into(table, sig, group=group)
+        rows = table.view(world, -1).tolist()
+        bad = [r for r, row in enumerate(rows) if row[0] == 0]
+        if error is None and bad:
+            raise ValueError(f"{what}: rank(s) {bad} rejected their arguments; nothing was gathered")
+        if error is None:
+            for i, name in enumerate(_FIELDS[1:], start=1):
+                values = [row[i] for row in rows]
+                if len(set(values)) > 1:
+                    shown = values if name != "exact ranges" else [f"{v:#x}" for v in values]
+                    raise ValueError(f"{what}: {name} differs between ranks: {shown} (by rank); nothing was gathered")
+    if error is not None:
+        raise error
+    return plan
+
+
+def _default_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,377 @@
+"""Pure layout math: flat ranges, partitions, padding, exact ranges and gather chunks.
+
+Nothing here touches a process group or allocates a tensor, so a DP1024 plan can be
+checked on a laptop. Two plans are built:
+
+* :func:`plan_gather` — for a flat buffer of ``numel`` elements shared by
+  ``world_size`` ranks: the chunk boundaries inside every partition, and for each
+  chunk the exact payload layout (values, scales, side channel), fixed once.
+* :func:`plan_flat_layout` — from ordered parameter shapes: each parameter's flat
+  range, the tail padding, the exact ranges of small parameters, and its gather plan.
+
+The bucket rule is a requirement, not a tuning knob: what one chunk gathers across
+all ranks is bounded, ``world_size * chunk_numel <= bucket_numel``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .quant.formats import SCALE_BYTES, check_group_size, get_format
+
+DEFAULT_BUCKET_NUMEL = 500_000_000
+DEFAULT_SMALL_PARAM_NUMEL = 65_536
+#: Payload sections and whole payloads start on this many bytes.
+PAYLOAD_ALIGN = 16
+
+Range = tuple[int, int]
+
+
+# --------------------------------------------------------------------------- padding rules
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded_flat_numel(used_numel: int, world_size: int, alignment: int) -> int:
+    """Tail padding rule: the flat buffer is a multiple of ``world_size * alignment``
+    (so every partition is a whole number of alignment units), and never empty."""
+    return max(round_up(used_numel, world_size * alignment), world_size * alignment)
+
+
+def chunk_numel_per_rank(partition_numel: int, world_size: int, bucket_numel: int, unit: int) -> int:
+    """Elements of every partition that one chunk moves.
+
+    The largest multiple of ``unit`` (a group, or one element for the plain gather)
+    with ``world_size * chunk <= bucket_numel``, never below one unit, never above
+    the partition (rounded up to a unit).
+    """
+    per_rank = (bucket_numel // world_size) // unit * unit
+    per_rank = max(per_rank, unit)
+    return min(per_rank, round_up(max(partition_numel, 1), unit))
+
+
+def is_small_param(numel: int, threshold: int) -> bool:
+    """Small parameters (norms, biases, small embeddings) travel exactly."""
+    return numel <= threshold
+
+
+# --------------------------------------------------------------------------- gather plan
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Byte offsets of one rank's payload for one chunk. The same on every rank."""
+
+    values_offset: int
+    scales_offset: int
+    exact_offset: int
+    exact_numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One round of the gather: ``[offset, offset + numel)`` of every partition."""
+
+    index: int
+    offset: int
+    numel: int
+    payload: PayloadLayout
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.payload.nbytes
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Static plan of one (quantized or plain) gather over a flat buffer."""
+
+    numel: int
+    world_size: int
+    elem_size: int
+    bucket_numel: int
+    fmt: str | None  # None: the plain gather, original dtype
+    group_size: int
+    chunk_numel: int
+    chunks: tuple[ChunkPlan, ...]
+    exact_ranges: tuple[Range, ...]
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def partition_numel(self) -> int:
+        return self.numel // self.world_size
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt is not None
+
+    def partition(self, rank: int) -> Range:
+        p = self.partition_numel
+        return rank * p, (rank + 1) * p
+
+    @property
+    def max_recv_numel(self) -> int:
+        """Largest number of elements one chunk gathers across all ranks."""
+        return self.world_size * max((c.numel for c in self.chunks), default=0)
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return max((c.payload_bytes for c in self.chunks), default=0)
+
+    @property
+    def max_recv_bytes(self) -> int:
+        return self.world_size * self.max_payload_bytes
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Bytes each rank contributes to the whole gather."""
+        return sum(c.payload_bytes for c in self.chunks)
+
+    @property
+    def plain_bytes_per_rank(self) -> int:
+        """Bytes each rank would contribute to a plain gather of the same buffer."""
+        return self.partition_numel * self.elem_size
+
+    def exact_local_ranges(self, chunk: ChunkPlan, rank: int) -> list[Range]:
+        """Exact ranges inside ``rank``'s slice of ``chunk``, relative to that slice."""
+        lo = rank * self.partition_numel + chunk.offset
+        return _clip_ranges(self.exact_ranges, lo, lo + chunk.numel)
+
+
+def _clip_ranges(ranges: Sequence[Range], lo: int, hi: int) -> list[Range]:
+    """The parts of sorted, disjoint ``ranges`` inside ``[lo, hi)``, shifted by ``-lo``."""
+    out = []
+    i = max(bisect.bisect_right(ranges, (lo, math.inf)) - 1, 0)
+    while i < len(ranges) and ranges[i][0] < hi:
+        a, b = ranges[i]
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            out.append((a - lo, b - lo))
+        i += 1
+    return out
+
+
+def check_exact_ranges(exact_ranges, numel: int) -> tuple[Range, ...]:
+    """Exact ranges must be sorted, non-empty, non-overlapping and inside ``[0, numel)``."""
+    out: list[Range] = []
+    prev_stop = 0
+    for i, r in enumerate(exact_ranges):
+        try:
+            a, b = (int(v) for v in r)
+        except (TypeError, ValueError):
+            raise TypeError(f"exact_ranges[{i}] = {r!r} is not a (start, stop) pair of integers") from None
+        if not 0 <= a < b <= numel:
+            raise ValueError(f"exact_ranges[{i}] = ({a}, {b}) is out of range for a flat buffer of {numel} elements")
+        if a < prev_stop:
+            raise ValueError(
+                f"exact_ranges[{i}] = ({a}, {b}) overlaps or precedes the previous range ending at {prev_stop}; "
+                "ranges must be sorted and non-overlapping"
+            )
+        out.append((a, b))
+        prev_stop = b
+    return tuple(out)
+
+
+def _exact_counts(exact_ranges: Sequence[Range], partition: int, chunk: int, n_chunks: int) -> list[int]:
+    """For every chunk, the most exact elements any single rank has in it."""
+    counts: dict[tuple[int, int], int] = {}
+    for a, b in exact_ranges:
+        pos = a
+        while pos < b:
+            rank, off = divmod(pos, partition)
+            c = off // chunk
+            stop = min(b, rank * partition + min((c + 1) * chunk, partition))
+            counts[(rank, c)] = counts.get((rank, c), 0) + stop - pos
+            pos = stop
+    best = [0] * n_chunks
+    for (_, c), k in counts.items():
+        best[c] = max(best[c], k)
+    return best
+
+
+def plan_gather(
+    numel: int,
+    world_size: int,
+    *,
+    elem_size: int = 2,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    fmt: str | None = "int8",
+    group_size: int = 64,
+    exact_ranges: Sequence[Range] = (),
+) -> GatherPlan:
+    """Plan a gather of a flat buffer of ``numel`` elements over ``world_size`` ranks.
+
+    ``fmt=None`` plans the plain gather (payload = the original elements).
+    Raises ``ValueError``/``TypeError`` naming the bad value.
+    """
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("bucket_numel", bucket_numel)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
+    if numel % world_size:
+        raise ValueError(f"flat numel {numel} is not divisible by the world size {world_size}")
+    if fmt is None:
+        unit, group_size = 1, 1
+        exact = ()
+    else:
+        f = get_format(fmt)
+        unit = check_group_size(group_size)
+        exact = check_exact_ranges(exact_ranges, numel)
+    if bucket_numel < world_size * unit:
+        raise ValueError(
+            f"bucket_numel {bucket_numel} is smaller than one {'group' if fmt else 'element'} per rank "
+            f"({world_size} x {unit} = {world_size * unit})"
+        )
+    partition = numel // world_size
+    chunk = chunk_numel_per_rank(partition, world_size, bucket_numel, unit)
+    n_chunks = -(-partition // chunk) if partition else 0
+    exact_counts = _exact_counts(exact, partition, chunk, n_chunks) if exact else [0] * n_chunks
+    chunks = []
+    for c in range(n_chunks):
+        offset = c * chunk
+        n = min(chunk, partition - offset)
+        if fmt is None:
+            layout = PayloadLayout(0, 0, 0, 0, n * elem_size)
+        else:
+            layout = _payload_layout(n, f.value_bytes(n), -(-n // group_size), exact_counts[c], elem_size)
+        chunks.append(ChunkPlan(c, offset, n, layout))
+    return GatherPlan(
+        numel=numel,
+        world_size=world_size,
+        elem_size=elem_size,
+        bucket_numel=bucket_numel,
+        fmt=fmt,
+        group_size=group_size,
+        chunk_numel=chunk,
+        chunks=tuple(chunks),
+        exact_ranges=exact,
+    )
+
+
+def _payload_layout(numel: int, value_bytes: int, groups: int, exact_numel: int, elem_size: int) -> PayloadLayout:
+    scales_offset = round_up(value_bytes, PAYLOAD_ALIGN)
+    exact_offset = round_up(scales_offset + groups * SCALE_BYTES, PAYLOAD_ALIGN)
+    nbytes = round_up(exact_offset + exact_numel * elem_size, PAYLOAD_ALIGN)
+    return PayloadLayout(0, scales_offset, exact_offset, exact_numel, nbytes)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------- flat layout
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the flat buffer."""
+
+    index: int
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    exact: bool
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Parameters packed in order into one padded flat buffer, and its gather plan."""
+
+    slots: tuple[ParamSlot, ...]
+    used_numel: int
+    numel: int
+    world_size: int
+    alignment: int
+    gather: GatherPlan
+
+    @property
+    def padding(self) -> int:
+        return self.numel - self.used_numel
+
+    @property
+    def partition_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def partition(self, rank: int) -> Range:
+        return self.gather.partition(rank)
+
+    @property
+    def exact_ranges(self) -> tuple[Range, ...]:
+        return self.gather.exact_ranges
+
+    def slots_in(self, lo: int, hi: int) -> list[tuple[ParamSlot, Range]]:
+        """Parameters overlapping ``[lo, hi)``, each with the overlapping flat range."""
+        out = []
+        for s in self.slots:
+            a, b = max(s.start, lo), min(s.stop, hi)
+            if a < b:
+                out.append((s, (a, b)))
+        return out
+
+
+def plan_flat_layout(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    elem_size: int = 2,
+    alignment: int | None = None,
+    group_size: int = 64,
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    fmt: str | None = "int8",
+) -> FlatLayout:
+    """Pack parameters of ``shapes`` (in order) into a flat buffer and plan its gather.
+
+    ``alignment`` defaults to the group size (so partitions hold whole groups).
+    Parameters with at most ``small_param_numel`` elements become exact ranges.
+    """
+    _check_positive_int("world_size", world_size)
+    if fmt is not None:
+        check_group_size(group_size)
+        get_format(fmt)
+    alignment = group_size if alignment is None else alignment
+    _check_positive_int("alignment", alignment)
+    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
+        raise ValueError(f"small_param_numel must be an integer >= 0, got {small_param_numel!r}")
+    slots = []
+    pos = 0
+    for i, shape in enumerate(shapes):
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"parameter {i} has a negative dimension in shape {shape}")
+        n = math.prod(shape)
+        slots.append(ParamSlot(i, shape, pos, n, n > 0 and is_small_param(n, small_param_numel)))
+        pos += n
+    numel = padded_flat_numel(pos, world_size, alignment)
+    exact = [(s.start, s.stop) for s in slots if s.exact] if fmt is not None else []
+    gather = plan_gather(
+        numel,
+        world_size,
+        elem_size=elem_size,
+        bucket_numel=bucket_numel,
+        fmt=fmt,
+        group_size=group_size,
+        exact_ranges=_merge_adjacent(exact),
+    )
+    return FlatLayout(tuple(slots), pos, numel, world_size, alignment, gather)
+
+
+def _merge_adjacent(ranges: list[Range]) -> list[Range]:
+    out: list[Range] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out

@@ -1,0 +1,47 @@
+"""Group-wise quantization: formats, the torch reference (the spec), and kernel dispatch.
+
+``pack_payload`` / ``unpack_payload`` pick the fused Triton kernels for CUDA
+tensors when they are available and the torch reference everywhere else; both
+produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .formats import FORMATS, SCALE_BYTES, QuantFormat, check_group_size, get_format
+from .reference import dequantize, quantize
+
+__all__ = [
+    "FORMATS",
+    "SCALE_BYTES",
+    "QuantFormat",
+    "check_group_size",
+    "dequantize",
+    "get_format",
+    "kernels_for",
+    "quantize",
+]
+
+
+def _triton_kernels():
+    try:
+        from . import triton as triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels if triton_kernels.AVAILABLE else None
+
+
+def kernels_for(device: torch.device):
+    """The module whose ``pack_payload``/``unpack_payload`` serve tensors on ``device``.
+
+    ``QZERO_KERNELS=reference`` forces the torch reference everywhere (for A/B checks).
+    """
+    if device.type == "cuda" and os.environ.get("QZERO_KERNELS", "auto") != "reference":
+        mod = _triton_kernels()
+        if mod is not None:
+            return mod
+    return reference

@@ -1,0 +1,148 @@
+"""The torch reference quantizer: this code *is* the specification.
+
+Every GPU kernel must produce the same bytes as these functions on the same input.
+The arithmetic, step by step, for one group of ``group_size`` consecutive elements:
+
+1. Widen to fp32. Exact elements (small parameters) are set to 0 *before* the
+   scale is computed, so they never widen their group's scale.
+2. ``scale = max(absmax / qmax, FLT_MIN)`` with a correctly rounded fp32 division.
+   The floor keeps the scale a normal fp32 number: an all-zero group gets the
+   harmless scale ``2**-126`` and no subnormal ever enters the arithmetic.
+3. ``y = x / scale`` (correctly rounded), then per format:
+   int8: round half to even, clamp to [-127, 127];
+   int4: the same with [-7, 7], two values per byte, element ``2i`` in the low nibble;
+   fp8:  clamp to [-448, 448], cast to e4m3 (round to nearest even).
+4. Dequantization is ``value * scale`` in fp32, then one rounding to the output dtype.
+
+A partition's last group may be short; it is treated as if zero-padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import SCALE_BYTES, QuantFormat, get_format
+
+FLT_MIN = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal fp32
+
+
+def num_groups(numel: int, group_size: int) -> int:
+    return -(-numel // group_size)
+
+
+def group_scales(x32: torch.Tensor, group_size: int, fmt: QuantFormat) -> torch.Tensor:
+    """fp32 scales of ``x32`` (fp32, 1-D, exact elements already zeroed)."""
+    n = x32.numel()
+    groups = num_groups(n, group_size)
+    padded = torch.nn.functional.pad(x32, (0, groups * group_size - n))
+    absmax = padded.view(groups, group_size).abs().amax(dim=1)
+    return torch.clamp_min(absmax / fmt.qmax, FLT_MIN)
+
+
+def quantize(
+    x: torch.Tensor,
+    group_size: int = 64,
+    fmt: str = "int8",
+    exact_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 1-D tensor group-wise.
+
+    Returns ``(values, scales)``: ``values`` is a uint8 byte tensor of
+    ``fmt.value_bytes(x.numel())`` bytes (int8 and fp8 bit patterns, or packed
+    int4), ``scales`` is fp32 with one entry per group. Elements listed in
+    ``exact_index`` are quantized as zeros and do not affect any scale.
+    """
+    f = get_format(fmt)
+    x32 = x.to(torch.float32).flatten()
+    if exact_index is not None and exact_index.numel():
+        x32 = x32.index_fill(0, exact_index, 0.0)
+    n = x32.numel()
+    scales = group_scales(x32, group_size, f)
+    groups = scales.numel()
+    y = torch.nn.functional.pad(x32, (0, groups * group_size - n)).view(groups, group_size)
+    y = (y / scales[:, None]).flatten()[:n]
+    if f.name == "fp8":
+        values = y.clamp(-f.qmax, f.qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        q = torch.round(y).clamp_(-f.qmax, f.qmax).to(torch.int8)
+        values = q.view(torch.uint8) if f.bits == 8 else _pack_int4(q)
+    return values, scales
+
+
+def dequantize(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    group_size: int = 64,
+    fmt: str = "int8",
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize` (exact elements come back as zeros)."""
+    f = get_format(fmt)
+    if f.name == "fp8":
+        q = values[:numel].view(torch.float8_e4m3fn).to(torch.float32)
+    elif f.bits == 8:
+        q = values[:numel].view(torch.int8).to(torch.float32)
+    else:
+        q = _unpack_int4(values, numel).to(torch.float32)
+    groups = scales.numel()
+    q = torch.nn.functional.pad(q, (0, groups * group_size - numel)).view(groups, group_size)
+    return (q * scales[:, None]).flatten()[:numel].to(dtype)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    if q.numel() % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    nib = q.to(torch.int16) & 0xF
+    return (nib[0::2] | (nib[1::2] << 4)).to(torch.uint8)
+
+
+def _unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    b = packed[: (numel + 1) // 2].to(torch.int16)
+    pair = torch.stack((b & 0xF, b >> 4), dim=1).flatten()[:numel]
+    return torch.where(pair >= 8, pair - 16, pair).to(torch.int8)
+
+
+# --------------------------------------------------------------------------- payload
+
+
+def pack_payload(
+    src: torch.Tensor,
+    out: torch.Tensor,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact_index: torch.Tensor | None,
+) -> None:
+    """Write one rank's chunk payload into the byte buffer ``out``.
+
+    ``layout`` is a :class:`qzero.layout.PayloadLayout`; ``src`` is the rank's
+    slice of the chunk (bf16/fp16). Exact elements are copied aside verbatim into
+    the side channel, in index order.
+    """
+    values, scales = quantize(src, group_size, fmt, exact_index)
+    out[layout.values_offset : layout.values_offset + values.numel()].copy_(values)
+    out[layout.scales_offset : layout.scales_offset + scales.numel() * SCALE_BYTES].view(torch.float32).copy_(scales)
+    if exact_index is not None and exact_index.numel():
+        side = out[layout.exact_offset : layout.exact_offset + exact_index.numel() * src.element_size()]
+        side.view(src.dtype).copy_(src[exact_index])
+
+
+def unpack_payload(
+    payload: torch.Tensor,
+    dst: torch.Tensor,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact_index: torch.Tensor | None,
+) -> None:
+    """Dequantize one source rank's payload into ``dst`` and restore its exact elements."""
+    n = dst.numel()
+    f = get_format(fmt)
+    values = payload[layout.values_offset : layout.values_offset + f.value_bytes(n)]
+    groups = num_groups(n, group_size)
+    scales = payload[layout.scales_offset : layout.scales_offset + groups * SCALE_BYTES].view(torch.float32)
+    dst.copy_(dequantize(values, scales, n, group_size, fmt, dst.dtype))
+    if exact_index is not None and exact_index.numel():
+        side = payload[layout.exact_offset : layout.exact_offset + exact_index.numel() * dst.element_size()]
+        dst.index_copy_(0, exact_index, side.view(dst.dtype))

@@ -1,0 +1,64 @@
+"""Run a function on N gloo ranks in forked processes; collect results or tracebacks.
+
+Forking keeps start-up cheap (no re-import of torch per rank). Each rank gets a
+fresh process group over a FileStore; a rank that does not finish within the
+timeout fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerError(AssertionError):
+    pass
+
+
+def _entry(fn, rank, world_size, store_path, queue, args):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, store, queue, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        try:
+            for _ in range(world_size):
+                rank, ok, value = queue.get(timeout=timeout)
+                (results if ok else errors)[rank] = value
+        except Exception:
+            errors["timeout"] = f"not every rank finished within {timeout}s (hang?)"
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise WorkerError("\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items(), key=str)))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,138 @@
+"""The pure layout planner: padding, parameter ranges, exact ranges, chunks and bounds."""
+
+import math
+import random
+
+import pytest
+
+from qzero.layout import padded_flat_numel, plan_flat_layout, plan_gather
+
+QWEN3_4B_SHAPES = (
+    [(151936, 2560)]
+    + [
+        s
+        for _ in range(36)
+        for s in [
+            (2560,), (4096, 2560), (1024, 2560), (1024, 2560), (2560, 4096), (128,), (128,),
+            (2560,), (9728, 2560), (9728, 2560), (2560, 9728),
+        ]
+    ]
+    + [(2560,)]
+)
+
+
+def brute_force_exact_max(plan, chunk):
+    """Most exact elements any rank has in ``chunk``, counted element by element."""
+    best = 0
+    exact = set()
+    for a, b in plan.exact_ranges:
+        exact.update(range(a, b))
+    for r in range(plan.world_size):
+        lo = r * plan.partition_numel + chunk.offset
+        best = max(best, sum(1 for i in range(lo, lo + chunk.numel) if i in exact))
+    return best
+
+
+def check_plan_invariants(plan):
+    p = plan.partition_numel
+    assert plan.world_size * plan.chunk_numel <= plan.bucket_numel, "bucket rule"
+    assert plan.max_recv_numel <= plan.bucket_numel
+    assert plan.chunk_numel % plan.group_size == 0 and plan.chunk_numel >= plan.group_size
+    pos = 0
+    for i, c in enumerate(plan.chunks):
+        assert c.index == i and c.offset == pos and 0 < c.numel <= plan.chunk_numel
+        assert c.offset % plan.group_size == 0, "groups never cross chunks"
+        pl = c.payload
+        assert pl.exact_numel <= c.numel, "side channel bounded by the chunk"
+        assert pl.scales_offset % 16 == 0 and pl.exact_offset % 16 == 0 and pl.nbytes % 16 == 0
+        pos += c.numel
+    assert pos == p
+
+
+def test_padding_rule():
+    assert padded_flat_numel(0, 4, 64) == 256
+    assert padded_flat_numel(1000, 3, 64) == 1152
+    assert padded_flat_numel(1152, 3, 64) == 1152
+
+
+def test_flat_layout_ranges_padding_and_exact():
+    shapes = [(10, 30), (30,), (7,), (64, 64), (3, 5, 2)]
+    lay = plan_flat_layout(shapes, world_size=3, group_size=64, small_param_numel=100, bucket_numel=3 * 128)
+    starts = [s.start for s in lay.slots]
+    assert starts == [0, 300, 330, 337, 337 + 4096]
+    assert lay.used_numel == 337 + 4096 + 30
+    assert lay.numel % (3 * 64) == 0 and 0 <= lay.padding < 3 * 64
+    assert [s.exact for s in lay.slots] == [False, True, True, False, True]
+    # adjacent small parameters merge into one exact range
+    assert lay.exact_ranges == ((300, 337), (4433, 4463))
+    # partitions cover the buffer; a parameter straddles the 0|1 boundary
+    p = lay.partition_numel
+    assert [lay.partition(r) for r in range(3)] == [(0, p), (p, 2 * p), (2 * p, 3 * p)]
+    straddlers = [s for s in lay.slots if s.start < p < s.stop]
+    assert straddlers, "test layout must have a parameter straddling partitions"
+    check_plan_invariants(lay.gather)
+
+
+def test_no_exact_ranges_for_plain_layout_or_zero_threshold():
+    assert plan_flat_layout([(5,), (9, 9)], 2, fmt=None).exact_ranges == ()
+    assert plan_flat_layout([(5,), (9, 9)], 2, small_param_numel=0).exact_ranges == ()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_plans_obey_bounds_and_side_channel_sizes(seed):
+    rng = random.Random(seed)
+    world = rng.choice([1, 2, 3, 4, 5, 8])
+    group = rng.choice([8, 16, 64, 72])
+    partition = rng.randrange(1, 40) * rng.choice([1, group])
+    numel = partition * world
+    bucket = world * group * rng.randrange(1, 6) + rng.randrange(0, world * group)
+    # random sorted disjoint ranges
+    cuts = sorted(rng.sample(range(numel + 1), min(numel + 1, 2 * rng.randrange(0, 6))))
+    ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2) if cuts[i] < cuts[i + 1]]
+    plan = plan_gather(numel, world, bucket_numel=bucket, group_size=group, exact_ranges=ranges)
+    check_plan_invariants(plan)
+    for c in plan.chunks:
+        assert c.payload.exact_numel == brute_force_exact_max(plan, c)
+
+
+@pytest.mark.parametrize("world", [64, 1024])
+def test_large_world_plans_stay_within_the_bucket(world):
+    bucket = 50_000_000
+    lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=bucket)
+    plan = lay.gather
+    check_plan_invariants(plan)
+    assert plan.max_recv_numel <= bucket
+    # the receive buffer in bytes is below a bf16 bucket (the payload is ~1.06 B/elem)
+    assert plan.max_recv_bytes <= 2 * bucket
+    assert lay.used_numel == sum(math.prod(s) for s in QWEN3_4B_SHAPES)
+    assert plan.bytes_per_rank < 0.6 * plan.plain_bytes_per_rank  # side channel sized for the worst rank
+
+
+def test_default_bytes_per_parameter():
+    plan = plan_gather(2 * 64 * 1000, 2, group_size=64)
+    assert plan.bytes_per_rank == 64 * 1000 * (1 + 4 / 64)
+    assert plan.plain_bytes_per_rank == 64 * 1000 * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(numel=10, world_size=3), "not divisible by the world size 3"),
+        (dict(numel=64, world_size=0), "world_size"),
+        (dict(numel=128, world_size=2, bucket_numel=0), "bucket_numel"),
+        (dict(numel=128, world_size=2, bucket_numel=5e8), "bucket_numel"),
+        (dict(numel=128, world_size=2, bucket_numel=100), "smaller than one group per rank"),
+        (dict(numel=128, world_size=2, group_size=12), "group_size"),
+        (dict(numel=128, world_size=2, fmt="int2"), "'int2'"),
+        (dict(numel=128, world_size=2, exact_ranges=[(5, 9), (1, 3)]), r"exact_ranges\[1\]"),
+        (dict(numel=128, world_size=2, exact_ranges=[(5, 9), (8, 12)]), "overlaps"),
+        (dict(numel=128, world_size=2, exact_ranges=[(120, 129)]), "out of range"),
+        (dict(numel=128, world_size=2, exact_ranges=[(7, 7)]), "out of range"),
+        (dict(numel=-2, world_size=2), "numel"),
+    ],
+)
+def test_bad_plan_arguments(kwargs, match):
+    numel = kwargs.pop("numel")
+    world = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=match):
+        plan_gather(numel, world, **kwargs)
