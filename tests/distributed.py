@@ -7,7 +7,9 @@ timeout fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
+import queue as queue_mod
 import os
 import tempfile
 import traceback
@@ -30,7 +32,9 @@ def _entry(fn, rank, world_size, store_path, queue, args):
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        buf = io.BytesIO()
+        torch.save(result, buf)  # plain bytes: no shared-memory handles outliving the worker
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -51,8 +55,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
         try:
             for _ in range(world_size):
                 rank, ok, value = queue.get(timeout=timeout)
-                (results if ok else errors)[rank] = value
-        except Exception:
+                if ok:
+                    results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    errors[rank] = value
+        except queue_mod.Empty:
             errors["timeout"] = f"not every rank finished within {timeout}s (hang?)"
         finally:
             for p in procs:
