@@ -230,35 +230,47 @@ def _signature(plan: GatherPlan, dtype: torch.dtype) -> list[int]:
 
 
 def _agreed_plan(build, flat, group, world: int, what: str) -> GatherPlan:
-    """Build the plan locally, then make sure every rank built the same one.
-
-    A local argument error is still announced to the other ranks before it is
-    raised, so that they raise too instead of waiting in a collective forever.
-    Nothing is modified before this returns.
-    """
+    """Build the plan locally, then make sure every rank built the same one."""
     try:
         plan, error = build(), None
     except (TypeError, ValueError) as e:
         plan, error = None, e
+    device = flat.device if isinstance(flat, torch.Tensor) else None
+    fields = dict(zip(_FIELDS[1:], _signature(plan, flat.dtype)[1:])) if plan is not None else None
+    agree_or_raise(group, world, device, error, fields, what)
+    return plan
+
+
+def agree_or_raise(group, world: int, device, error: Exception | None, fields: dict[str, int] | None, what: str):
+    """Exchange a few integers between ranks and raise on *every* rank if they differ.
+
+    A rank whose local checks failed (``error``) still takes part, so the others
+    raise too instead of waiting in a collective forever; then it raises its own
+    error. ``fields`` maps names to integers (None when ``error`` is set). Nothing
+    is modified; this is the only communication before the real work starts.
+    """
     if world > 1:
-        device = flat.device if isinstance(flat, torch.Tensor) else _default_device(group)
-        mine = _signature(plan, flat.dtype) if plan is not None else [0] * len(_FIELDS)
-        sig = torch.tensor(mine, dtype=torch.int64, device=device)
+        names = list(fields) if fields is not None else None
+        n = len(fields) if fields is not None else 0
+        # every rank sends the same length: [ok, count, values... padded to 15]
+        row = [0 if error is not None else 1, n] + (list(fields.values()) if fields else [])
+        row += [0] * (17 - len(row))
+        if device is None:
+            device = _default_device(group)
+        sig = torch.tensor(row[:17], dtype=torch.int64, device=device)
         table = torch.empty(world * sig.numel(), dtype=torch.int64, device=device)
         all_gather_into(table, sig, group=group)
         rows = table.view(world, -1).tolist()
         bad = [r for r, row in enumerate(rows) if row[0] == 0]
         if error is None and bad:
-            raise ValueError(f"{what}: rank(s) {bad} rejected their arguments; nothing was gathered")
+            raise ValueError(f"{what}: rank(s) {bad} rejected their arguments; nothing was done")
         if error is None:
-            for i, name in enumerate(_FIELDS[1:], start=1):
-                values = [row[i] for row in rows]
+            for i, name in enumerate(names):
+                values = [row[2 + i] for row in rows]
                 if len(set(values)) > 1:
-                    shown = values if name != "exact ranges" else [f"{v:#x}" for v in values]
-                    raise ValueError(f"{what}: {name} differs between ranks: {shown} (by rank); nothing was gathered")
+                    raise ValueError(f"{what}: {name} differs between ranks: {values} (by rank); nothing was done")
     if error is not None:
         raise error
-    return plan
 
 
 def _default_device(group) -> torch.device:

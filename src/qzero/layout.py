@@ -375,3 +375,60 @@ def _merge_adjacent(ranges: list[Range]) -> list[Range]:
         else:
             out.append((a, b))
     return out
+
+
+# --------------------------------------------------------------------------- gradient buckets
+
+
+@dataclass(frozen=True)
+class ReduceBucket:
+    """A contiguous flat range whose gradient is reduced as one unit, and the
+    parameters (slot indices) that must deliver their gradients before it can go."""
+
+    index: int
+    start: int
+    stop: int
+    slots: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def plan_reduce_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ReduceBucket, ...]:
+    """Cut ``[0, used_numel)`` into buckets of at most ``bucket_numel`` elements.
+
+    Buckets are formed from the end of the buffer backwards, because backward
+    produces the last parameters' gradients first. Bucket edges fall on parameter
+    edges, except inside a parameter larger than the bucket, which is split.
+    """
+    _check_positive_int("bucket_numel", bucket_numel)
+    edges = [layout.used_numel]  # descending; the open bucket is [?, edges[-1])
+    for s in reversed(layout.slots):
+        if s.numel == 0 or edges[-1] - s.start <= bucket_numel:
+            continue  # fits in the open bucket
+        if edges[-1] > s.stop:
+            edges.append(s.stop)  # close the open bucket at this parameter's end
+        while edges[-1] - s.start > bucket_numel:
+            edges.append(edges[-1] - bucket_numel)  # split a parameter larger than the bucket
+    if edges[-1] != 0:
+        edges.append(0)
+    buckets = []
+    for i in range(len(edges) - 1):
+        stop, start = edges[i], edges[i + 1]
+        if start == stop:
+            continue
+        slots = tuple(s.index for s in layout.slots if s.numel and s.start < stop and start < s.stop)
+        buckets.append(ReduceBucket(len(buckets), start, stop, slots))
+    return tuple(buckets)
+
+
+def owners(start: int, stop: int, partition_numel: int) -> list[tuple[int, int, int]]:
+    """``(rank, a, b)`` for every partition that ``[start, stop)`` overlaps."""
+    out = []
+    r = start // partition_numel
+    while start < stop:
+        b = min(stop, (r + 1) * partition_numel)
+        out.append((r, start, b))
+        start, r = b, r + 1
+    return out

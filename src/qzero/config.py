@@ -1,0 +1,152 @@
+"""ZeroConfig: the settings of a qzero optimizer, validated, with DeepSpeed's key names.
+
+``ZeroConfig.from_dict`` accepts a DeepSpeed ``zero_optimization`` dictionary: the
+keys qzero implements map onto fields of the same name, a few DeepSpeed keys that
+describe what qzero always does are accepted (and checked), anything else is
+rejected by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
+from .quant.formats import check_group_size, get_format
+
+REDUCE_DTYPES = ("bf16", "fp16", "fp32")
+
+# DeepSpeed keys with no setting of their own here: qzero always behaves as the value given.
+_DEEPSPEED_FIXED = {
+    "allgather_partitions": True,  # the post-step gather always runs on partitions
+    "contiguous_gradients": None,  # gradients always land in contiguous buffers; either value accepted
+    "round_robin_gradients": False,  # parameters keep their model order
+    "reduce_scatter": True,  # gradients always go to their owners only
+    "elastic_checkpoint": None,  # checkpoints always reshard; either value accepted
+    "load_from_fp32_weights": True,  # loading always rebuilds weights from fp32 masters
+}
+
+
+def _as_int(name: str, value: Any) -> int:
+    """Integers, and integral floats as DeepSpeed configs write them (``5e8``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Settings of :class:`qzero.ZeroOptimizer`. Validated on construction."""
+
+    stage: int = 2
+    """ZeRO stage: 1 (gradients reduced once per step, full gradient buffer) or 2
+    (gradients reduce-scattered in buckets during backward; each rank keeps only its
+    fp32 gradient partition)."""
+
+    zero_quantized_weights: bool = False
+    """Quantize the post-step weight all-gather. Off: the plain gather, bit-exact."""
+
+    zero_quantized_weights_group_size: int = 64
+    """Elements that share one fp32 scale; a positive multiple of 8."""
+
+    zero_quantized_weights_format: str = "int8"
+    """Payload format: ``int8`` (the reference), ``fp8`` (e4m3) or ``int4``."""
+
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
+    """Parameters with at most this many elements (norms, biases) travel exactly."""
+
+    allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL
+    """Elements one chunk of the weight gather moves across *all* ranks."""
+
+    reduce_bucket_size: int = DEFAULT_BUCKET_NUMEL
+    """Elements of gradient reduced per collective."""
+
+    overlap_comm: bool = True
+    """Stage 2: reduce gradient buckets while backward is still running."""
+
+    reduce_dtype: str | None = None
+    """Dtype of the gradient reduction: ``bf16``, ``fp16`` or ``fp32``; None means the
+    model's own dtype (what FSDP2 and DeepSpeed users expect)."""
+
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    loss_scale: float = 0.0
+    """fp16 only: a static loss scale, or 0 for dynamic loss scaling."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at ``2**initial_scale_power``."""
+
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaling doubles the scale after this many steps without overflow."""
+
+    hysteresis: int = 2
+    """fp16 dynamic scaling halves the scale only after this many overflows in a row."""
+
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaling never goes below this."""
+
+    overlap_param_gather: bool = False
+    """Return from ``step()`` before the weight gather finishes and let each module
+    wait for its own chunks in its forward (gather-ahead)."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2) or isinstance(self.stage, bool):
+            raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
+        for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_group_size(self.zero_quantized_weights_group_size)
+        get_format(self.zero_quantized_weights_format)
+        for name in ("allgather_bucket_size", "reduce_bucket_size", "small_param_numel", "initial_scale_power",
+                     "loss_scale_window", "hysteresis"):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+        for name in ("allgather_bucket_size", "reduce_bucket_size", "loss_scale_window", "hysteresis"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.small_param_numel < 0:
+            raise ValueError(f"small_param_numel must be >= 0, got {self.small_param_numel!r}")
+        if self.allgather_bucket_size < self.zero_quantized_weights_group_size:
+            raise ValueError(
+                f"allgather_bucket_size {self.allgather_bucket_size} is smaller than one group "
+                f"({self.zero_quantized_weights_group_size} elements)"
+            )
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES} or None, got {self.reduce_dtype!r}")
+        for name in ("gradient_clipping", "loss_scale", "min_loss_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != v:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ZeroConfig:
+        """Build from a DeepSpeed ``zero_optimization`` dictionary (unknown keys are refused)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"expected a dict of zero_optimization settings, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in d.items():
+            if key in known:
+                kwargs[key] = value
+            elif key in _DEEPSPEED_FIXED:
+                want = _DEEPSPEED_FIXED[key]
+                if want is not None and value != want:
+                    raise ValueError(f"zero_optimization.{key}={value!r} is not supported: qzero always behaves as {want!r}")
+            else:
+                raise ValueError(f"unknown zero_optimization key {key!r}; known keys: {sorted(known | set(_DEEPSPEED_FIXED))}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> int:
+        """A stable 63-bit fingerprint, compared across ranks at construction."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1

@@ -1,0 +1,98 @@
+"""FlatGroup: one parameter group's flat buffer, its partition, master shard and gathers.
+
+The parameters become views into one padded bf16/fp16 flat buffer (see
+:mod:`qzero.layout`); this rank keeps the fp32 master shard of its partition and an
+fp32 gradient shard of the same size. After a step the master shard is copied into
+the partition and the flat buffer is gathered (plainly or quantized).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import GatherStats, run_gather
+from ..config import ZeroConfig
+from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
+
+
+class FlatGroup:
+    """The flat buffer of one optimizer parameter group on one rank."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        config: ZeroConfig,
+        world_size: int,
+        rank: int,
+        process_group: dist.ProcessGroup | None,
+    ):
+        self.params = params
+        self.names = names
+        self.rank = rank
+        self.world_size = world_size
+        self.process_group = process_group
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        quantized = config.zero_quantized_weights
+        self.layout: FlatLayout = plan_flat_layout(
+            [tuple(p.shape) for p in params],
+            world_size,
+            elem_size=first.element_size(),
+            group_size=config.zero_quantized_weights_group_size,
+            small_param_numel=config.small_param_numel,
+            bucket_numel=config.allgather_bucket_size,
+            fmt=config.zero_quantized_weights_format if quantized else None,
+        )
+        self.gather_plan: GatherPlan = self.layout.gather
+        self.exact_plan: GatherPlan = (
+            plan_gather(
+                self.layout.numel,
+                world_size,
+                elem_size=first.element_size(),
+                bucket_numel=config.allgather_bucket_size,
+                fmt=None,
+            )
+            if quantized
+            else self.gather_plan
+        )
+        # The flat buffer; parameters become views into it.
+        self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, params):
+                view = self.flat[slot.start : slot.stop]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(slot.shape)
+        self.lo, self.hi = self.layout.partition(rank)
+        self.master: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+
+    def sync_from(self, src_rank: int) -> None:
+        """Make every replica start from ``src_rank``'s weights (as DDP does), then
+        take the fp32 master shard and allocate the fp32 gradient shard."""
+        if self.world_size > 1:
+            dist.broadcast(self.flat, src=src_rank, group=self.process_group)
+        self.master = self.flat[self.lo : self.hi].to(torch.float32).clone()
+        self.grad = torch.zeros_like(self.master)
+        self.master.grad = self.grad
+
+    @property
+    def own(self) -> torch.Tensor:
+        """This rank's partition of the flat buffer."""
+        return self.flat[self.lo : self.hi]
+
+    def gather(self) -> GatherStats:
+        """Copy the master shard into the partition and gather every partition."""
+        self.own.copy_(self.master)
+        return run_gather(self.flat, self.gather_plan, self.process_group)
+
+    def gather_exact(self) -> GatherStats:
+        """Gather the exact bf16/fp16 of every rank's masters (no quantization)."""
+        self.own.copy_(self.master)
+        return run_gather(self.flat, self.exact_plan, self.process_group)
+
+    def rebuild_views(self) -> None:
+        """Point the parameters at the flat buffer again (after someone replaced ``.data``)."""
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = self.flat[slot.start : slot.stop].view(slot.shape)

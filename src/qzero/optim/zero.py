@@ -1,0 +1,269 @@
+"""ZeroOptimizer: ZeRO stage 1/2 around any torch optimizer, with the (quantized) weight gather.
+
+A step has three phases, the same at every world size (1 included)::
+
+    reduce   gradients reach their owners as fp32 gradient shards
+             (stage 2: already during backward; stage 1: now)
+    update   unscale / overflow skip (fp16), clip by the global norm, inner optimizer
+             steps the fp32 master shards (one call per parameter group)
+    gather   each master shard is written into its partition and the flat buffers
+             are gathered, plainly or quantized
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..comm import GatherStats, agree_or_raise
+from ..config import ZeroConfig
+from .flat import FlatGroup
+from .grads import Stage1Grads, Stage2Grads
+from .scaler import LossScaler
+
+FLAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class ZeroOptimizer:
+    """Shard optimizer state and gradients (ZeRO-1/2) of ``model`` over ``process_group``.
+
+    ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups, e.g.
+    ``functools.partial(torch.optim.AdamW, lr=3e-4)``. ``param_groups`` (optional)
+    is a list of ``{"params": [...], **hyperparameters}`` over the model's trainable
+    parameters; by default all of them form one group. Use as::
+
+        loss = model(x).loss; opt.backward(loss); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        *,
+        config: ZeroConfig | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        param_groups: list[dict] | None = None,
+    ):
+        config = ZeroConfig() if config is None else config
+        world, rank = _world_and_rank(process_group)
+        error, groups, names = None, None, None
+        try:
+            if not isinstance(config, ZeroConfig):
+                raise TypeError(f"config must be a qzero.ZeroConfig, got {type(config).__name__}")
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            if not callable(optimizer):
+                raise TypeError(f"optimizer must be a callable that builds a torch.optim.Optimizer, got {optimizer!r}")
+            groups, names = _split_groups(model, param_groups)
+            _check_flattenable(groups, names, config, world)
+        except (TypeError, ValueError) as e:
+            error = e
+        fields = None if error else {"config": config.digest(), "parameters": _shapes_digest(groups)}
+        device = groups[0][0][0].device if groups else None
+        agree_or_raise(process_group, world, device, error, fields, "ZeroOptimizer")
+
+        self.config = config
+        self.process_group = process_group
+        self.world_size, self.rank = world, rank
+        self.model = model
+        self.groups = [
+            FlatGroup(params, [names[p] for p in params], config, world, rank, process_group)
+            for params, _ in groups
+        ]
+        src = dist.get_global_rank(process_group, 0) if process_group is not None and world > 1 else 0
+        for g in self.groups:
+            g.sync_from(src)
+        self.optimizer = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(self.groups, groups)])
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        self.grads = [
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size)
+            if config.stage == 1
+            else Stage2Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm)
+            for g in self.groups
+        ]
+        self.scaler = LossScaler(config, enabled=self.groups[0].dtype == torch.float16)
+        self.grad_norm: torch.Tensor | None = None
+        self.last_step_skipped = False
+        self.last_gather: list[GatherStats] = []
+
+    # ------------------------------------------------------------------ the loop
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's parameter groups (learning rates live here)."""
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled for fp16); stage 2 reduces gradients as they appear."""
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        for grads in self.grads:
+            grads.after_backward()
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Reduce, update and gather. Returns False when the step was skipped (fp16 overflow)."""
+        for grads in self.grads:
+            grads.before_step()
+        shards = [g.grad for g in self.groups]
+        if self.scaler.enabled:
+            for s in shards:
+                s.mul_(1.0 / self.scaler.scale)
+            overflow = self._any_rank(torch.stack([(~torch.isfinite(s)).any() for s in shards]).any())
+            self.scaler.update(overflow)
+            if overflow:
+                self.last_step_skipped = True
+                return False  # no update and no gather: the weights did not change
+        self.last_step_skipped = False
+        self.grad_norm = self._global_norm(shards)
+        if self.config.gradient_clipping > 0:
+            coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(shards, coef)
+        self.optimizer.step()
+        self.last_gather = [g.gather() for g in self.groups]
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (the shards are zeroed in place; ``set_to_none`` is accepted for
+        compatibility and has no other effect)."""
+        for grads in self.grads:
+            grads.zero()
+
+    @torch.no_grad()
+    def gather_exact_weights(self) -> None:
+        """Make every replica's weights the exact bf16/fp16 rounding of the fp32 masters
+        (for evaluation or export); the next ``step()`` gathers as configured again."""
+        for g in self.groups:
+            g.gather_exact()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save fp32 masters, optimizer state and loss scale with torch.distributed.checkpoint
+        (reshardable: load at any world size). Collective: call on every rank."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint` at any world size, then
+        rebuild the flat buffers from the masters. Collective: call on every rank."""
+        from .checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+    def state_dict(self) -> dict:
+        """A torch.distributed.checkpoint state dict: sharded fp32 masters and optimizer state."""
+        from .checkpoint import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        flag = flag.to(torch.float32).reshape(1)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(flag.item())
+
+    def _global_norm(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the whole gradient: every element lives in exactly one shard."""
+        sq = torch.stack([s.pow(2).sum() for s in shards]).sum().reshape(1)
+        if self.world_size > 1:
+            dist.all_reduce(sq, group=self.process_group)
+        return sq.sqrt()[0]
+
+    def __repr__(self) -> str:
+        numel = sum(g.layout.used_numel for g in self.groups)
+        return (
+            f"ZeroOptimizer(stage={self.config.stage}, world_size={self.world_size}, params={numel:,}, "
+            f"quantized={self.config.zero_quantized_weights}, inner={type(self.optimizer).__name__})"
+        )
+
+
+# ---------------------------------------------------------------------- construction checks
+
+
+def _world_and_rank(group) -> tuple[int, int]:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _split_groups(model: torch.nn.Module, param_groups: Iterable[dict] | None):
+    """``[(params, hyperparameters)]`` in model order, and a name for every parameter."""
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(p, n)
+    trainable = [p for p in names if p.requires_grad]
+    if param_groups is None:
+        groups = [(trainable, {})]
+    else:
+        groups, seen = [], set()
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"param_groups[{i}] must be a dict with a 'params' entry, got {g!r}")
+            params = list(g["params"])
+            for p in params:
+                if p not in names:
+                    raise ValueError(f"param_groups[{i}] holds a tensor that is not a parameter of the model")
+                if not p.requires_grad:
+                    raise ValueError(f"param_groups[{i}] holds frozen parameter {names[p]!r}")
+                if p in seen:
+                    raise ValueError(f"parameter {names[p]!r} appears in more than one parameter group")
+                seen.add(p)
+            order = {p: k for k, p in enumerate(trainable)}
+            groups.append((sorted(params, key=order.__getitem__), {k: v for k, v in g.items() if k != "params"}))
+        missing = [names[p] for p in trainable if p not in seen]
+        if missing:
+            raise ValueError(f"trainable parameters missing from param_groups: {missing[:5]}")
+    for i, (params, _) in enumerate(groups):
+        if not params:
+            raise ValueError(f"parameter group {i} has no trainable parameters")
+    return groups, names
+
+
+def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
+    first = groups[0][0][0]
+    for params, _ in groups:
+        for p in params:
+            if p.device != first.device:
+                raise ValueError(
+                    f"parameters live on several devices ({first.device} and {p.device} for {names[p]!r}); "
+                    "qzero flattens them into one buffer per device and needs one device"
+                )
+            if p.dtype != first.dtype:
+                raise ValueError(
+                    f"parameters have several dtypes ({first.dtype} and {p.dtype} for {names[p]!r}); "
+                    "cast the model to one dtype (bf16 or fp16) first"
+                )
+    if first.dtype not in FLAT_DTYPES:
+        raise ValueError(f"parameters of dtype {first.dtype} cannot be flattened; use bf16 or fp16")
+    if config.zero_quantized_weights and first.dtype == torch.float32:
+        raise ValueError(
+            "zero_quantized_weights needs bf16 or fp16 parameters, got fp32: quantizing an fp32 gather "
+            "gains nothing over casting to bf16 and loses precision"
+        )
+    if config.allgather_bucket_size < world * config.zero_quantized_weights_group_size:
+        raise ValueError(
+            f"allgather_bucket_size {config.allgather_bucket_size} is smaller than one group per rank "
+            f"({world} x {config.zero_quantized_weights_group_size})"
+        )
+
+
+def _shapes_digest(groups) -> int:
+    text = repr([[(tuple(p.shape), str(p.dtype)) for p in params] for params, _ in groups])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
