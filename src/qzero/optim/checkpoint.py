@@ -53,9 +53,17 @@ def _state_keys(opt: ZeroOptimizer, group: FlatGroup) -> dict[str, dict]:
     return out
 
 
+def _module_state(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
+    """What the masters do not hold: frozen parameters and buffers (replicated)."""
+    out = {f"model.{n}": p.data for n, p in opt.model.named_parameters() if not p.requires_grad}
+    out.update({f"model.{n}": b for n, b in opt.model.named_buffers()})
+    return out
+
+
 def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint, keyed for DCP."""
-    sd = {}
+    """The tensors of a checkpoint, keyed for DCP: sharded masters and optimizer state,
+    replicated frozen parameters and buffers."""
+    sd = dict(_module_state(opt))
     for i, g in enumerate(opt.groups):
         sd[f"group{i}.master"] = _sharded(g.master, g, opt)
         for key, value in opt.optimizer.state.get(g.master, {}).items():
@@ -82,6 +90,7 @@ def _metadata(opt: ZeroOptimizer) -> dict:
         "optimizer": type(opt.optimizer).__name__,
         "dtype": str(opt.groups[0].dtype),
         "loss_scaler": opt.scaler.state_dict(),
+        "module_state": {k: list(v.shape) for k, v in _module_state(opt).items()},
         "groups": groups,
     }
 
@@ -124,6 +133,11 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
     """Refuse a checkpoint of another model, grouping or optimizer, naming the difference."""
     if len(meta["groups"]) != len(opt.groups):
         raise ValueError(f"{path!r} has {len(meta['groups'])} parameter groups, this optimizer has {len(opt.groups)}")
+    here = {k: list(v.shape) for k, v in _module_state(opt).items()}
+    if meta["module_state"] != here:
+        saved_state = meta["module_state"]
+        diff = sorted(set(saved_state) ^ set(here)) or [k for k in here if here[k] != saved_state[k]]
+        raise ValueError(f"{path!r} was saved for another model: frozen parameters / buffers differ ({diff[:3]})")
     if meta["optimizer"] != type(opt.optimizer).__name__:
         raise ValueError(f"{path!r} holds {meta['optimizer']} state, this optimizer is {type(opt.optimizer).__name__}")
     for i, (saved, g) in enumerate(zip(meta["groups"], opt.groups)):
@@ -144,7 +158,7 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     meta = read_metadata(path)
     check_compatible(opt, meta, path)
-    targets, fills = {}, []
+    targets, fills = dict(_module_state(opt)), []
     for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
         targets[f"group{i}.master"] = _sharded(g.master, g, opt)
         state = {}

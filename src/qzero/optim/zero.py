@@ -76,6 +76,7 @@ class ZeroOptimizer:
         src = dist.get_global_rank(process_group, 0) if process_group is not None and world > 1 else 0
         for g in self.groups:
             g.sync_from(src)
+        _broadcast_module_state(model, src, process_group, world)
         self.optimizer = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(self.groups, groups)])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
@@ -260,6 +261,18 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
             f"allgather_bucket_size {config.allgather_bucket_size} is smaller than one group per rank "
             f"({world} x {config.zero_quantized_weights_group_size})"
         )
+
+
+def _broadcast_module_state(model: torch.nn.Module, src: int, group, world: int) -> None:
+    """Frozen parameters and buffers start equal everywhere too (as DDP does)."""
+    if world == 1:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                dist.broadcast(p.data, src=src, group=group)
+        for b in model.buffers():
+            dist.broadcast(b, src=src, group=group)
 
 
 def _shapes_digest(groups) -> int:

@@ -1,0 +1,411 @@
+"""ZeroOptimizer against a single-process fp32-master reference, on real gloo groups."""
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_distributed
+
+import qzero
+
+# ------------------------------------------------------------------ a tiny model, fp32 compute on bf16/fp16 weights
+
+
+class F32Linear(torch.nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+class TinyNet(torch.nn.Module):
+    """Embedding + two linears + a norm + a frozen projection; bf16/fp16 weights, fp32 math."""
+
+    def __init__(self, dtype=torch.bfloat16, vocab=37, d=24, h=40):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.l1 = F32Linear(d, h)
+        self.norm_w = torch.nn.Parameter(torch.ones(h))
+        self.l2 = F32Linear(h, d)
+        self.frozen = F32Linear(d, d, bias=False)
+        self.frozen.weight.requires_grad_(False)
+        self.head = F32Linear(d, vocab, bias=False)
+        self.to(dtype)
+
+    def forward(self, tokens, targets):
+        x = self.emb.weight.float()[tokens]
+        h = torch.tanh(self.l1(x))
+        h = F.layer_norm(h, h.shape[-1:], self.norm_w.float())
+        x = x + self.frozen(self.l2(h))
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_model(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return TinyNet(dtype)
+
+
+def batch(step, micro, global_batch=12, seq=5, vocab=37):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def rank_slice(t, rank, world):
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def groups_of(model, split):
+    if not split:
+        return None
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2}]
+
+
+# ------------------------------------------------------------------ the single-process reference
+
+
+def reference_run(world, steps, *, stage, micro=1, clip=0.0, split_groups=False, dtype=torch.bfloat16):
+    """Plain PyTorch: per-rank gradients of the bf16 model, averaged in fp32, AdamW on fp32 masters.
+
+    ``world`` may be a list (the world size of each step), to model a run resharded mid-way.
+    """
+    model = make_model(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    index = {p: i for i, p in enumerate(params)}
+    groups = groups_of(model, split_groups)
+    if groups is None:
+        opt = ADAMW(masters)
+    else:
+        opt = ADAMW([{**g, "params": [masters[index[p]] for p in g["params"]]} for g in groups])
+    losses = []
+    worlds = world if isinstance(world, list) else [world] * steps
+    for step in range(steps):
+        world = worlds[step]
+        acc = [torch.zeros_like(m) for m in masters]
+        step_loss = 0.0
+        per_rank = [[torch.zeros_like(p, dtype=dtype) for p in params] for _ in range(world)]
+        for m in range(micro):
+            tokens, targets = batch(step, m)
+            summed = [torch.zeros_like(m_) for m_ in masters]
+            for r in range(world):
+                for p in params:
+                    p.grad = None
+                loss = model(rank_slice(tokens, r, world), rank_slice(targets, r, world))
+                loss.backward()
+                step_loss += loss.item() / world
+                for i, p in enumerate(params):
+                    if stage == 1:
+                        per_rank[r][i] += p.grad  # stage 1 accumulates in the parameter dtype
+                    else:
+                        summed[i] += p.grad.float()
+            if stage == 2:
+                for a, s in zip(acc, summed):
+                    a.add_(s, alpha=1.0 / world)
+        if stage == 1:
+            for i in range(len(params)):
+                s = sum((per_rank[r][i].float() for r in range(1, world)), per_rank[0][i].float())
+                acc[i].add_(s, alpha=1.0 / world)
+        norm = torch.stack([a.pow(2).sum() for a in acc]).sum().sqrt()
+        if clip:
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            for a in acc:
+                a.mul_(coef)
+        for mst, a in zip(masters, acc):
+            mst.grad = a
+        opt.step()
+        with torch.no_grad():
+            for p, mst in zip(params, masters):
+                p.copy_(mst)
+        losses.append(step_loss / micro)
+    return losses, [m.detach() for m in masters], [p.detach().clone() for p in params]
+
+
+# ------------------------------------------------------------------ the distributed run
+
+
+def zero_run(rank, world, steps, cfg_kwargs, micro=1, split_groups=False, dtype=torch.bfloat16, optimizer=ADAMW):
+    model = make_model(dtype, seed=rank)  # replicas start different: rank 0's weights must win
+    frozen_before = model.frozen.weight.detach().clone()
+    cfg = qzero.ZeroConfig(**cfg_kwargs)
+    opt = qzero.ZeroOptimizer(model, optimizer, config=cfg, param_groups=groups_of(model, split_groups))
+    losses, norms = [], []
+    for step in range(steps):
+        step_loss = 0.0
+        for m in range(micro):
+            tokens, targets = batch(step, m)
+            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
+            opt.backward(loss)
+            t = loss.detach().reshape(1).clone()
+            dist.all_reduce(t)
+            step_loss += t.item() / world
+        opt.step()
+        norms.append(opt.grad_norm.item())
+        opt.zero_grad()
+        losses.append(step_loss / micro)
+    params = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    masters = [(g.lo, g.hi, g.master.clone(), g.layout.used_numel) for g in opt.groups]
+    flats = [g.flat.clone() for g in opt.groups]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "masters": masters,
+        "flats": flats,
+        "frozen_unchanged": torch.equal(model.frozen.weight, frozen_before),
+        "frozen_not_flat": all(model.frozen.weight.data_ptr() != g.flat.data_ptr() for g in opt.groups),
+        "gather": [tuple(s) for s in opt.last_gather],
+    }
+
+
+def assemble_masters(results, group=0):
+    """The full fp32 master vector of one group, from every rank's shard."""
+    parts = []
+    for res in results:
+        lo, hi, m, n = res["masters"][group]
+        parts.append(m[: max(0, min(hi, n) - lo)])
+    return torch.cat(parts)
+
+
+def flatten_reference_masters(masters, model_order_groups):
+    return torch.cat([m.reshape(-1) for m in masters])
+
+
+def assert_replicas_identical(results):
+    for res in results[1:]:
+        for a, b in zip(res["flats"], results[0]["flats"]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "replicas differ"
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_single_process_reference(stage, world):
+    steps = 4
+    kwargs = dict(stage=stage, reduce_dtype="fp32", reduce_bucket_size=300, allgather_bucket_size=world * 64 * 3)
+    results = run_distributed(zero_run, world, steps, kwargs)
+    ref_losses, ref_masters, ref_params = reference_run(world, steps, stage=stage)
+    assert_replicas_identical(results)
+    got = assemble_masters(results)
+    want = torch.cat([m.reshape(-1) for m in ref_masters])
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-7)
+    for p, q in zip(results[0]["params"], ref_params):
+        torch.testing.assert_close(p.float(), q.float(), rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert results[0]["frozen_unchanged"] and results[0]["frozen_not_flat"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_clipping_and_param_groups(stage):
+    world, steps = 2, 3
+    kwargs = dict(stage=stage, reduce_dtype="fp32", gradient_clipping=0.05, reduce_bucket_size=500)
+    results = run_distributed(zero_run, world, steps, kwargs, 2, True)
+    ref_losses, ref_masters, _ = reference_run(world, steps, stage=stage, micro=2, clip=0.05, split_groups=True)
+    model = make_model()
+    decay = [i for i, p in enumerate(q for q in model.parameters() if q.requires_grad) if p.dim() == 2]
+    no_decay = [i for i, p in enumerate(q for q in model.parameters() if q.requires_grad) if p.dim() < 2]
+    for group, idx in enumerate((decay, no_decay)):
+        want = torch.cat([ref_masters[i].reshape(-1) for i in idx])
+        torch.testing.assert_close(assemble_masters(results, group), want, rtol=5e-6, atol=5e-7)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert all(n > 0.05 for n in results[0]["norms"]), "clipping must have been active"
+
+
+def test_default_bf16_reduce_stays_close():
+    results = run_distributed(zero_run, 2, 3, dict(stage=2))
+    ref_losses, _, _ = reference_run(2, 3, stage=2)
+    assert_replicas_identical(results)
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], ref_losses)) < 5e-3
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_quantized_weights_track_plain_and_replicas_agree(stage, fmt):
+    world, steps = 3, 5
+    base = dict(stage=stage, small_param_numel=40, zero_quantized_weights_group_size=16, allgather_bucket_size=3 * 128)
+    plain = run_distributed(zero_run, world, steps, base)
+    quant = run_distributed(
+        zero_run, world, steps, {**base, "zero_quantized_weights": True, "zero_quantized_weights_format": fmt}
+    )
+    assert_replicas_identical(quant)
+    tol = {"int8": 0.02, "fp8": 0.05, "int4": 0.2}[fmt]
+    assert max(abs(a - b) for a, b in zip(plain[0]["losses"], quant[0]["losses"])) < tol
+    sent, plain_bytes = sum(s[1] for s in quant[0]["gather"]), sum(s[2] for s in quant[0]["gather"])
+    assert sent < (0.75 if fmt != "int4" else 0.5) * plain_bytes  # group 16: 1.25 (int4: 0.75) B/param + exact
+    # small parameters travel exactly: the norm weight equals bf16(master) on every rank
+    assert quant[0]["frozen_unchanged"]
+
+
+def fp16_overflow_run(rank, world):
+    model = make_model(torch.float16)
+    cfg = qzero.ZeroConfig(stage=2, initial_scale_power=4, hysteresis=1, zero_quantized_weights=True)
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
+    tokens, targets = batch(0, 0)
+    tokens, targets = rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
+    before = [g.flat.clone() for g in opt.groups]
+    scale0 = opt.loss_scale
+    loss = model(tokens, targets)
+    opt.backward(loss * (torch.inf if rank == 1 else 1.0))  # only rank 1 overflows
+    took = opt.step()
+    opt.zero_grad()
+    unchanged = all(torch.equal(a, g.flat) for a, g in zip(before, opt.groups))
+    scale1 = opt.loss_scale
+    opt.backward(model(tokens, targets))
+    took2 = opt.step()
+    changed = any(not torch.equal(a, g.flat) for a, g in zip(before, opt.groups))
+    return took, unchanged, scale0, scale1, took2, changed, opt.scaler.skipped_steps
+
+
+def test_fp16_overflow_skips_step_on_every_rank():
+    for took, unchanged, s0, s1, took2, changed, skipped in run_distributed(fp16_overflow_run, 2):
+        assert took is False and unchanged, "an overflow step must not update or gather"
+        assert s1 == s0 / 2 and skipped == 1
+        assert took2 is True and changed
+
+
+def test_optimizer_variants_run():
+    """SGD with momentum and AdamW (foreach / single-tensor) all step the flat masters."""
+    for opt_factory in (
+        functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+        functools.partial(torch.optim.AdamW, lr=1e-2, foreach=True),
+        functools.partial(torch.optim.AdamW, lr=1e-2, foreach=False),
+        functools.partial(torch.optim.Adam, lr=1e-2, fused=True),
+    ):
+        results = run_distributed(zero_run, 2, 2, dict(stage=2), 1, False, torch.bfloat16, opt_factory)
+        assert results[0]["losses"][1] < results[0]["losses"][0] + 0.5
+        assert_replicas_identical(results)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_run(rank, world, path, mode, quantized):
+    model = make_model(seed=rank if mode == "save" else rank + 10)  # a loaded run must not depend on its init
+    cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, reduce_dtype="fp32", allgather_bucket_size=world * 128)
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
+    losses = []
+
+    def train(steps, offset):
+        for step in range(offset, offset + steps):
+            tokens, targets = batch(step, 0)
+            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
+            opt.backward(loss)
+            t = loss.detach().reshape(1).clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+            opt.step()
+            opt.zero_grad()
+
+    if mode == "save":
+        train(3, 0)
+        opt.save_checkpoint(path)
+        train(3, 3)
+    else:
+        opt.load_checkpoint(path)
+        train(3, 3)
+    return losses[-3:], [p.detach().clone() for p in model.parameters() if p.requires_grad], assemble_masters([
+        {"masters": [(g.lo, g.hi, g.master.clone(), g.layout.used_numel) for g in opt.groups]}
+    ]), opt.groups[0].lo
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_checkpoint_resume_is_bit_exact(quantized):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        saved = run_distributed(checkpoint_run, 2, path, "save", quantized)
+        resumed = run_distributed(checkpoint_run, 2, path, "load", quantized)
+    for a, b in zip(saved, resumed):
+        assert a[0] == b[0], "losses after resume differ"
+        for p, q in zip(a[1], b[1]):
+            assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+        assert torch.equal(a[2], b[2])
+
+
+def test_checkpoint_reshards_from_2_to_3_ranks():
+    """Saved at world 2 after 3 steps, loaded at world 3: the next 3 steps are what an
+    unsharded run with those per-step batch splits computes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        run_distributed(checkpoint_run, 2, path, "save", False)
+        resumed = run_distributed(checkpoint_run, 3, path, "load", False)
+    ref_losses, ref_masters, _ = reference_run([2, 2, 2, 3, 3, 3], 6, stage=2)
+    got = torch.cat([r[2] for r in resumed])
+    torch.testing.assert_close(got, torch.cat([m.reshape(-1) for m in ref_masters]), rtol=2e-6, atol=2e-7)
+    torch.testing.assert_close(torch.tensor(resumed[0][0]), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
+
+
+def other_model_run(rank, world, path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).bfloat16()
+    opt = qzero.ZeroOptimizer(model, ADAMW)
+    try:
+        opt.load_checkpoint(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_of_another_model_is_refused():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        run_distributed(checkpoint_run, 2, path, "save", False)
+        msgs = run_distributed(other_model_run, 2, path)
+    assert all(m and "another model" in m for m in msgs)
+
+
+# ------------------------------------------------------------------ rejections at construction
+
+
+def rejection_run(rank, world, case):
+    model = make_model()
+    kwargs = {}
+    if case == "fp32 with quantization":
+        model = make_model(torch.float32)
+        kwargs["config"] = qzero.ZeroConfig(zero_quantized_weights=True)
+    elif case == "mixed dtypes":
+        model.l1.float()
+    elif case == "settings differ":
+        kwargs["config"] = qzero.ZeroConfig(zero_quantized_weights=rank == 0)
+    elif case == "shapes differ":
+        if rank == 1:
+            model.head = F32Linear(24, 5, bias=False).bfloat16()
+    elif case == "bucket below one group per rank":
+        kwargs["config"] = qzero.ZeroConfig(allgather_bucket_size=64)
+    elif case == "not an optimizer":
+        kwargs["optimizer"] = functools.partial(lambda params: params)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        qzero.ZeroOptimizer(model, kwargs.pop("optimizer", ADAMW), **kwargs)
+    except (TypeError, ValueError) as e:
+        same = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        return str(e), same
+    return None, True
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("fp32 with quantization", "fp32"),
+        ("mixed dtypes", "several dtypes"),
+        ("settings differ", "config differs between ranks|rejected"),
+        ("shapes differ", "parameters differs between ranks"),
+        ("bucket below one group per rank", "smaller than one group per rank"),
+        ("not an optimizer", "torch.optim.Optimizer"),
+    ],
+)
+def test_rejected_at_construction_on_every_rank(case, match):
+    import re
+
+    for msg, unchanged in run_distributed(rejection_run, 2, case, timeout=60):
+        assert msg is not None and re.search(match, msg), msg
+        assert unchanged
