@@ -124,6 +124,11 @@ def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | 
         if world > 1:
             all_gather_into(flat, flat[rank * p : (rank + 1) * p], group=group)
         return stats
+    if plan.quantized and flat.device.type == "cuda" and len(plan.chunks) > 1:
+        from .pipeline import run_pipelined  # CUDA only: overlapped stages on their own streams
+
+        if run_pipelined(flat, plan, group, world, rank):
+            return stats
     kernels = kernels_for(flat.device)
     recv = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device)
     for chunk in plan.chunks:

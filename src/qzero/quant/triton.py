@@ -1,0 +1,372 @@
+"""Fused Triton kernels for one rank's chunk payload.
+
+Same contract and the same bytes as :func:`qzero.quant.reference.pack_payload` and
+:func:`qzero.quant.reference.unpack_payload`, in one kernel launch each:
+
+* ``pack``: read the bf16/fp16 slice once; zero its exact elements (copying their
+  raw bits into the side channel); per group take the absmax, the scale
+  ``max(absmax / qmax, FLT_MIN)`` and ``y = x / scale`` (both divisions correctly
+  rounded, like torch's); round and store values and scales.
+* ``unpack``: read values and scales, write ``q * scale`` (fp32, one rounding)
+  straight into the bf16/fp16 destination, exact elements replaced by their
+  side-channel bits in the same store.
+
+Work split: each program owns ``G`` whole groups, laid out as a ``[G, GS_PAD]``
+tile (``GS_PAD`` is the group size rounded up to a power of two; the extra columns
+are masked off), so a group's absmax is a row reduction inside one program.
+
+Exact elements are found without any per-element mask buffer. ``exact_index`` is
+sorted and unique, so one ``searchsorted`` gives, for every program, the slice of
+``exact_index`` that falls in its tile (memory: one int64 per program, bounded by
+the chunk). Only programs whose slice is non-empty do more work: a branch-free
+binary search of each element within that slice, which also yields the element's
+position in the side channel.
+
+``AVAILABLE`` is False when Triton is missing, or when there is neither a CUDA
+device nor the CPU interpreter (``TRITON_INTERPRET=1``) to run on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .formats import SCALE_BYTES, get_format
+from .reference import FLT_MIN, num_groups
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AVAILABLE = triton is not None and (INTERPRET or torch.cuda.is_available())
+
+_FMT_CODES = {"int8": 0, "fp8": 1, "int4": 2}
+_IO_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class Tuning:
+    """Launch shape: elements per program (a power of two) and warps per program."""
+
+    block_elems: int = 4096
+    num_warps: int = 4
+
+
+#: Module-wide launch shape; the benchmark sweeps it, users normally leave it alone.
+TUNING = Tuning()
+
+#: Round fp32 -> bf16 and fp32 -> e4m3 with integer and fp32-add arithmetic instead of
+#: the hardware conversions. Same results; needed under the CPU interpreter, whose
+#: own bf16/fp8 conversions truncate. On by default there, off on GPUs.
+SOFT_CASTS = INTERPRET
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class _Launch:
+    gs_pad: int
+    groups_per_prog: int
+    programs: int
+    search_steps: int
+    span: int  # elements of the slice that one program's groups cover
+
+
+def _launch_shape(numel: int, group_size: int) -> _Launch:
+    gs_pad = _next_pow2(group_size)
+    per_prog = max(1, TUNING.block_elems // gs_pad)
+    programs = -(-num_groups(numel, group_size) // per_prog)
+    # At most per_prog * group_size exact elements fall in one program's groups;
+    # the binary search must be able to step over all of them.
+    span = per_prog * group_size
+    return _Launch(gs_pad, per_prog, programs, span.bit_length(), span)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_half_even(y):
+        # For |y| < 2**22, adding 1.5 * 2**23 leaves no fraction bits, and fp32
+        # addition rounds ties to even; subtracting it back is exact.
+        return (y + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _widen(bits, IS_BF16: tl.constexpr):
+        """fp32 value of bf16/fp16 bit patterns (int16)."""
+        if IS_BF16:
+            return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _narrow(v, IS_BF16: tl.constexpr, SOFT: tl.constexpr):
+        """bf16/fp16 bit patterns (int16) of fp32 ``v``, rounded to nearest even."""
+        if IS_BF16:
+            if SOFT:
+                b = v.to(tl.uint32, bitcast=True)
+                b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+                return b.to(tl.uint16).to(tl.int16, bitcast=True)
+            return v.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        return v.to(tl.float16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _e4m3_bits(y, SOFT: tl.constexpr):
+        """e4m3fn bit pattern (uint8) of ``y`` in [-448, 448], rounded to nearest even."""
+        if SOFT:
+            a = tl.abs(y)
+            # Round a to a multiple of its e4m3 quantum 2**(E-3), E = max(exponent, -6),
+            # by adding and removing 2**(E+20): the sum's ulp is exactly that quantum.
+            e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+            c = ((e + 147) << 23).to(tl.float32, bitcast=True)
+            r = (a + c) - c
+            rb = r.to(tl.int32, bitcast=True)
+            normal = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)
+            subnormal = (r * 512.0).to(tl.int32)  # multiples of 2**-9; 8 encodes 2**-6 itself
+            code = tl.where(r >= 0.015625, normal, subnormal)
+            sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+            return (code | sign).to(tl.uint8)
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+    @triton.jit
+    def _exact_lookup(idx_ptr, lo, hi, offs, STEPS: tl.constexpr):
+        """For each element offset: is it in ``idx[lo:hi]``, and where (lower bound)."""
+        pos = tl.zeros(offs.shape, tl.int64) + lo
+        for k in tl.static_range(STEPS):
+            cand = pos + (1 << (STEPS - 1 - k))
+            inside = cand <= hi
+            v = tl.load(idx_ptr + cand - 1, mask=inside, other=0)
+            pos = tl.where(inside & (v < offs), cand, pos)
+        found = pos < hi
+        hit = tl.load(idx_ptr + pos, mask=found, other=-1)
+        return found & (hit == offs), pos
+
+    @triton.jit
+    def _tile(n, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr):
+        """This program's groups: 64-bit start, then 32-bit offsets relative to it."""
+        pid = tl.program_id(0).to(tl.int64)
+        base = pid * (G * GS)
+        rem = tl.minimum(n - base, G * GS).to(tl.int32)  # elements of the slice left here
+        g = tl.arange(0, G)
+        j = tl.arange(0, GS_PAD)
+        offs = g[:, None] * GS + j[None, :]
+        valid = (j[None, :] < GS) & (offs < rem)
+        return pid, base, rem, g, offs, valid
+
+    @triton.jit
+    def _pack_kernel(
+        src_ptr,  # int16 view of the bf16/fp16 slice
+        values_ptr,  # uint8
+        scales_ptr,  # fp32
+        side_ptr,  # int16 view of the side channel
+        idx_ptr,  # int64, sorted exact indices
+        blk_ptr,  # int64, per program: first index of idx inside its tile; one extra at the end
+        n,
+        IS_BF16: tl.constexpr,
+        SOFT: tl.constexpr,
+        FMT: tl.constexpr,
+        QMAX: tl.constexpr,
+        FLOOR: tl.constexpr,
+        GS: tl.constexpr,
+        GS_PAD: tl.constexpr,
+        G: tl.constexpr,
+        HAS_EXACT: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):
+        pid, base, rem, g, offs, valid = _tile(n, G, GS, GS_PAD)
+        bits = tl.load(src_ptr + base + offs, mask=valid, other=0)
+        x = _widen(bits, IS_BF16)
+        if HAS_EXACT:
+            lo = tl.load(blk_ptr + pid)
+            hi = tl.load(blk_ptr + pid + 1)
+            if hi > lo:
+                is_exact, pos = _exact_lookup(idx_ptr, lo, hi, base + offs, STEPS)
+                tl.store(side_ptr + pos, bits, mask=is_exact & valid)
+                x = tl.where(is_exact, 0.0, x)
+
+        absmax = tl.max(tl.abs(x), axis=1)
+        scale = tl.maximum(tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32)), FLOOR)
+        tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
+        y = tl.math.div_rn(x, scale[:, None])
+        # Clamping first keeps |y| small for the rounding trick and does not change
+        # the result: rounding is monotone and QMAX is an integer (or e4m3's max).
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+
+        if FMT == 1:
+            v = _e4m3_bits(y, SOFT)
+            tl.store(values_ptr + base + offs, v, mask=valid)
+        elif FMT == 0:
+            v = _round_half_even(y).to(tl.int8).to(tl.uint8, bitcast=True)
+            tl.store(values_ptr + base + offs, v, mask=valid)
+        else:
+            q = _round_half_even(y).to(tl.int32)
+            lo_q, hi_q = tl.split(tl.reshape(q, [G, GS_PAD // 2, 2]))
+            byte = ((lo_q & 0xF) | ((hi_q & 0xF) << 4)).to(tl.uint8)
+            jb = tl.arange(0, GS_PAD // 2)
+            boffs = g[:, None] * (GS // 2) + jb[None, :]
+            tl.store(values_ptr + base // 2 + boffs, byte, mask=(jb[None, :] < GS // 2) & (2 * boffs < rem))
+
+    @triton.jit
+    def _unpack_kernel(
+        values_ptr,  # uint8
+        scales_ptr,  # fp32
+        side_ptr,  # int16
+        idx_ptr,  # int64
+        blk_ptr,  # int64
+        dst_ptr,  # int16 view of the bf16/fp16 destination
+        n,
+        IS_BF16: tl.constexpr,
+        SOFT: tl.constexpr,
+        FMT: tl.constexpr,
+        GS: tl.constexpr,
+        GS_PAD: tl.constexpr,
+        G: tl.constexpr,
+        HAS_EXACT: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):
+        pid, base, rem, g, offs, valid = _tile(n, G, GS, GS_PAD)
+        scale = tl.load(scales_ptr + pid * G + g, mask=g * GS < rem, other=1.0)
+
+        if FMT == 2:
+            jb = tl.arange(0, GS_PAD // 2)
+            boffs = g[:, None] * (GS // 2) + jb[None, :]
+            bmask = (jb[None, :] < GS // 2) & (2 * boffs < rem)
+            b = tl.load(values_ptr + base // 2 + boffs, mask=bmask, other=0).to(tl.int32)
+            lo_q = (b << 28) >> 28  # arithmetic shifts sign-extend each nibble
+            hi_q = (b << 24) >> 28
+            q = tl.reshape(tl.join(lo_q, hi_q), [G, GS_PAD]).to(tl.float32)
+        elif FMT == 1:
+            v = tl.load(values_ptr + base + offs, mask=valid, other=0)
+            q = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = tl.load(values_ptr + base + offs, mask=valid, other=0)
+            q = v.to(tl.int8, bitcast=True).to(tl.float32)
+
+        out = _narrow(q * scale[:, None], IS_BF16, SOFT)
+        if HAS_EXACT:
+            lo = tl.load(blk_ptr + pid)
+            hi = tl.load(blk_ptr + pid + 1)
+            if hi > lo:
+                is_exact, pos = _exact_lookup(idx_ptr, lo, hi, base + offs, STEPS)
+                kept = tl.load(side_ptr + pos, mask=is_exact & valid, other=0)
+                out = tl.where(is_exact, kept, out)
+        tl.store(dst_ptr + base + offs, out, mask=valid)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _check(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in _IO_DTYPES:
+        raise TypeError(f"the Triton kernels take bf16 or fp16 {what}, got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous 1-D tensor")
+
+
+def _sections(buf: torch.Tensor, layout, n: int, group_size: int, fmt, exact_count: int):
+    """Typed views of a payload's values, scales and side channel (no copies)."""
+    if buf.dtype != torch.uint8 or not buf.is_contiguous():
+        raise ValueError("a payload must be a contiguous uint8 tensor")
+    if buf.numel() < layout.nbytes:
+        raise ValueError(f"payload buffer has {buf.numel()} bytes, the layout needs {layout.nbytes}")
+    if exact_count > layout.exact_numel:
+        raise ValueError(f"{exact_count} exact elements do not fit a side channel of {layout.exact_numel}")
+    values = buf[layout.values_offset : layout.values_offset + fmt.value_bytes(n)]
+    scales = buf[layout.scales_offset : layout.scales_offset + num_groups(n, group_size) * SCALE_BYTES]
+    side = buf[layout.exact_offset : layout.exact_offset + exact_count * 2]
+    return values, scales.view(torch.float32), side.view(torch.int16)
+
+
+def _exact_tables(exact_index: torch.Tensor | None, shape: _Launch, device: torch.device):
+    """``(idx, blk)``: the index, and for every program where its tile starts in it."""
+    if exact_index is None or exact_index.numel() == 0:
+        return None, None
+    idx = exact_index.to(device=device, dtype=torch.int64)
+    starts = torch.arange(shape.programs + 1, device=device, dtype=torch.int64) * shape.span
+    return idx, torch.searchsorted(idx, starts)
+
+
+def pack_payload(
+    src: torch.Tensor,
+    out: torch.Tensor,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact_index: torch.Tensor | None,
+) -> None:
+    """Kernel twin of :func:`qzero.quant.reference.pack_payload`: same arguments, same bytes."""
+    f = get_format(fmt)
+    _check(src, "source")
+    n = src.numel()
+    count = 0 if exact_index is None else exact_index.numel()
+    values, scales, side = _sections(out, layout, n, group_size, f, count)
+    if n == 0:
+        return
+    shape = _launch_shape(n, group_size)
+    idx, blk = _exact_tables(exact_index, shape, src.device)
+    has_exact = idx is not None
+    _pack_kernel[(shape.programs,)](
+        src.view(torch.int16),
+        values,
+        scales,
+        side if has_exact else scales,
+        idx if has_exact else scales,
+        blk if has_exact else scales,
+        n,
+        IS_BF16=src.dtype == torch.bfloat16,
+        SOFT=SOFT_CASTS,
+        FMT=_FMT_CODES[f.name],
+        QMAX=float(f.qmax),
+        FLOOR=FLT_MIN,
+        GS=group_size,
+        GS_PAD=shape.gs_pad,
+        G=shape.groups_per_prog,
+        HAS_EXACT=has_exact,
+        STEPS=shape.search_steps,
+        num_warps=TUNING.num_warps,
+    )
+
+
+def unpack_payload(
+    payload: torch.Tensor,
+    dst: torch.Tensor,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact_index: torch.Tensor | None,
+) -> None:
+    """Kernel twin of :func:`qzero.quant.reference.unpack_payload`: same arguments, same result."""
+    f = get_format(fmt)
+    _check(dst, "destination")
+    n = dst.numel()
+    count = 0 if exact_index is None else exact_index.numel()
+    values, scales, side = _sections(payload, layout, n, group_size, f, count)
+    if n == 0:
+        return
+    shape = _launch_shape(n, group_size)
+    idx, blk = _exact_tables(exact_index, shape, dst.device)
+    has_exact = idx is not None
+    _unpack_kernel[(shape.programs,)](
+        values,
+        scales,
+        side if has_exact else scales,
+        idx if has_exact else scales,
+        blk if has_exact else scales,
+        dst.view(torch.int16),
+        n,
+        IS_BF16=dst.dtype == torch.bfloat16,
+        SOFT=SOFT_CASTS,
+        FMT=_FMT_CODES[f.name],
+        GS=group_size,
+        GS_PAD=shape.gs_pad,
+        G=shape.groups_per_prog,
+        HAS_EXACT=has_exact,
+        STEPS=shape.search_steps,
+        num_warps=TUNING.num_warps,
+    )

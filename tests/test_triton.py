@@ -1,0 +1,264 @@
+"""The fused Triton kernels against the torch reference, byte for byte.
+
+Without CUDA the kernels run under Triton's CPU interpreter (small sizes); with
+CUDA they are compiled and checked at large sizes, and the chunk pipeline is
+checked against the unpipelined loop with delays injected into each stage.
+The whole module is skipped when Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not CUDA:
+    # Must be set before Triton is first imported: it reads the variable once.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+
+from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
+from qzero.layout import plan_gather  # noqa: E402
+from qzero.quant import reference  # noqa: E402
+from qzero.quant import triton as kernels  # noqa: E402
+
+FORMATS = ["int8", "fp8", "int4"]
+DTYPES = [torch.bfloat16, torch.float16]
+
+cpu_only = pytest.mark.skipif(CUDA, reason="interpreter tests run where there is no CUDA device")
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(params=[64, 4096], ids=["tile64", "tile4096"])
+def tile(request):
+    """Small tiles put many programs (and program boundaries) into small inputs."""
+    saved = kernels.TUNING.block_elems
+    kernels.TUNING.block_elems = request.param
+    yield request.param
+    kernels.TUNING.block_elems = saved
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def weights(n: int, dtype: torch.dtype, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Random values over many magnitudes, with an all-zero group and exact ties mixed in."""
+    lim = 4.0 if dtype == torch.float16 else 30.0
+    mags = torch.pow(10.0, torch.empty(n).uniform_(-lim, lim / 2, generator=gen))
+    x = torch.randn(n, generator=gen) * mags
+    if n >= 24:
+        x[8:16] = 0.0
+        x[16:24] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])
+    return x.to(dtype).to(device)
+
+
+def random_exact(n: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Sorted unique indices: both ends, a run over a group boundary, random singles."""
+    picks = {0, n - 1} | set(range(n // 3, min(n, n // 3 + 70)))
+    picks |= set(torch.randint(0, n, (max(1, n // 50),), generator=gen).tolist())
+    return torch.tensor(sorted(picks), dtype=torch.int64, device=device)
+
+
+def layout_for(n: int, fmt: str, group_size: int, exact: torch.Tensor | None):
+    ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
+    return plan_gather(n, 1, fmt=fmt, group_size=group_size, exact_ranges=ranges, bucket_numel=-(-n // group_size) * group_size).chunks[0].payload
+
+
+def poison(nbytes: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
+
+
+def check_pack(x, fmt, group_size, exact, gen):
+    """Kernel and reference write the same bytes over two different poisons, so the
+    kernel writes exactly the bytes the reference writes and nothing else."""
+    layout = layout_for(x.numel(), fmt, group_size, exact)
+    for _ in range(2):
+        want = poison(layout.nbytes + 64, gen, x.device)
+        got = want.clone()
+        reference.pack_payload(x, want, layout, group_size, fmt, exact)
+        kernels.pack_payload(x, got, layout, group_size, fmt, exact)
+        bad = (got != want).nonzero().flatten()
+        assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:8].tolist()} ({layout})"
+    return want, layout
+
+
+def check_unpack(payload, layout, n, dtype, fmt, group_size, exact, gen):
+    """Destination is a slice of a poisoned buffer: every element written, guards untouched."""
+    guard = 5
+    base = poison((n + 2 * guard) * 2, gen, payload.device).view(dtype)
+    want = base.clone()
+    got = base.clone()
+    reference.unpack_payload(payload, want[guard : guard + n], layout, group_size, fmt, exact)
+    kernels.unpack_payload(payload, got[guard : guard + n], layout, group_size, fmt, exact)
+    w, g = want.view(torch.int16), got.view(torch.int16)
+    bad = (w != g).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} elements differ, first at {bad[:8].tolist()}"
+
+
+# --------------------------------------------------------------------------- CPU (interpreter)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group_size", [8, 64, 136])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_roundtrip_matches_reference(fmt, group_size, dtype, tile):
+    gen = torch.Generator().manual_seed(hash((fmt, group_size, str(dtype), tile)) % 2**31)
+    n = 23 * group_size + 5  # a short last group
+    x = weights(n, dtype, gen)
+    exact = random_exact(n, gen)
+    payload, layout = check_pack(x, fmt, group_size, exact, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, exact, gen)
+    # and without any exact elements
+    payload, layout = check_pack(x, fmt, group_size, None, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, None, gen)
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 65, 130])
+def test_odd_tails(fmt, n, tile):
+    gen = torch.Generator().manual_seed(n)
+    x = weights(n, torch.bfloat16, gen)
+    exact = torch.tensor([n - 1]) if n > 1 else None
+    payload, layout = check_pack(x, fmt, 64, exact, gen)
+    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, exact, gen)
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "ranges",
+    [[(0, 1)], [(0, 64)], [(63, 65)], [(0, 200)], [(190, 200)], [(0, 20), (60, 70), (127, 129), (199, 200)]],
+    ids=["first", "first-group", "across-groups", "all", "last", "several"],
+)
+def test_exact_ranges_at_edges(fmt, ranges, tile):
+    gen = torch.Generator().manual_seed(len(ranges))
+    n = 200
+    x = weights(n, torch.float16, gen)
+    x[ranges[0][0]] = 6e4  # a huge exact value must not widen its group's scale
+    exact = torch.cat([torch.arange(a, b) for a, b in ranges])
+    payload, layout = check_pack(x, fmt, 64, exact, gen)
+    check_unpack(payload, layout, n, torch.float16, fmt, 64, exact, gen)
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_every_code_dequantizes_like_the_reference(fmt):
+    """All 256 byte values (fp8: but its two NaN codes) through the unpack kernel."""
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.arange(256, dtype=torch.uint8)
+    if fmt == "fp8":
+        codes = codes[(codes & 0x7F) != 0x7F]
+    n = codes.numel()
+    layout = layout_for(n, fmt, 8, None)
+    payload = poison(layout.nbytes, gen)
+    payload[:n] = codes
+    groups = -(-n // 8)
+    scales = torch.pow(2.0, torch.randint(-140, 100, (groups,), generator=gen).float()).clamp_min(2.0**-126)
+    payload[layout.scales_offset : layout.scales_offset + 4 * groups].view(torch.float32).copy_(scales)
+    for dtype in DTYPES:
+        check_unpack(payload, layout, n, dtype, fmt, 8, None, gen)
+
+
+@cpu_only
+def test_subnormal_bf16_inputs():
+    """bf16 shares fp32's exponent range: subnormal inputs must not be flushed to zero."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(256, generator=gen) * 1e-39).bfloat16()
+    for fmt in FORMATS:
+        payload, layout = check_pack(x, fmt, 64, None, gen)
+        check_unpack(payload, layout, 256, torch.bfloat16, fmt, 64, None, gen)
+
+
+@cpu_only
+def test_soft_casts_are_on_under_the_interpreter():
+    assert kernels.AVAILABLE and kernels.INTERPRET and kernels.SOFT_CASTS
+
+
+@cpu_only
+def test_gather_through_kernels(monkeypatch):
+    """quantized_all_gather with the kernels plugged in equals the reference path."""
+    import qzero.comm as comm
+
+    gen = torch.Generator().manual_seed(3)
+    flat = weights(3 * 64 * 8 + 64, torch.bfloat16, gen)
+    exact = [(0, 10), (500, 700), (1500, 1600)]
+    want = flat.clone()
+    quantized_all_gather(want, exact_ranges=exact, bucket_numel=512)
+    monkeypatch.setattr(comm, "kernels_for", lambda device: kernels)
+    got = flat.clone()
+    quantized_all_gather(got, exact_ranges=exact, bucket_numel=512)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_kernel_argument_checks():
+    layout = layout_for(64, "int8", 64, None)
+    out = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        kernels.pack_payload(torch.zeros(64), out, layout, 64, "int8", None)
+    with pytest.raises(ValueError, match="bytes"):
+        kernels.pack_payload(torch.zeros(64, dtype=torch.bfloat16), out[:8], layout, 64, "int8", None)
+    with pytest.raises(ValueError, match="unknown quantization format"):
+        kernels.pack_payload(torch.zeros(64, dtype=torch.bfloat16), out, layout, 64, "int3", None)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+GPU_CASES = [(g, False) for g in (64, 136, 8192)] + [(64, True)]  # soft casts: the interpreter's path
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group_size,soft", GPU_CASES, ids=[f"g{g}{'-soft' if s else ''}" for g, s in GPU_CASES])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_large_matches_reference(fmt, group_size, soft, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "SOFT_CASTS", soft)
+    gen = torch.Generator().manual_seed(hash((fmt, group_size, str(dtype), soft)) % 2**31)
+    n = (1 << 22) + 3 * group_size + 5
+    x = weights(n, dtype, gen, "cuda")
+    x[100:356] = (torch.randn(256, generator=gen) * 1e-39).to(dtype).cuda()  # subnormal fp32 values
+    exact = random_exact(n, gen, "cuda")
+    payload, layout = check_pack(x, fmt, group_size, exact, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, exact, gen)
+    payload, layout = check_pack(x, fmt, group_size, None, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, None, gen)
+
+
+@gpu_only
+@pytest.mark.parametrize("stage", [None, "pack", "gather", "unpack"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_pipeline_matches_unpipelined(fmt, stage, monkeypatch):
+    """Delaying one stage's stream exposes any missing wait: the result must not move."""
+    import qzero.pipeline as pipeline
+
+    gen = torch.Generator().manual_seed(17)
+    numel = 1 << 22
+    flat = weights(numel, torch.bfloat16, gen, "cuda")
+    exact = [(0, 1000), (70_000, 140_000), (numel - 300, numel)]
+    plan = plan_gather(numel, 1, fmt=fmt, group_size=64, exact_ranges=exact, bucket_numel=1 << 19)
+    want = flat.clone()
+    monkeypatch.setenv("QZERO_PIPELINE", "0")
+    run_gather(want, plan)
+    monkeypatch.setenv("QZERO_PIPELINE", "1")
+    if stage is not None:
+        monkeypatch.setitem(pipeline.DELAY_CYCLES, stage, 2_000_000)
+    assert pipeline.pipeline_plan(plan) is not None
+    for _ in range(2):
+        got = flat.clone()
+        run_gather(got, plan)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    work = pipeline.pipeline_plan(plan)
+    assert 2 * work.max_recv_bytes <= pipeline.recv_budget_bytes(plan)
+
+
+@gpu_only
+def test_gpu_plain_gather_untouched():
+    flat = torch.randn(1 << 20, device="cuda").bfloat16()
+    want = flat.clone()
+    all_gather(flat, bucket_numel=1 << 16)
+    assert torch.equal(flat.view(torch.int16), want.view(torch.int16))
