@@ -28,6 +28,7 @@ device nor the CPU interpreter (``TRITON_INTERPRET=1``) to run on.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -61,10 +62,21 @@ class Tuning:
 #: Module-wide launch shape; the benchmark sweeps it, users normally leave it alone.
 TUNING = Tuning()
 
-#: Round fp32 -> bf16 and fp32 -> e4m3 with integer and fp32-add arithmetic instead of
-#: the hardware conversions. Same results; needed under the CPU interpreter, whose
-#: own bf16/fp8 conversions truncate. On by default there, off on GPUs.
+#: Convert fp32 -> bf16 and fp32 <-> e4m3 with integer and fp32-add arithmetic instead
+#: of the hardware conversions. Same results; needed under the CPU interpreter, whose
+#: own bf16/fp8 conversions truncate, and on GPUs older than sm_89 (no fp8 support).
 SOFT_CASTS = INTERPRET
+
+
+@functools.lru_cache(maxsize=None)
+def _old_gpu(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) < (8, 9)
+
+
+def _soft(device: torch.device) -> bool:
+    if SOFT_CASTS or device.type != "cuda":
+        return True
+    return _old_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _next_pow2(n: int) -> int:
@@ -133,6 +145,18 @@ if triton is not None:
             sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
             return (code | sign).to(tl.uint8)
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+    @triton.jit
+    def _e4m3_value(v, SOFT: tl.constexpr):
+        """fp32 value of e4m3fn bit patterns (uint8); the NaN code is never produced by a pack."""
+        if SOFT:
+            c = v.to(tl.int32)
+            e = (c >> 3) & 0xF
+            m = c & 7
+            normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+            a = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2**-9
+            return tl.where((c & 0x80) != 0, -a, a)
+        return v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _exact_lookup(idx_ptr, lo, hi, offs, STEPS: tl.constexpr):
@@ -243,7 +267,7 @@ if triton is not None:
             q = tl.reshape(tl.join(lo_q, hi_q), [G, GS_PAD]).to(tl.float32)
         elif FMT == 1:
             v = tl.load(values_ptr + base + offs, mask=valid, other=0)
-            q = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            q = _e4m3_value(v, SOFT)
         else:
             v = tl.load(values_ptr + base + offs, mask=valid, other=0)
             q = v.to(tl.int8, bitcast=True).to(tl.float32)
@@ -320,7 +344,7 @@ def pack_payload(
         blk if has_exact else scales,
         n,
         IS_BF16=src.dtype == torch.bfloat16,
-        SOFT=SOFT_CASTS,
+        SOFT=_soft(src.device),
         FMT=_FMT_CODES[f.name],
         QMAX=float(f.qmax),
         FLOOR=FLT_MIN,
@@ -361,7 +385,7 @@ def unpack_payload(
         dst.view(torch.int16),
         n,
         IS_BF16=dst.dtype == torch.bfloat16,
-        SOFT=SOFT_CASTS,
+        SOFT=_soft(dst.device),
         FMT=_FMT_CODES[f.name],
         GS=group_size,
         GS_PAD=shape.gs_pad,
