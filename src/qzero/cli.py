@@ -1,0 +1,192 @@
+"""The ``qzero`` command: ``train``, ``qualify`` and ``bench``.
+
+Bad arguments get a one-line error and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from .train import TrainSettings
+
+EXIT_BAD_ARGS = 2
+
+
+def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
+    from .workload import PRESETS
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default: tiny)")
+    w.add_argument("--model-config", metavar="JSON", help="a transformers config JSON instead of a preset")
+    w.add_argument("--data", metavar="FILE", help="train on this text file (default: the Python stdlib sources)")
+    w.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun; default 2)")
+    w.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    w.add_argument("--precision", choices=("bf16", "fp16"), default="bf16")
+    w.add_argument("--seq-len", type=int, default=64)
+    w.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
+    w.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    w.add_argument("--steps", type=int, default=steps)
+    w.add_argument("--warmup", type=int, default=2, help="steps excluded from timing")
+    w.add_argument("--lr", type=float, default=1e-3)
+    w.add_argument("--seed", type=int, default=0)
+    z = p.add_argument_group("ZeRO")
+    z.add_argument("--stage", type=int, choices=(1, 2), default=2)
+    z.add_argument("--group-size", type=int, default=64)
+    z.add_argument("--format", dest="fmt", choices=("int8", "fp8", "int4"), default="int8")
+    z.add_argument("--small-param-numel", type=int, help="exact-parameter threshold (default: the preset's)")
+    z.add_argument("--allgather-bucket", type=float, default=5e8, help="elements across all ranks (default 5e8)")
+    z.add_argument("--reduce-bucket", type=float, default=5e8)
+    z.add_argument("--reduce-dtype", choices=("bf16", "fp16", "fp32"))
+
+
+def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
+    return TrainSettings(
+        preset=args.preset,
+        model_config=args.model_config,
+        data=args.data,
+        world_size=args.world_size,
+        device=args.device,
+        precision=args.precision,
+        stage=args.stage,
+        quantized=quantized,
+        group_size=args.group_size,
+        fmt=args.fmt,
+        small_param_numel=args.small_param_numel,
+        allgather_bucket=int(args.allgather_bucket),
+        reduce_bucket=int(args.reduce_bucket),
+        reduce_dtype=args.reduce_dtype,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        seed=args.seed,
+    )
+
+
+def _overrides(items: list[str], flag: str) -> dict:
+    """``KEY=VALUE`` pairs naming TrainSettings fields; values parsed as JSON when they can be."""
+    names = {f.name for f in dataclasses.fields(TrainSettings)}
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in names:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(names))}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qzero", description="ZeRO-1/2 with a quantized weight all-gather")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train the embedded workload (or a config/text of yours)")
+    _add_workload(t, steps=50)
+    t.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
+                   help="quantize the post-step weight gather (default: on)")
+    t.add_argument("--out", metavar="JSON", help="write the run's record here")
+
+    q = sub.add_parser("qualify", help="A/B the quantized gather against the plain one; report and verdict")
+    _add_workload(q, steps=30)
+    q.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
+                   help="baseline arm setting (default: quantized=false)")
+    q.add_argument("--candidate", action="append", default=[], metavar="KEY=VALUE",
+                   help="candidate arm setting (default: quantized=true)")
+    q.add_argument("--order", default="BCCB", help="arm order, B = baseline, C = candidate (default BCCB)")
+    q.add_argument("--repeats", type=int, default=1, help="repeat the order this many times")
+    q.add_argument("--out", default="qualify-report", help="report folder (default ./qualify-report)")
+    q.add_argument("--max-loss-diff", type=float, default=0.05)
+    q.add_argument("--tolerance", type=float, default=0.02, help="atol = rtol for sampled weights")
+
+    b = sub.add_parser("bench", help="microbenchmarks")
+    b.add_argument("what", choices=("gather",))
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for bench/gather_bench.py")
+
+    a = sub.add_parser("_arm", help=argparse.SUPPRESS)
+    a.add_argument("settings_json")
+    a.add_argument("out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"qzero: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from .train import launch
+
+    if args.command == "_arm":
+        launch(TrainSettings(**json.loads(args.settings_json)), args.out, show_progress=False)
+        return 0
+    if args.command == "train":
+        result = launch(_settings(args, args.quantized), args.out)
+        if result is not None:
+            s = result
+            print(
+                f"trained {s['params']:,} parameters on {s['world_size']} ranks: loss {s['losses'][0]:.4f} -> "
+                f"{s['losses'][-1]:.4f}; gather {s['bytes_sent_per_step'] / 2**20:.2f} MiB/rank/step "
+                f"({s['bytes_sent_per_step'] / max(s['plain_bytes_per_step'], 1):.2f} of plain); "
+                f"replicas identical: {s['replicas_identical']}"
+            )
+        return 0
+    if args.command == "qualify":
+        return _qualify(args)
+    if args.command == "bench":
+        return _bench(args)
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+def _qualify(args: argparse.Namespace) -> int:
+    from .qualify import Thresholds, qualify, verdict, write
+
+    if args.repeats < 1 or not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
+        raise ValueError(f"--order must use B and C, each at least once (got {args.order!r}), and --repeats >= 1")
+    baseline = _overrides(args.baseline, "--baseline") or {"quantized": False}
+    candidate = _overrides(args.candidate, "--candidate") or {"quantized": True}
+    base = _settings(args, False)
+    thresholds = Thresholds(max_loss_diff=args.max_loss_diff, atol=args.tolerance, rtol=args.tolerance)
+
+    def progress(done: int, total: int, letter: str) -> None:
+        label = {"B": "baseline", "C": "candidate"}.get(letter, "done")
+        print(f"\rqualify: arm {min(done + 1, total)}/{total} ({label})   ", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)
+
+    report = qualify(base, baseline, candidate, order=args.order * args.repeats, out_dir=args.out,
+                     thresholds=thresholds, progress=progress)
+    write(report, args.out)
+    print(verdict(report))
+    print(f"report: {os.path.join(args.out, 'report.md')}")
+    return 0 if report["passed"] else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.normpath(os.path.join(here, "..", "..", "bench", "gather_bench.py"))
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"the gather benchmark lives in the source tree ({script}); run it from a clone")
+    sys.argv = [script, *args.rest]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

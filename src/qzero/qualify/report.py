@@ -1,0 +1,152 @@
+"""Write a qualification: report.json, report.md and PNG plots; and its one-line verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def verdict(r: dict) -> str:
+    lo, hi = r["speedup_ci95"]
+    speed = f"candidate {r['speedup']:.3f}x the baseline's speed (95% CI {lo:.3f}-{hi:.3f})"
+    if lo > 1:
+        speed = "FASTER: " + speed
+    elif hi < 1:
+        speed = "SLOWER: " + speed
+    else:
+        speed = "NO CLEAR DIFFERENCE: " + speed
+    failed = [k for k, ok in r["gates"].items() if not ok]
+    gates = "all gates pass" if not failed else "GATES FAILED: " + ", ".join(failed)
+    return f"{speed}; {gates}"
+
+
+def _mib(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def markdown(r: dict) -> str:
+    env, scope = r["environment"], r["scope"]
+    lo, hi = r["speedup_ci95"]
+    diff = ", ".join(f"`{k}`: {b} → {c}" for k, (b, c) in r["differing_settings"].items()) or "(none)"
+    lines = [
+        "# qzero qualify report",
+        "",
+        f"**Verdict:** {verdict(r)}",
+        "",
+        "## Scope",
+        "",
+        f"- model: {scope['model']} ({scope['params']:,} trainable parameters), {scope['precision']}, "
+        f"ZeRO stage {scope['stage']}",
+        f"- world size {scope['world_size']}, sequence {scope['seq_len']}, micro-batch {scope['micro_batch']} per rank",
+        f"- {scope['steps']} steps per arm, the first {scope['warmup']} excluded from timing; arm order "
+        f"`{r['order']}`, each arm a fresh process, same seed and data",
+        f"- arms differ in: {diff}",
+        f"- device: {env.get('device')} · link: {env['link_regime']} · backend {env.get('backend')}",
+        "",
+        "## Speed",
+        "",
+        f"Speedup (median baseline step / median candidate step): **{r['speedup']:.3f}×**, "
+        f"95% bootstrap interval {lo:.3f}–{hi:.3f}; medians {1e3 * r['baseline_median_s']:.1f} ms (baseline) and "
+        f"{1e3 * r['candidate_median_s']:.1f} ms (candidate).",
+        "",
+        "| arm | role | median step | final loss | peak allocated | peak reserved | gathered/rank/step | skipped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for a in r["arms"]:
+        lines.append(
+            f"| {a['arm']} | {a['role']} | {1e3 * a['median_step_s']:.1f} ms | {a['losses'][-1]:.4f} | "
+            f"{_mib(a['peak_allocated_bytes'])} | {_mib(a['peak_reserved_bytes'])} | "
+            f"{_mib(a['bytes_sent_per_step'])} of {_mib(a['plain_bytes_per_step'])} plain | {a['skipped_steps']} |"
+        )
+    t = r["thresholds"]
+    lines += [
+        "",
+        f"Memory figures are the {r['memory_kind']}.",
+        "",
+        "## Gates",
+        "",
+        "| gate | result | measured |",
+        "|---|---|---|",
+        f"| baseline arms reproduce each other exactly | {_ok(r['gates']['baseline_reproducible'])} | losses, grad norms, sampled weights |",
+        f"| candidate arms reproduce each other exactly | {_ok(r['gates']['candidate_reproducible'])} | losses, grad norms, sampled weights |",
+        f"| max \\|loss difference\\| ≤ {t['max_loss_diff']} | {_ok(r['gates']['max_loss_diff'])} | {r['max_loss_diff']:.5f} |",
+        f"| sampled weights within atol={t['atol']}, rtol={t['rtol']} | {_ok(r['gates']['param_tolerance'])} | "
+        f"{r['tolerance_violations']} violations; relative L2 {r['param_rel_l2']:.2e}, max abs {r['param_max_abs_diff']:.2e} |",
+        f"| replicas bit-identical in every arm | {_ok(r['gates']['replicas_identical'])} | hash of every rank's flat buffers |",
+        f"| peak allocated ≤ {t['max_allocated_fraction']:.0%} of device memory | {_ok(r['gates']['peak_allocated_fraction'])} | |",
+        f"| peak reserved ≤ {t['max_reserved_fraction']:.0%} of device memory | {_ok(r['gates']['peak_reserved_fraction'])} | |",
+        f"| candidate peak within {t['memory_vs_baseline']:.0%} of baseline | {_ok(r['gates']['memory_vs_baseline'])} | "
+        f"{'CPU: plus ' + _mib(t['cpu_memory_slack_bytes']) + ' RSS noise' if 'CPU' in r['memory_kind'] else ''} |",
+        "",
+        "## Plots",
+        "",
+        "![loss curves](loss.png)",
+        "",
+        "![step times](step_times.png)",
+        "",
+        "## Environment",
+        "",
+    ]
+    lines += [f"- {k}: `{v}`" for k, v in env.items()]
+    lines += [
+        "",
+        "What this does not establish: behaviour beyond these steps, other models, world sizes or links.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _ok(flag: bool) -> str:
+    return "pass" if flag else "**FAIL**"
+
+
+def plots(r: dict, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = next(a for a in r["arms"] if a["role"] == "baseline")
+    for a in r["arms"]:
+        style = "-" if a["role"] == "baseline" else "--"
+        steps = range(1, len(a["losses"]) + 1)
+        ax.plot(steps, a["losses"], style, label=f"{a['arm']} ({a['role']})", alpha=0.8)
+        dx.plot(steps, [x - y for x, y in zip(a["losses"], base["losses"])], style, alpha=0.8)
+    ax.set_ylabel("training loss")
+    ax.set_title(f"loss per arm; max |difference| {r['max_loss_diff']:.4f}")
+    ax.legend()
+    dx.axhline(0.0, color="grey", lw=0.5)
+    dx.set_xlabel("step")
+    dx.set_ylabel(f"loss - {base['arm']}")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "loss.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    data = [[1e3 * t for t in a["step_times"]] for a in r["arms"]]
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(data) + 1), [f"{a['arm']}\n{a['role']}" for a in r["arms"]])
+    ax.set_ylabel("step time (ms)")
+    lo, hi = r["speedup_ci95"]
+    ax.set_title(f"measured step times; speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f})")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "step_times.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write(r: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(markdown(r))
+    plots(r, out_dir)

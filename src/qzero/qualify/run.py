@@ -1,0 +1,170 @@
+"""``qzero qualify``: A/B arms in fresh processes, order-balanced, and their verdict.
+
+Two settings that differ in exactly the given keys run as arms in the order given
+(``BCCB`` by default: baseline, candidate, candidate, baseline), each arm in a
+fresh process with the same seed and data. Arms of one setting must reproduce
+each other exactly. The speedup is the ratio of the median measured step times
+(warm-up excluded), with a bootstrap 95% interval; the gates check accuracy,
+replica identity and memory (SPEC section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from ..train import TrainSettings, resolve_device, validate
+from . import stats
+from .env import describe
+
+
+@dataclass
+class Thresholds:
+    """Gate limits. Defaults follow SPEC section 4."""
+
+    max_loss_diff: float = 0.05
+    atol: float = 0.02
+    rtol: float = 0.02
+    max_allocated_fraction: float = 0.90
+    max_reserved_fraction: float = 0.95
+    memory_vs_baseline: float = 0.01
+    cpu_memory_slack_bytes: int = 16 * 2**20
+    """On the CPU the memory figure is the process's peak RSS, which moves by a few MiB
+    between identical runs; the baseline comparison allows this much on top of 1%."""
+
+
+class ArmFailed(RuntimeError):
+    pass
+
+
+def run_arm(settings: TrainSettings, out_path: str, log_path: str) -> dict:
+    """Run one arm in a fresh Python process (which starts its own ranks)."""
+    cmd = [sys.executable, "-m", "qzero.cli", "_arm", json.dumps(dataclasses.asdict(settings)), out_path]
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0 or not os.path.isfile(out_path):
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise ArmFailed(f"arm exited with code {proc.returncode}; last output:\n{tail}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def qualify(
+    base: TrainSettings,
+    baseline: dict,
+    candidate: dict,
+    *,
+    order: str = "BCCB",
+    out_dir: str,
+    thresholds: Thresholds | None = None,
+    progress=None,
+) -> dict:
+    """Run the arms and build the report (a dict; see :func:`qzero.qualify.report.write`)."""
+    thresholds = thresholds or Thresholds()
+    settings = {"B": dataclasses.replace(base, **baseline), "C": dataclasses.replace(base, **candidate)}
+    for s in settings.values():
+        validate(s)
+    os.makedirs(out_dir, exist_ok=True)
+    arms = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, letter in enumerate(order):
+            if progress:
+                progress(i, len(order), letter)
+            out = os.path.join(tmp, f"arm{i}.json")
+            result = run_arm(settings[letter], out, os.path.join(out_dir, f"arm{i}_{letter}.log"))
+            result["arm"] = f"{letter}{i + 1}"
+            result["role"] = "baseline" if letter == "B" else "candidate"
+            arms.append(result)
+    if progress:
+        progress(len(order), len(order), "")
+    report = analyse(arms, base, baseline, candidate, order, thresholds)
+    report["environment"] = describe(resolve_device(base))
+    return report
+
+
+def analyse(arms: list[dict], base: TrainSettings, baseline: dict, candidate: dict, order: str, t: Thresholds) -> dict:
+    """Statistics and gates from finished arms (pure: testable on synthetic arms)."""
+    b = [a for a in arms if a["role"] == "baseline"]
+    c = [a for a in arms if a["role"] == "candidate"]
+    if not b or not c:
+        raise ValueError(f"order {order!r} must contain at least one B and one C arm")
+    b_times = [x for a in b for x in a["step_times"]]
+    c_times = [x for a in c for x in a["step_times"]]
+    ratio = stats.speedup(b_times, c_times)
+    ci = stats.bootstrap_ci(b_times, c_times)
+    agreement = stats.param_agreement(c[0]["sample"], b[0]["sample"], t.atol, t.rtol)
+    loss_diff = stats.max_loss_diff(b[0]["losses"], c[0]["losses"])
+    device = resolve_device(base)
+    on_cpu = device == "cpu"
+    b_alloc = max(a["peak_allocated_bytes"] for a in b)
+    c_alloc = max(a["peak_allocated_bytes"] for a in c)
+    total = arms[0]["device_memory_bytes"]
+    slack = t.memory_vs_baseline * b_alloc + (t.cpu_memory_slack_bytes if on_cpu else 0)
+    gates = {
+        "baseline_reproducible": stats.reproduced(b),
+        "candidate_reproducible": stats.reproduced(c),
+        "max_loss_diff": loss_diff <= t.max_loss_diff,
+        "param_tolerance": agreement["tolerance_violations"] == 0,
+        "replicas_identical": all(a["replicas_identical"] for a in arms),
+        "peak_allocated_fraction": max(a["peak_allocated_bytes"] for a in arms) <= t.max_allocated_fraction * total,
+        "peak_reserved_fraction": max(a["peak_reserved_bytes"] for a in arms) <= t.max_reserved_fraction * total,
+        "memory_vs_baseline": c_alloc <= b_alloc + slack,
+    }
+    differing = {k: (baseline.get(k, getattr(base, k)), candidate.get(k, getattr(base, k)))
+                 for k in sorted(set(baseline) | set(candidate))
+                 if baseline.get(k, getattr(base, k)) != candidate.get(k, getattr(base, k))}
+    return {
+        "speedup": ratio,
+        "speedup_ci95": list(ci),
+        "baseline_median_s": stats.statistics.median(b_times),
+        "candidate_median_s": stats.statistics.median(c_times),
+        "max_loss_diff": loss_diff,
+        **agreement,
+        "replicas_identical": gates["replicas_identical"],
+        "gates": gates,
+        "passed": all(gates.values()),
+        "thresholds": dataclasses.asdict(t),
+        "order": order,
+        "differing_settings": {k: list(v) for k, v in differing.items()},
+        "settings": dataclasses.asdict(base),
+        "scope": {
+            "model": base.model_config or base.preset,
+            "params": arms[0]["params"],
+            "world_size": arms[0]["world_size"],
+            "steps": base.steps,
+            "warmup": base.warmup,
+            "seq_len": base.seq_len,
+            "micro_batch": base.micro_batch,
+            "precision": base.precision,
+            "stage": base.stage,
+        },
+        "environment": {"link_regime": "unknown"},
+        "memory_kind": arms[0]["memory_kind"],
+        "arms": [
+            {
+                "arm": a["arm"],
+                "role": a["role"],
+                "losses": a["losses"],
+                "grad_norms": a["grad_norms"],
+                "step_times": a["step_times"],
+                "median_step_s": stats.statistics.median(a["step_times"]),
+                "peak_allocated_bytes": a["peak_allocated_bytes"],
+                "peak_reserved_bytes": a["peak_reserved_bytes"],
+                "bytes_sent_per_step": a["bytes_sent_per_step"],
+                "plain_bytes_per_step": a["plain_bytes_per_step"],
+                "sample_hash": a["sample_hash"],
+                "replicas_identical": a["replicas_identical"],
+                "skipped_steps": a["skipped_steps"],
+            }
+            for a in arms
+        ],
+    }

@@ -1,0 +1,303 @@
+"""``qzero train``: train the embedded workload with ZeroOptimizer and record what happened.
+
+:func:`launch` runs :func:`train_worker` on every rank, either in processes it
+starts itself (gloo on CPU, NCCL with one GPU per rank) or, under torchrun, in the
+current process. Rank 0 writes a JSON record of the run: per-step losses, global
+gradient norms and step times, a sample of the final weights (values and hash),
+whether all replicas hold bit-identical weights, peak memory and bytes gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import resource
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+SAMPLE_SIZE = 4096
+
+
+@dataclass
+class TrainSettings:
+    """Everything that defines one training run (one arm of ``qzero qualify``)."""
+
+    preset: str = "tiny"
+    model_config: str | None = None
+    data: str | None = None
+    world_size: int = 2
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "bf16"  # bf16 | fp16
+    stage: int = 2
+    quantized: bool = False
+    group_size: int = 64
+    fmt: str = "int8"
+    small_param_numel: int | None = None  # None: the preset's own threshold
+    allgather_bucket: int = 500_000_000
+    reduce_bucket: int = 500_000_000
+    reduce_dtype: str | None = None
+    seq_len: int = 64
+    micro_batch: int = 4
+    grad_accum: int = 1
+    steps: int = 20
+    warmup: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+    extra_config: dict = field(default_factory=dict)  # more ZeroConfig fields, by name
+
+    def zero_config(self):
+        from .config import ZeroConfig
+        from .workload import PRESETS
+
+        threshold = self.small_param_numel
+        if threshold is None:
+            threshold = PRESETS[self.preset].small_param_numel if self.preset in PRESETS and not self.model_config else 65_536
+        return ZeroConfig(
+            stage=self.stage,
+            zero_quantized_weights=self.quantized,
+            zero_quantized_weights_group_size=self.group_size,
+            zero_quantized_weights_format=self.fmt,
+            small_param_numel=threshold,
+            allgather_bucket_size=self.allgather_bucket,
+            reduce_bucket_size=self.reduce_bucket,
+            reduce_dtype=self.reduce_dtype,
+            **self.extra_config,
+        )
+
+
+def resolve_device(settings: TrainSettings) -> str:
+    if settings.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return settings.device
+
+
+def validate(settings: TrainSettings) -> None:
+    """Check what can be checked before any process starts (raises WorkloadError)."""
+    from .workload import WorkloadError, check_corpus, load_corpus, model_config
+
+    model_config(settings.preset, settings.model_config)
+    check_corpus(load_corpus(settings.data), settings.seq_len)
+    device = resolve_device(settings)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise WorkloadError("--device cuda was asked for, but no CUDA device is visible")
+        if settings.world_size > torch.cuda.device_count() and "RANK" not in os.environ:
+            raise WorkloadError(
+                f"world size {settings.world_size} is larger than the {torch.cuda.device_count()} visible GPU(s)"
+            )
+    if settings.precision not in ("bf16", "fp16"):
+        raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
+    for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
+        if getattr(settings, name) < 1:
+            raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
+    if settings.warmup < 0 or settings.warmup >= settings.steps:
+        raise WorkloadError(f"warmup must be in [0, steps), got {settings.warmup} with {settings.steps} steps")
+    try:
+        settings.zero_config()
+    except (TypeError, ValueError) as e:
+        raise WorkloadError(str(e)) from None
+
+
+# ---------------------------------------------------------------------- one rank
+
+
+def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
+    """Run the training loop on this rank (process group already initialised)."""
+    import functools
+
+    from .optim import ZeroOptimizer
+    from .workload import build_model, global_batch, load_corpus, model_config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device_kind = resolve_device(settings)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if device_kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
+    corpus = load_corpus(settings.data)
+    config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
+    model = build_model(config, dtype, device, settings.seed)
+    opt = ZeroOptimizer(
+        model, functools.partial(torch.optim.AdamW, lr=settings.lr, weight_decay=0.0), config=settings.zero_config()
+    )
+    losses, norms, times, skipped = [], [], [], 0
+    bar = _progress(settings.steps) if rank == 0 and show_progress else None
+    per_step = world * settings.micro_batch * settings.grad_accum
+    for step in range(settings.steps):
+        batch = global_batch(corpus, step, per_step, settings.seq_len, settings.seed)
+        mine = batch.view(settings.grad_accum, world, settings.micro_batch, -1)[:, rank].to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+        for m in range(settings.grad_accum):
+            tokens = mine[m]
+            logits = model(input_ids=tokens[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            ) / settings.grad_accum
+            opt.backward(loss)
+            loss_sum += loss.detach()
+        took = opt.step()
+        opt.zero_grad()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        dist.all_reduce(loss_sum)
+        losses.append(loss_sum.item() / world)
+        norms.append(opt.grad_norm.item() if opt.grad_norm is not None else None)
+        skipped += not took
+        if step >= settings.warmup:
+            times.append(elapsed)
+        if bar is not None:
+            saved = sum(s.plain_bytes - s.bytes_sent for s in opt.last_gather)
+            bar.update(losses[-1], elapsed, saved)
+    if bar is not None:
+        bar.close()
+    result = _summary(settings, opt, losses, norms, times, skipped, device)
+    if rank == 0 and out_path:
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, out_path)
+    return result if rank == 0 else None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _summary(settings, opt, losses, norms, times, skipped, device) -> dict:
+    flats = [g.flat for g in opt.groups]
+    digest = hashlib.sha256()
+    for f in flats:
+        digest.update(f.detach().cpu().view(torch.int16).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    used = torch.cat([f[: g.layout.used_numel] for f, g in zip(flats, opt.groups)]).float().cpu()
+    g = torch.Generator().manual_seed(1234)
+    idx = torch.randperm(used.numel(), generator=g)[: min(SAMPLE_SIZE, used.numel())].sort().values
+    sample = used[idx]
+    peak_alloc, peak_reserved, total = _memory(device)
+    return {
+        "settings": dataclasses.asdict(settings),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "losses": losses,
+        "grad_norms": norms,
+        "step_times": times,
+        "skipped_steps": skipped,
+        "sample": sample.tolist(),
+        "sample_hash": hashlib.sha256(sample.numpy().tobytes()).hexdigest(),
+        "replicas_identical": len({t.item() for t in every}) == 1,
+        "peak_allocated_bytes": peak_alloc,
+        "peak_reserved_bytes": peak_reserved,
+        "device_memory_bytes": total,
+        "memory_kind": "cuda allocator" if device.type == "cuda" else "process peak RSS (CPU)",
+        "bytes_sent_per_step": sum(s.bytes_sent for s in opt.last_gather),
+        "plain_bytes_per_step": sum(s.plain_bytes for s in opt.last_gather),
+        "gather_chunks": sum(s.num_chunks for s in opt.last_gather),
+        "params": sum(g.layout.used_numel for g in opt.groups),
+    }
+
+
+def _memory(device: torch.device) -> tuple[int, int, int]:
+    if device.type == "cuda":
+        return (
+            torch.cuda.max_memory_allocated(device),
+            torch.cuda.max_memory_reserved(device),
+            torch.cuda.get_device_properties(device).total_memory,
+        )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return rss, rss, total
+
+
+class _progress:
+    """A one-line progress bar on stderr: loss, step time, bytes the gather saved."""
+
+    def __init__(self, total: int):
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self._bar = None
+        self._n, self._total = 0, total
+
+    def update(self, loss: float, seconds: float, saved: int) -> None:
+        self._n += 1
+        text = f"loss {loss:.4f}  {1e3 * seconds:.0f} ms/step  saved {saved / 2**20:.2f} MiB/step"
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"\rstep {self._n}/{self._total}  {text}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            print(file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool) -> None:
+    device_kind = resolve_device(settings)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(settings.world_size),
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if device_kind == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.world_size))
+    else:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    try:
+        train_worker(settings, out_path, show)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(settings: TrainSettings, out_path: str | None = None, show_progress: bool = True) -> dict | None:
+    """Run the training on ``settings.world_size`` ranks; return rank 0's record."""
+    validate(settings)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        if not dist.is_initialized():
+            kind = resolve_device(settings)
+            if kind == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+        settings = dataclasses.replace(settings, world_size=dist.get_world_size())
+        return train_worker(settings, out_path, show_progress)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = out_path or os.path.join(tmp, "result.json")
+        mp.start_processes(
+            _spawned,
+            args=(settings, _free_port(), path, show_progress),
+            nprocs=settings.world_size,
+            start_method="spawn",
+        )
+        with open(path) as f:
+            return json.load(f)

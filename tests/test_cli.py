@@ -1,0 +1,86 @@
+"""The qzero command end to end on the CPU, and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+
+def qzero(*args, timeout=300):
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    return subprocess.run(
+        [sys.executable, "-m", "qzero.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+TINY = ["--steps", "4", "--warmup", "1", "--seq-len", "32", "--micro-batch", "2"]
+
+
+def test_qualify_end_to_end_writes_a_report(tmp_path):
+    out = tmp_path / "rep"
+    res = qzero("qualify", *TINY, "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "all gates pass" in res.stdout
+    report = json.loads((out / "report.json").read_text())
+    for key in ("speedup", "speedup_ci95", "max_loss_diff", "param_rel_l2", "param_max_abs_diff",
+                "tolerance_violations", "replicas_identical", "gates"):
+        assert key in report
+    assert len(report["speedup_ci95"]) == 2
+    assert [a["arm"] for a in report["arms"]] == ["B1", "C2", "C3", "B4"]
+    assert all("peak_allocated_bytes" in a and "peak_reserved_bytes" in a for a in report["arms"])
+    assert report["gates"]["baseline_reproducible"] and report["gates"]["candidate_reproducible"]
+    assert report["arms"][1]["bytes_sent_per_step"] < 0.6 * report["arms"][0]["bytes_sent_per_step"]
+    assert report["environment"]["command"].startswith("qzero qualify")
+    assert report["differing_settings"] == {"quantized": [False, True]}
+    for name in ("report.md", "loss.png", "step_times.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_gate_that_must_fail_fails(tmp_path):
+    res = qzero("qualify", *TINY, "--order", "BC", "--max-loss-diff", "0", "--candidate", "fmt=\"int4\"",
+                "--candidate", "quantized=true", "--out", str(tmp_path / "rep"))
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "GATES FAILED" in res.stdout and "max_loss_diff" in res.stdout
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["gates"]["max_loss_diff"] is False and report["passed"] is False
+
+
+def test_train_runs_and_records(tmp_path):
+    out = tmp_path / "run.json"
+    res = qzero("train", *TINY, "--stage", "1", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert len(rec["losses"]) == 4 and rec["replicas_identical"]
+    assert "replicas identical: True" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--preset", "qwen9"], "unknown preset 'qwen9'"),
+        (["train", "--data", "/no/such/file.txt"], "data file not found"),
+        (["train", "--device", "cuda", "--world-size", "64"], "CUDA|GPU"),
+        (["train", "--data", "{tiny}", "--seq-len", "4096"], "longer than the data"),
+        (["qualify", "--order", "BBB"], "--order"),
+        (["qualify", "--candidate", "colour=blue"], "KEY=VALUE"),
+        (["train", "--group-size", "12"], "group_size"),
+    ],
+)
+def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
+    import re
+
+    from qzero.cli import main
+
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("hello world\n" * 10)
+    args = [a.replace("{tiny}", str(tiny)) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,87 @@
+"""Statistics and gates of qzero qualify on synthetic inputs with known answers."""
+
+import pytest
+
+from qzero.qualify import Thresholds, analyse, verdict
+from qzero.qualify import stats
+from qzero.train import TrainSettings
+
+
+def test_speedup_is_ratio_of_medians():
+    assert stats.speedup([1.0, 2.0, 3.0], [1.0, 1.0, 1.5]) == pytest.approx(2.0)
+
+
+def test_bootstrap_interval_brackets_a_clear_effect_and_is_reproducible():
+    base = [1.00 + 0.01 * (i % 5) for i in range(40)]
+    cand = [0.80 + 0.01 * (i % 5) for i in range(40)]
+    lo, hi = stats.bootstrap_ci(base, cand)
+    assert lo <= stats.speedup(base, cand) <= hi
+    assert 1.2 < lo and hi < 1.3
+    assert stats.bootstrap_ci(base, cand) == (lo, hi)
+
+
+def test_bootstrap_interval_covers_one_without_effect():
+    import random
+
+    rng = random.Random(3)
+    a = [rng.gauss(1.0, 0.05) for _ in range(60)]
+    b = [rng.gauss(1.0, 0.05) for _ in range(60)]
+    lo, hi = stats.bootstrap_ci(a, b)
+    assert lo < 1.0 < hi
+
+
+def test_param_agreement_counts_violations():
+    got = stats.param_agreement([1.0, 2.0, 0.0, 10.0], [1.0, 2.1, 0.03, 10.1])
+    # |d| <= 0.02 + 0.02 |b|: 0 ok; 0.1 > 0.062 bad; 0.03 > 0.0206 bad; 0.1 <= 0.222 ok
+    assert got["tolerance_violations"] == 2
+    assert got["param_max_abs_diff"] == pytest.approx(0.1)
+
+
+def arm(role, i, losses, times, sample, alloc=100, replicas=True, hash_=None):
+    return {
+        "arm": f"{role[0].upper()}{i}", "role": role, "losses": losses, "grad_norms": [1.0] * len(losses),
+        "step_times": times, "sample": sample, "sample_hash": hash_ or str(sample), "replicas_identical": replicas,
+        "peak_allocated_bytes": alloc, "peak_reserved_bytes": alloc, "device_memory_bytes": 10_000,
+        "memory_kind": "cuda allocator", "bytes_sent_per_step": 53, "plain_bytes_per_step": 100,
+        "params": 10, "world_size": 2, "skipped_steps": 0,
+    }
+
+
+def synthetic(**changes):
+    b = dict(losses=[3.0, 2.0], times=[1.0, 1.1, 0.9], sample=[1.0, 2.0])
+    c = dict(losses=[3.0, 2.001], times=[0.5, 0.55, 0.45], sample=[1.0, 2.001])
+    c.update(changes)
+    arms = [
+        arm("baseline", 1, b["losses"], b["times"], b["sample"]),
+        arm("candidate", 2, c["losses"], c["times"], c["sample"], c.get("alloc", 100), c.get("replicas", True)),
+        arm("candidate", 3, c.get("losses2", c["losses"]), c["times"], c["sample"], c.get("alloc", 100)),
+        arm("baseline", 4, b["losses"], b["times"], b["sample"]),
+    ]
+    settings = TrainSettings(device="cuda")
+    return analyse(arms, settings, {"quantized": False}, {"quantized": True}, "BCCB", Thresholds())
+
+
+def test_all_gates_pass_on_a_good_candidate():
+    r = synthetic()
+    assert r["passed"] and all(r["gates"].values())
+    assert r["speedup"] == pytest.approx(2.0)
+    assert r["differing_settings"] == {"quantized": [False, True]}
+    assert verdict(r).startswith("FASTER")
+
+
+@pytest.mark.parametrize(
+    "change, gate",
+    [
+        (dict(losses=[3.0, 2.5]), "max_loss_diff"),
+        (dict(sample=[1.0, 2.5]), "param_tolerance"),
+        (dict(replicas=False), "replicas_identical"),
+        (dict(losses2=[3.0, 2.0011]), "candidate_reproducible"),
+        (dict(alloc=102), "memory_vs_baseline"),
+        (dict(alloc=9_600), "peak_allocated_fraction"),
+    ],
+)
+def test_each_gate_fails_when_it_must(change, gate):
+    r = synthetic(**change)
+    assert r["gates"][gate] is False
+    assert not r["passed"]
+    assert "GATES FAILED" in verdict(r) and gate in verdict(r)
