@@ -49,6 +49,7 @@ def parse_args():
     ap.add_argument("--regime", default=None, help="label of the link regime (default: from NCCL env)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (multi-GPU)")
     ap.add_argument("--tune", default="2048x4,4096x4,4096x8,8192x8", help="block_elems x num_warps to sweep")
+    ap.add_argument("--division", default=None, choices=["rn", "recip"], help="pack kernel division method")
     ap.add_argument("--no-reference", action="store_true", help="skip the eager torch reference timings")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
@@ -178,13 +179,18 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
 
 
 def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> tuple[tuple[int, int], list]:
-    """Sweep launch shapes; return the one with the smallest pack + unpack time."""
+    """Sweep launch shapes (and, for the record, both division methods); return the shape
+    with the smallest pack + unpack time under the division method in use."""
     rows = []
-    for block, warps in shapes:
-        kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
-        r = kernel_case(n, fmt, gs, dtype, False, kernels)
-        rows.append({"block_elems": block, "num_warps": warps, **r})
-    best = min(rows, key=lambda r: r["pack_ms"] + r["unpack_ms"])
+    chosen = kernels.DIVISION
+    for division in ("rn", "recip"):
+        kernels.DIVISION = division
+        for block, warps in shapes:
+            kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
+            r = kernel_case(n, fmt, gs, dtype, False, kernels)
+            rows.append({"division": division, "block_elems": block, "num_warps": warps, **r})
+    kernels.DIVISION = chosen
+    best = min((r for r in rows if r["division"] == chosen), key=lambda r: r["pack_ms"] + r["unpack_ms"])
     return (best["block_elems"], best["num_warps"]), rows
 
 
@@ -212,7 +218,8 @@ def single_gpu(args) -> dict:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     formats = args.formats.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.tune.split(",") if s]
-    out = {"mode": "single", "regime": "single GPU, no link", "group_size": gs, "dtype": args.dtype, **versions()}
+    out = {"mode": "single", "regime": "single GPU, no link", "group_size": gs, "dtype": args.dtype,
+           "division": kernels.DIVISION, **versions()}
     small = min(sizes)
 
     out["correct"] = {fmt: check_kernels(1 << 24, fmt, gs, dtype) for fmt in formats}
@@ -263,7 +270,8 @@ def single_markdown(res: dict) -> str:
         f"# Gather kernels: {res['device']}, {res['regime']}",
         "",
         f"{res['date_utc']} UTC; torch {res['torch']}, Triton {res['triton']}, CUDA {res['cuda']}; "
-        f"{res['dtype']} flat buffer, group size {res['group_size']}. Medians of CUDA-event times. "
+        f"{res['dtype']} flat buffer, group size {res['group_size']}, pack division '{res['division']}'. "
+        "Medians of CUDA-event times. "
         "Bandwidth counts bytes read + written; 'of copy' compares it with a device-to-device copy "
         "measured in the same run. 'exact' adds a 4 Ki-element exact range every 2 Mi elements. "
         "Gathers are world size 1 (no collective): quantize + dequantize through the chunk loop.",
@@ -285,6 +293,20 @@ def single_markdown(res: dict) -> str:
                 f"{x['pack_ms']:.3f} / {x['unpack_ms']:.3f} | {ref_txt} | "
                 f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} |"
             )
+    if res.get("tuning"):
+        lines += [
+            "",
+            f"Launch-shape sweep at {size_label(min(e['numel'] for e in res['sizes']))} (no exact ranges):",
+            "",
+            "| format | division | block | warps | pack ms | pack GB/s | unpack ms | unpack GB/s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for fmt, rows in res["tuning"].items():
+            for r in rows:
+                lines.append(
+                    f"| {fmt} | {r['division']} | {r['block_elems']} | {r['num_warps']} | {r['pack_ms']:.3f} | "
+                    f"{r['pack_GBps']:.0f} | {r['unpack_ms']:.3f} | {r['unpack_GBps']:.0f} |"
+                )
     lines.append("")
     lines.append("Device copy: " + ", ".join(
         f"{size_label(e['numel'])}: {e['copy']['ms']:.3f} ms, {e['copy']['GBps']:.0f} GB/s" for e in res["sizes"]
@@ -333,6 +355,8 @@ def multi_gpu(args) -> dict:
         "group_size": gs,
         "dtype": args.dtype,
         "bucket_numel": args.bucket,
+        "division": kernels.DIVISION,
+        "launch": [kernels.TUNING.block_elems, kernels.TUNING.num_warps],
         **versions(),
         "sizes": [],
     }
@@ -398,6 +422,8 @@ def multi_markdown(res: dict) -> str:
 
 def main() -> int:
     args = parse_args()
+    if args.division:
+        kernels.DIVISION = args.division
     if not torch.cuda.is_available() or not kernels.AVAILABLE:
         print("needs a CUDA device and Triton", file=sys.stderr)
         return 2

@@ -36,7 +36,9 @@ def group_scales(x32: torch.Tensor, group_size: int, fmt: QuantFormat) -> torch.
     groups = num_groups(n, group_size)
     padded = torch.nn.functional.pad(x32, (0, groups * group_size - n))
     absmax = padded.view(groups, group_size).abs().amax(dim=1)
-    return torch.clamp_min(absmax / fmt.qmax, FLT_MIN)
+    # A tensor divisor, not a Python number: on CUDA, torch divides by a scalar as a
+    # multiplication by its rounded reciprocal, which is not correctly rounded.
+    return torch.clamp_min(absmax / torch.full_like(absmax, fmt.qmax), FLT_MIN)
 
 
 def quantize(
