@@ -132,28 +132,39 @@ def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | 
     kernels = kernels_for(flat.device)
     recv = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device)
     for chunk in plan.chunks:
-        pb = chunk.payload_bytes
-        buf = recv[: world * pb]
-        mine = buf[rank * pb : (rank + 1) * pb]
-        src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
-        if plan.quantized:
-            kernels.pack_payload(
-                src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device)
-            )
-        else:
-            mine.view(flat.dtype).copy_(src)
+        buf = recv[: world * chunk.payload_bytes]
+        mine = pack_chunk(flat, plan, chunk, rank, buf, kernels)
         if world > 1:
             all_gather_into(buf, mine, group=group)
-        for r in range(world):
-            dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-            payload = buf[r * pb : (r + 1) * pb]
-            if plan.quantized:
-                kernels.unpack_payload(
-                    payload, dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
-                )
-            elif r != rank:
-                dst.copy_(payload.view(flat.dtype))
+        unpack_chunk(flat, plan, chunk, rank, buf, kernels)
     return stats
+
+
+def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels):
+    """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot."""
+    pb, p = chunk.payload_bytes, plan.partition_numel
+    mine = buf[rank * pb : (rank + 1) * pb]
+    src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
+    if plan.quantized:
+        kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device))
+    else:
+        mine.view(flat.dtype).copy_(src)
+    return mine
+
+
+def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
+    """Write every source rank's payload of ``chunk`` into the flat buffer, one rank at a time
+    (this rank's own included when quantized, so that all replicas hold the same bits)."""
+    pb, p = chunk.payload_bytes, plan.partition_numel
+    for r in range(plan.world_size):
+        dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+        payload = buf[r * pb : (r + 1) * pb]
+        if plan.quantized:
+            kernels.unpack_payload(
+                payload, dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
+            )
+        elif r != rank:
+            dst.copy_(payload.view(flat.dtype))
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from ..comm import GatherStats, run_gather
 from ..config import ZeroConfig
 from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
+from ..overlap import DEPTH as OVERLAP_DEPTH
+from ..overlap import PendingGather
 
 
 class FlatGroup:
@@ -36,13 +38,15 @@ class FlatGroup:
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         quantized = config.zero_quantized_weights
+        # With gather-ahead, DEPTH chunks are in flight at once: each gets 1/DEPTH of the bucket.
+        bucket = config.allgather_bucket_size // (OVERLAP_DEPTH if config.overlap_param_gather else 1)
         self.layout: FlatLayout = plan_flat_layout(
             [tuple(p.shape) for p in params],
             world_size,
             elem_size=first.element_size(),
             group_size=config.zero_quantized_weights_group_size,
             small_param_numel=config.small_param_numel,
-            bucket_numel=config.allgather_bucket_size,
+            bucket_numel=bucket,
             fmt=config.zero_quantized_weights_format if quantized else None,
         )
         self.gather_plan: GatherPlan = self.layout.gather
@@ -51,7 +55,7 @@ class FlatGroup:
                 self.layout.numel,
                 world_size,
                 elem_size=first.element_size(),
-                bucket_numel=config.allgather_bucket_size,
+                bucket_numel=bucket,
                 fmt=None,
             )
             if quantized
@@ -86,6 +90,11 @@ class FlatGroup:
         """Copy the master shard into the partition and gather every partition."""
         self.own.copy_(self.master)
         return run_gather(self.flat, self.gather_plan, self.process_group)
+
+    def start_gather(self) -> PendingGather:
+        """Copy the master shard into the partition and start the gather without waiting."""
+        self.own.copy_(self.master)
+        return PendingGather(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank)
 
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization)."""

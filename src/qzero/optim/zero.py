@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from ..comm import GatherStats, agree_or_raise
 from ..config import ZeroConfig
+from ..overlap import DEPTH as OVERLAP_DEPTH
+from ..overlap import GatherAhead
 from .flat import FlatGroup
 from .grads import Stage1Grads, Stage2Grads
 from .scaler import LossScaler
@@ -86,6 +88,7 @@ class ZeroOptimizer:
             else Stage2Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm)
             for g in self.groups
         ]
+        self.ahead = GatherAhead(model, self.groups) if config.overlap_param_gather else None
         self.scaler = LossScaler(config, enabled=self.groups[0].dtype == torch.float16)
         self.grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
@@ -104,13 +107,19 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16); stage 2 reduces gradients as they appear."""
+        self.wait_for_weights()
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:
             grads.after_backward()
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Reduce, update and gather. Returns False when the step was skipped (fp16 overflow)."""
+        """Reduce, update and gather. Returns False when the step was skipped (fp16 overflow).
+
+        With ``overlap_param_gather`` the gather is started, not finished: the next
+        forward's modules each wait for their own chunks.
+        """
+        self.wait_for_weights()
         for grads in self.grads:
             grads.before_step()
         shards = [g.grad for g in self.groups]
@@ -128,8 +137,18 @@ class ZeroOptimizer:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coef)
         self.optimizer.step()
-        self.last_gather = [g.gather() for g in self.groups]
+        if self.ahead is None:
+            self.last_gather = [g.gather() for g in self.groups]
+        else:
+            for i, g in enumerate(self.groups):
+                self.ahead.start(i, g.start_gather())
+            self.last_gather = [p.stats for p in self.ahead.pending if p is not None]
         return True
+
+    def wait_for_weights(self) -> None:
+        """Finish a gather still running under gather-ahead (a no-op otherwise)."""
+        if self.ahead is not None:
+            self.ahead.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the shards are zeroed in place; ``set_to_none`` is accepted for
@@ -141,6 +160,7 @@ class ZeroOptimizer:
     def gather_exact_weights(self) -> None:
         """Make every replica's weights the exact bf16/fp16 rounding of the fp32 masters
         (for evaluation or export); the next ``step()`` gathers as configured again."""
+        self.wait_for_weights()
         for g in self.groups:
             g.gather_exact()
 
@@ -151,6 +171,7 @@ class ZeroOptimizer:
         (reshardable: load at any world size). Collective: call on every rank."""
         from .checkpoint import save_checkpoint
 
+        self.wait_for_weights()
         save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -158,12 +179,14 @@ class ZeroOptimizer:
         rebuild the flat buffers from the masters. Collective: call on every rank."""
         from .checkpoint import load_checkpoint
 
+        self.wait_for_weights()
         load_checkpoint(self, path)
 
     def state_dict(self) -> dict:
         """A torch.distributed.checkpoint state dict: sharded fp32 masters and optimizer state."""
         from .checkpoint import sharded_state_dict
 
+        self.wait_for_weights()
         return sharded_state_dict(self)
 
     # ------------------------------------------------------------------ helpers
@@ -256,10 +279,12 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
             "zero_quantized_weights needs bf16 or fp16 parameters, got fp32: quantizing an fp32 gather "
             "gains nothing over casting to bf16 and loses precision"
         )
-    if config.allgather_bucket_size < world * config.zero_quantized_weights_group_size:
+    depth = OVERLAP_DEPTH if config.overlap_param_gather else 1
+    if config.allgather_bucket_size < depth * world * config.zero_quantized_weights_group_size:
         raise ValueError(
             f"allgather_bucket_size {config.allgather_bucket_size} is smaller than one group per rank "
             f"({world} x {config.zero_quantized_weights_group_size})"
+            + (f" for each of the {depth} chunks gather-ahead keeps in flight" if depth > 1 else "")
         )
 
 

@@ -1,0 +1,144 @@
+"""Gather-ahead: let the post-step weight gather run under the next forward.
+
+``step()`` starts a :class:`PendingGather` per flat group and returns. The gather
+moves chunk by chunk, at most ``DEPTH`` chunks in flight; chunks finish strictly in
+order (wait for the collective, dequantize every source rank). Forward pre-hooks
+make each module wait only until the chunks holding its own parameters have
+finished, and each wait also launches the next chunks, so later chunks keep
+flowing while earlier layers compute. Everything that reads weights otherwise
+(backward, the next step, checkpoints, the exact re-gather, an explicit
+``wait_for_weights()``) finishes the whole gather first.
+
+The receive buffers of the ``DEPTH`` chunks in flight together stay within the
+bucket: the overlapped plan uses ``bucket_numel // DEPTH`` per chunk.
+
+The bits are those of the synchronous gather: the same chunks are packed and
+unpacked by the same functions, only the moment of waiting differs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_into, pack_chunk, stats_of, unpack_chunk
+from .layout import GatherPlan
+from .quant import kernels_for
+
+DEPTH = 2
+
+
+def last_chunk_needed(plan: GatherPlan, start: int, stop: int) -> int:
+    """The highest chunk index holding any element of the flat range ``[start, stop)``
+    (chunks finish in order, so waiting for it covers the range); -1 for an empty range."""
+    p, c = plan.partition_numel, plan.chunk_numel
+    last = -1
+    for r in range(start // p, min(-(-stop // p), plan.world_size)):
+        a, b = max(start, r * p) - r * p, min(stop, (r + 1) * p) - r * p
+        if a < b:
+            last = max(last, (b - 1) // c)
+    return last
+
+
+class PendingGather:
+    """One flat buffer's gather, in progress."""
+
+    def __init__(self, flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None, world: int, rank: int):
+        self.flat, self.plan, self.group = flat, plan, group
+        self.world, self.rank = world, rank
+        self.kernels = kernels_for(flat.device)
+        self.stats = stats_of(plan)
+        n = min(DEPTH, len(plan.chunks))
+        self._buffers = [torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device) for _ in range(n)]
+        self._in_flight: deque = deque()
+        self._launched = 0
+        self.finished = 0  # chunks [0, finished) are in the flat buffer
+        self._pump()
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.plan.chunks)
+
+    def _pump(self) -> None:
+        while len(self._in_flight) < len(self._buffers) and self._launched < len(self.plan.chunks):
+            chunk = self.plan.chunks[self._launched]
+            buf = self._buffers[self._launched % len(self._buffers)][: self.world * chunk.payload_bytes]
+            mine = pack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+            work = all_gather_into(buf, mine, group=self.group, async_op=True) if self.world > 1 else None
+            self._in_flight.append((chunk, buf, work))
+            self._launched += 1
+
+    def wait_until(self, chunk_index: int) -> None:
+        """Finish chunks up to ``chunk_index`` (in order), keeping the pipeline full."""
+        while self.finished <= min(chunk_index, len(self.plan.chunks) - 1):
+            chunk, buf, work = self._in_flight.popleft()
+            if work is not None:
+                work.wait()
+            unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+            self.finished += 1
+            self._pump()
+
+    def wait_all(self) -> None:
+        self.wait_until(len(self.plan.chunks) - 1)
+        self._buffers = []
+
+
+class GatherAhead:
+    """Forward pre-hooks that wait for exactly the chunks a module's parameters live in."""
+
+    def __init__(self, model: torch.nn.Module, groups):
+        self.groups = groups
+        self.pending: list[PendingGather | None] = [None] * len(groups)
+        self._warned = False
+        self._furthest = [-1] * len(groups)  # furthest flat start a module of this forward began at
+        index = {}
+        for gi, g in enumerate(groups):
+            for slot, p in zip(g.layout.slots, g.params):
+                index[p] = (gi, slot.start, slot.stop)
+        self._needs: dict[torch.nn.Module, list[tuple[int, int, int]]] = {}
+        self._handles = []
+        for module in model.modules():
+            ranges = [index[p] for p in module.parameters(recurse=False) if p in index]
+            if ranges:
+                self._needs[module] = ranges
+                self._handles.append(module.register_forward_pre_hook(self._hook))
+
+    def start(self, gi: int, pending: PendingGather) -> None:
+        self.pending[gi] = pending
+        self._furthest[gi] = -1
+
+    def _hook(self, module: torch.nn.Module, args) -> None:
+        for gi, start, stop in self._needs[module]:
+            pending = self.pending[gi]
+            if pending is None:
+                continue
+            k = last_chunk_needed(pending.plan, start, stop)
+            behind = start < self._furthest[gi]  # earlier in the flat buffer than a module already run
+            if behind and k >= pending.finished and not self._warned:
+                warnings.warn(
+                    "qzero gather-ahead: the forward reads parameters in an order other than their flat order; "
+                    "weights stay correct (each module waits for what it needs), but less of the gather is hidden",
+                    stacklevel=3,
+                )
+                self._warned = True
+            self._furthest[gi] = max(self._furthest[gi], start)
+            pending.wait_until(k)
+            if pending.done:
+                self.pending[gi] = None
+
+    def wait_all(self) -> None:
+        for gi, pending in enumerate(self.pending):
+            if pending is not None:
+                pending.wait_all()
+                self.pending[gi] = None
+
+    @property
+    def busy(self) -> bool:
+        return any(p is not None for p in self.pending)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,149 @@
+"""Gather-ahead: bitwise the same parameters and losses as the synchronous gather."""
+
+import functools
+import random
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_distributed
+
+import qzero
+import qzero.overlap as overlap
+from qzero.layout import plan_gather
+
+
+class Net(torch.nn.Module):
+    """Every parameter is read through its own module, as in transformers models."""
+
+    def __init__(self, reverse=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(41, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 41, bias=False)
+        self.reverse = reverse
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        layers = list(self.layers)[::-1] if self.reverse else self.layers
+        for layer in layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(self.norm(x))
+
+
+def install_delays(seed):
+    """Random sleeps around every gather launch and wait, to shake out missing waits."""
+    rng = random.Random(seed)
+    real = overlap.all_gather_into
+
+    class SlowWork:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            time.sleep(rng.random() * 0.004)
+            return self.work.wait()
+
+    def delayed(out, inp, group=None, async_op=False):
+        time.sleep(rng.random() * 0.004)
+        work = real(out, inp, group=group, async_op=async_op)
+        return SlowWork(work) if async_op else work
+
+    overlap.all_gather_into = delayed
+
+
+def run(rank, world, cfg_kwargs, steps, reverse=False, delays=False):
+    if delays:
+        install_delays(1000 + rank)
+    torch.manual_seed(rank)
+    model = Net(reverse).bfloat16()
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=qzero.ZeroConfig(**cfg_kwargs))
+    losses, pending_seen = [], False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, 41, (world * 2, 9), generator=g)[rank * 2 : rank * 2 + 2]
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, 41), tokens[:, 1:].reshape(-1))
+            opt.backward(loss)
+            opt.step()
+            if opt.ahead is not None and opt.ahead.busy:
+                pending_seen = True
+            opt.zero_grad()
+            losses.append(loss.item())
+    opt.wait_for_weights()
+    warned = [str(w.message) for w in caught if "gather-ahead" in str(w.message)]
+    return losses, [g.flat.clone() for g in opt.groups], pending_seen, warned
+
+
+CASES = [
+    dict(stage=2, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3),
+    dict(stage=1, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3),
+    dict(stage=2, zero_quantized_weights=False, allgather_bucket_size=4 * 64 * 3),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_overlap_is_bitwise_the_synchronous_gather(world, case):
+    cfg = CASES[case]
+    sync = run_distributed(run, world, cfg, 4)
+    ahead = run_distributed(run, world, {**cfg, "overlap_param_gather": True}, 4, False, True)
+    for (l0, f0, _, _), (l1, f1, pending, warned) in zip(sync, ahead):
+        assert l0 == l1, "losses differ with gather-ahead"
+        for a, b in zip(f0, f1):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert pending, "the gather should still be running when step() returns"
+        assert not warned
+    for _, f, _, _ in ahead[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(f, ahead[0][1]))
+
+
+def test_forward_out_of_flat_order_is_still_correct_and_warns_once():
+    cfg = CASES[0]
+    sync = run_distributed(run, 2, cfg, 3, True)
+    ahead = run_distributed(run, 2, {**cfg, "overlap_param_gather": True}, 3, True, True)
+    for (l0, f0, _, _), (l1, f1, _, warned) in zip(sync, ahead):
+        assert l0 == l1
+        assert all(torch.equal(a, b) for a, b in zip(f0, f1))
+        assert len(warned) == 1
+
+
+def checkpoint_during_gather(rank, world, path):
+    torch.manual_seed(0)
+    model = Net().bfloat16()
+    cfg = qzero.ZeroConfig(**CASES[0], overlap_param_gather=True)
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=cfg)
+    tokens = torch.randint(0, 41, (2, 9), generator=torch.Generator().manual_seed(rank))
+    opt.backward(F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 41), tokens[:, 1:].reshape(-1)))
+    opt.step()
+    busy = opt.ahead.busy
+    opt.save_checkpoint(path)  # must wait for the gather first
+    return busy, opt.ahead.busy, [g.flat.clone() for g in opt.groups]
+
+
+def test_checkpoint_waits_for_the_gather(tmp_path):
+    res = run_distributed(checkpoint_during_gather, 2, str(tmp_path / "ck"))
+    for busy_before, busy_after, _ in res:
+        assert busy_before and not busy_after
+    assert all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
+
+
+def test_last_chunk_needed():
+    plan = plan_gather(4 * 1000, 4, group_size=8, bucket_numel=4 * 160)  # partitions of 1000, chunks of 160
+    assert plan.chunk_numel == 160 and len(plan.chunks) == 7
+    assert overlap.last_chunk_needed(plan, 0, 10) == 0
+    assert overlap.last_chunk_needed(plan, 150, 170) == 1
+    assert overlap.last_chunk_needed(plan, 990, 1010) == 6  # straddles partitions 0 and 1
+    assert overlap.last_chunk_needed(plan, 1000, 1100) == 0
+    assert overlap.last_chunk_needed(plan, 5, 5) == -1
+
+
+def test_overlap_needs_room_for_two_chunks():
+    with pytest.raises(ValueError, match="each of the 2 chunks"):
+        cfg = qzero.ZeroConfig(overlap_param_gather=True, allgather_bucket_size=64)
+        qzero.ZeroOptimizer(Net().bfloat16(), torch.optim.AdamW, config=cfg)
