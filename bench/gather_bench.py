@@ -18,6 +18,7 @@ Results go to ``--out`` as JSON and Markdown; the Markdown table is printed last
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -48,11 +49,13 @@ def parse_args():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--regime", default=None, help="label of the link regime (default: from NCCL env)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (multi-GPU)")
-    ap.add_argument("--tune", default="2048x4,4096x4,4096x8,8192x8", help="block_elems x num_warps to sweep")
-    ap.add_argument("--division", default=None, choices=["rn", "recip"], help="pack kernel division method")
+    ap.add_argument("--tune", default="1024x4,2048x4,2048x8,4096x4,4096x8", help="block_elems x num_warps to sweep")
+    ap.add_argument("--division", default=None, choices=["rn", "recip", "auto"],
+                    help="pack kernel division method; auto: recip if its exhaustive check passes")
     ap.add_argument("--no-reference", action="store_true", help="skip the eager torch reference timings")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
+    ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the Markdown of a saved result")
     return ap.parse_args()
 
 
@@ -178,20 +181,31 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     return bool(torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
 
 
-def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> tuple[tuple[int, int], list]:
-    """Sweep launch shapes (and, for the record, both division methods); return the shape
-    with the smallest pack + unpack time under the division method in use."""
+def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Sweep launch shapes for payloads without and with exact elements and keep the
+    fastest (pack + unpack) of each in ``kernels.TUNING``; then time the other division
+    method at the chosen shape, for the record."""
     rows = []
-    chosen = kernels.DIVISION
-    for division in ("rn", "recip"):
-        kernels.DIVISION = division
+    for exact in (False, True):
         for block, warps in shapes:
-            kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
-            r = kernel_case(n, fmt, gs, dtype, False, kernels)
-            rows.append({"division": division, "block_elems": block, "num_warps": warps, **r})
+            if exact:
+                kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = block, warps
+            else:
+                kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
+            r = kernel_case(n, fmt, gs, dtype, exact, kernels)
+            rows.append({"exact": exact, "division": kernels.DIVISION, "block_elems": block, "num_warps": warps, **r})
+        best = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
+        if exact:
+            kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = best["block_elems"], best["num_warps"]
+        else:
+            kernels.TUNING.block_elems, kernels.TUNING.num_warps = best["block_elems"], best["num_warps"]
+    chosen = kernels.DIVISION
+    kernels.DIVISION = "rn" if chosen == "recip" else "recip"
+    r = kernel_case(n, fmt, gs, dtype, False, kernels)
+    rows.append({"exact": False, "division": kernels.DIVISION, "block_elems": kernels.TUNING.block_elems,
+                 "num_warps": kernels.TUNING.num_warps, **r})
     kernels.DIVISION = chosen
-    best = min((r for r in rows if r["division"] == chosen), key=lambda r: r["pack_ms"] + r["unpack_ms"])
-    return (best["block_elems"], best["num_warps"]), rows
+    return rows
 
 
 def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True) -> dict:
@@ -225,15 +239,16 @@ def single_gpu(args) -> dict:
     out["correct"] = {fmt: check_kernels(1 << 24, fmt, gs, dtype) for fmt in formats}
     print("kernels == reference:", out["correct"], flush=True)
 
+    out["division"] = kernels.DIVISION
+    out["division_mismatches"] = args.division_mismatches
+
     out["tuning"] = {}
     best = {}
     for fmt in formats:
         if shapes:
-            best[fmt], rows = tune(small, fmt, gs, dtype, shapes)
-            out["tuning"][fmt] = rows
-            print(f"tuning {fmt}: best block {best[fmt]}", flush=True)
-        else:
-            best[fmt] = (kernels.TUNING.block_elems, kernels.TUNING.num_warps)
+            out["tuning"][fmt] = tune(small, fmt, gs, dtype, shapes)
+        best[fmt] = dataclasses.replace(kernels.TUNING)
+        print(f"tuning {fmt}: {best[fmt]}", flush=True)
 
     out["sizes"] = []
     for n in sizes:
@@ -242,8 +257,8 @@ def single_gpu(args) -> dict:
         print(f"[{size_label(n)}] copy {entry['copy']['ms']:.3f} ms, {copy_bw:.0f} GB/s", flush=True)
         entry["plain_gather"] = gather_case(n, None, gs, dtype, args.bucket)
         for fmt in formats:
-            kernels.TUNING.block_elems, kernels.TUNING.num_warps = best[fmt]
-            r = {"launch": list(best[fmt])}
+            kernels.TUNING = best[fmt]
+            r = {"launch": dataclasses.asdict(best[fmt])}
             r["kernel"] = kernel_case(n, fmt, gs, dtype, False, kernels)
             r["kernel_exact"] = kernel_case(n, fmt, gs, dtype, True, kernels)
             if not args.no_reference:
@@ -296,15 +311,16 @@ def single_markdown(res: dict) -> str:
     if res.get("tuning"):
         lines += [
             "",
-            f"Launch-shape sweep at {size_label(min(e['numel'] for e in res['sizes']))} (no exact ranges):",
+            f"Launch-shape sweep at {size_label(min(e['numel'] for e in res['sizes']))}:",
             "",
-            "| format | division | block | warps | pack ms | pack GB/s | unpack ms | unpack GB/s |",
-            "|---|---|---|---|---|---|---|---|",
+            "| format | exact ranges | division | block | warps | pack ms | pack GB/s | unpack ms | unpack GB/s |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for fmt, rows in res["tuning"].items():
             for r in rows:
                 lines.append(
-                    f"| {fmt} | {r['division']} | {r['block_elems']} | {r['num_warps']} | {r['pack_ms']:.3f} | "
+                    f"| {fmt} | {'yes' if r.get('exact') else 'no'} | {r.get('division', '-')} | {r['block_elems']} | "
+                    f"{r['num_warps']} | {r['pack_ms']:.3f} | "
                     f"{r['pack_GBps']:.0f} | {r['unpack_ms']:.3f} | {r['unpack_GBps']:.0f} |"
                 )
     lines.append("")
@@ -356,7 +372,8 @@ def multi_gpu(args) -> dict:
         "dtype": args.dtype,
         "bucket_numel": args.bucket,
         "division": kernels.DIVISION,
-        "launch": [kernels.TUNING.block_elems, kernels.TUNING.num_warps],
+        "division_mismatches": args.division_mismatches,
+        "launch": dataclasses.asdict(kernels.TUNING),
         **versions(),
         "sizes": [],
     }
@@ -422,8 +439,22 @@ def multi_markdown(res: dict) -> str:
 
 def main() -> int:
     args = parse_args()
-    if args.division:
+    if args.render:
+        with open(args.render) as fh:
+            res = json.load(fh)
+        md = multi_markdown(res) if res["mode"] == "multi" else single_markdown(res)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as fh:
+            fh.write(md)
+        print(md)
+        return 0
+    args.division_mismatches = None
+    if args.division in ("rn", "recip"):
         kernels.DIVISION = args.division
+    elif args.division == "auto" and torch.cuda.is_available() and kernels.AVAILABLE:
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+        args.division_mismatches = {f: kernels.division_mismatches(f, dtype) for f in args.formats.split(",")}
+        kernels.DIVISION = "rn" if any(args.division_mismatches.values()) else "recip"
+        print("reciprocal-division mismatches:", args.division_mismatches, "->", kernels.DIVISION, flush=True)
     if not torch.cuda.is_available() or not kernels.AVAILABLE:
         print("needs a CUDA device and Triton", file=sys.stderr)
         return 2

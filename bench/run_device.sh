@@ -11,6 +11,6 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 t0=$(date +%s)
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q --maxfail=5 -p no:cacheprovider -W ignore::FutureWarning \
-    tests/test_triton.py >"$out/gpu_tests.txt" 2>&1
-echo "GPU tests: rc=$? in $(( $(date +%s) - t0 )) s"; tail -n 25 "$out/gpu_tests.txt"
+    tests/test_triton.py >"$out/gpu_tests.log" 2>&1
+echo "GPU tests: rc=$? in $(( $(date +%s) - t0 )) s"; tail -n 25 "$out/gpu_tests.log"
 timeout "${BENCH_TIMEOUT:-340}" python3 bench/gather_bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log"

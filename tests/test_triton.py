@@ -35,10 +35,10 @@ gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.fixture(params=[64, 4096], ids=["tile64", "tile4096"])
 def tile(request):
     """Small tiles put many programs (and program boundaries) into small inputs."""
-    saved = kernels.TUNING.block_elems
-    kernels.TUNING.block_elems = request.param
+    saved = kernels.TUNING.block_elems, kernels.TUNING.exact_block_elems
+    kernels.TUNING.block_elems = kernels.TUNING.exact_block_elems = request.param
     yield request.param
-    kernels.TUNING.block_elems = saved
+    kernels.TUNING.block_elems, kernels.TUNING.exact_block_elems = saved
 
 
 # --------------------------------------------------------------------------- helpers
@@ -178,6 +178,18 @@ def test_every_code_dequantizes_like_the_reference(fmt):
 
 
 @cpu_only
+@pytest.mark.parametrize("n", [200, 201])
+def test_int4_unaligned_source(n):
+    """A source 2 bytes off a 4-byte boundary takes the two-load path of the INT4 pack."""
+    gen = torch.Generator().manual_seed(n)
+    x = weights(n + 1, torch.bfloat16, gen)[1:]
+    assert x.data_ptr() % 4 == 2
+    exact = torch.tensor([0, 5, 6, 7, n - 1])
+    payload, layout = check_pack(x, "int4", 64, exact, gen)
+    check_unpack(payload, layout, n, torch.bfloat16, "int4", 64, exact, gen)
+
+
+@cpu_only
 def test_subnormal_bf16_inputs():
     """bf16 shares fp32's exponent range: subnormal inputs must not be flushed to zero."""
     gen = torch.Generator().manual_seed(5)
@@ -288,39 +300,32 @@ def test_gpu_plain_gather_untouched():
     assert torch.equal(flat.view(torch.int16), want.view(torch.int16))
 
 
-if CUDA:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _division_mismatch_kernel(out_ptr, QMAX: tl.constexpr, FLOOR: tl.constexpr, IS_BF16: tl.constexpr):
-        """Program p: absmax bit pattern p + 1; count the |x| <= absmax patterns whose clamped
-        quotient differs between the reciprocal method and the correctly rounded division."""
-        a = kernels._widen((tl.program_id(0) + 1).to(tl.int16), IS_BF16)
-        scale = kernels._scale_of(tl.full([1], 0.0, tl.float32) + a, QMAX, FLOOR)
-        inv = tl.math.div_rn(tl.full([1], 1.0, tl.float32), scale)
-        bad = tl.zeros([1024], tl.int32)
-        for start in range(0, 65536, 1024):
-            bits = (start + tl.arange(0, 1024)).to(tl.int16)
-            x = kernels._widen(bits, IS_BF16)
-            ok = tl.abs(x) <= a
-            rn = kernels._divide(x, scale, inv, QMAX, False)
-            rc = kernels._divide(x, scale, inv, QMAX, True)
-            diff = rn.to(tl.int32, bitcast=True) != rc.to(tl.int32, bitcast=True)
-            bad += (ok & diff).to(tl.int32)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0))
-
 
 @gpu_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_reciprocal_division_exhaustive(fmt, dtype):
-    """Every (absmax, x) pair of bf16/fp16 bit patterns with |x| <= absmax: the reciprocal
-    method's quotient equals the correctly rounded one, so DIVISION="recip" is exact."""
-    last_finite = 0x7F7F if dtype == torch.bfloat16 else 0x7BFF
-    out = torch.full((last_finite,), -1, dtype=torch.int32, device="cuda")
-    _division_mismatch_kernel[(last_finite,)](
-        out, QMAX=float(kernels.get_format(fmt).qmax), FLOOR=reference.FLT_MIN, IS_BF16=dtype == torch.bfloat16
-    )
-    assert int(out.min()) >= 0
-    assert int(out.sum()) == 0, f"{int(out.sum())} mismatches, first absmax patterns {(out > 0).nonzero()[:5].flatten().tolist()}"
+    """Over every (absmax, x) pair a group can hold, the reciprocal method stores the same
+    values as the correctly rounded division: DIVISION="recip" is exact."""
+    assert kernels.division_mismatches(fmt, dtype) == 0
+
+
+@gpu_only
+def test_gpu_soft_e4m3_matches_hardware(monkeypatch):
+    """All 254 non-NaN e4m3 codes decoded by the soft path and by the hardware, bf16 and fp16 out."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].cuda()
+    n = codes.numel()
+    layout = layout_for(n, "fp8", 8, None)
+    payload = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
+    payload[:n] = codes
+    payload[layout.scales_offset : layout.scales_offset + 4 * (-(-n // 8))].view(torch.float32).fill_(1.0)
+    for dtype in DTYPES:
+        outs = []
+        for soft in (False, True):
+            monkeypatch.setattr(kernels, "SOFT_CASTS", soft)
+            dst = torch.empty(n, dtype=dtype, device="cuda")
+            kernels.unpack_payload(payload, dst, layout, 8, "fp8", None)
+            outs.append(dst.view(torch.int16).cpu())
+        bad = (outs[0] != outs[1]).nonzero().flatten()
+        assert bad.numel() == 0, f"{dtype}: codes {codes.cpu()[bad[:8]].tolist()} hw {outs[0][bad[:8]].tolist()} soft {outs[1][bad[:8]].tolist()}"

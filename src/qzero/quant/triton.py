@@ -53,10 +53,18 @@ _IO_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 @dataclass
 class Tuning:
-    """Launch shape: elements per program (a power of two) and warps per program."""
+    """Launch shapes: elements per program (a power of two) and warps per program, for
+    payloads without and with exact elements (the exact path needs more registers)."""
 
-    block_elems: int = 4096
+    block_elems: int = 2048
     num_warps: int = 4
+    exact_block_elems: int = 2048
+    exact_num_warps: int = 8
+
+    def shape(self, has_exact: bool) -> tuple[int, int]:
+        if has_exact:
+            return self.exact_block_elems, self.exact_num_warps
+        return self.block_elems, self.num_warps
 
 
 #: Module-wide launch shape; the benchmark sweeps it, users normally leave it alone.
@@ -95,16 +103,18 @@ class _Launch:
     programs: int
     search_steps: int
     span: int  # elements of the slice that one program's groups cover
+    num_warps: int
 
 
-def _launch_shape(numel: int, group_size: int) -> _Launch:
+def _launch_shape(numel: int, group_size: int, has_exact: bool) -> _Launch:
     gs_pad = _next_pow2(group_size)
-    per_prog = max(1, TUNING.block_elems // gs_pad)
+    block, warps = TUNING.shape(has_exact)
+    per_prog = max(1, block // gs_pad)
     programs = -(-num_groups(numel, group_size) // per_prog)
     # At most per_prog * group_size exact elements fall in one program's groups;
     # the binary search must be able to step over all of them.
     span = per_prog * group_size
-    return _Launch(gs_pad, per_prog, programs, span.bit_length(), span)
+    return _Launch(gs_pad, per_prog, programs, span.bit_length(), span, warps)
 
 
 if triton is not None:
@@ -155,12 +165,13 @@ if triton is not None:
     def _e4m3_value(v, SOFT: tl.constexpr):
         """fp32 value of e4m3fn bit patterns (uint8); the NaN code is never produced by a pack."""
         if SOFT:
-            c = v.to(tl.int32)
+            c = v.to(tl.int32) & 0xFF
             e = (c >> 3) & 0xF
             m = c & 7
-            normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-            a = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2**-9
-            return tl.where((c & 0x80) != 0, -a, a)
+            normal = ((e + 120) << 23) | (m << 20)
+            subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2**-9
+            magnitude = tl.where(e == 0, subnormal, normal)
+            return (magnitude | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
         return v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
     @triton.jit
@@ -200,6 +211,11 @@ if triton is not None:
                      IS_BF16: tl.constexpr, HAS_EXACT: tl.constexpr, STEPS: tl.constexpr):
         """fp32 values of the tile, exact elements zeroed and their raw bits sent aside."""
         bits = tl.load(src_ptr + base + offs, mask=valid, other=0)
+        return _mask_exact(bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, IS_BF16, HAS_EXACT, STEPS)
+
+    @triton.jit
+    def _mask_exact(bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid,
+                    IS_BF16: tl.constexpr, HAS_EXACT: tl.constexpr, STEPS: tl.constexpr):
         x = _widen(bits, IS_BF16)
         if HAS_EXACT:
             lo = tl.load(blk_ptr + pid)
@@ -226,8 +242,8 @@ if triton is not None:
         """
         if RECIP:
             q = x * inv
-            y = tl.fma(-q, scale, x)
-            y = tl.fma(y, inv, q)
+            y = tl.fma(tl.fma(-q, scale, x), inv, q)  # the residual x - q*scale is exact
+            y = tl.where(y == 0.0, q, y)  # keep the sign of a zero quotient (it shows in e4m3's -0)
         else:
             y = tl.math.div_rn(x, scale)
         return tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -253,6 +269,7 @@ if triton is not None:
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
         RECIP: tl.constexpr,
+        PAIRS: tl.constexpr,
         FMT: tl.constexpr,
         QMAX: tl.constexpr,
         FLOOR: tl.constexpr,
@@ -264,14 +281,25 @@ if triton is not None:
     ):
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         if FMT == 2:
-            # INT4: even and odd elements as two strided tiles, so that each byte's
-            # two nibbles are computed by the same thread (no data exchange).
+            # INT4: each thread handles whole (even, odd) pairs, so a byte's two nibbles
+            # never cross threads. With a 4-byte aligned source (PAIRS) a pair is one
+            # 32-bit load, even element in the low half; else two strided loads.
             jb = tl.arange(0, GS_PAD // 2)
             even = g[:, None] * GS + 2 * jb[None, :]
             valid_e = (jb[None, :] < GS // 2) & (even < rem)
             valid_o = valid_e & (even + 1 < rem)
-            xe = _load_masked(src_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, even, valid_e, IS_BF16, HAS_EXACT, STEPS)
-            xo = _load_masked(src_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, even + 1, valid_o, IS_BF16, HAS_EXACT, STEPS)
+            if PAIRS:
+                words = (src_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True)
+                w = tl.load(words + even // 2, mask=valid_o, other=0)
+                # A short tail leaves a lone even element: load it on its own.
+                lone = tl.load(src_ptr + base + even, mask=valid_e & (even + 1 >= rem), other=0)
+                bits_e = tl.where(valid_o, w.to(tl.int16), lone)
+                bits_o = (w >> 16).to(tl.int16)
+            else:
+                bits_e = tl.load(src_ptr + base + even, mask=valid_e, other=0)
+                bits_o = tl.load(src_ptr + base + even + 1, mask=valid_o, other=0)
+            xe = _mask_exact(bits_e, side_ptr, idx_ptr, blk_ptr, pid, base, even, valid_e, IS_BF16, HAS_EXACT, STEPS)
+            xo = _mask_exact(bits_o, side_ptr, idx_ptr, blk_ptr, pid, base, even + 1, valid_o, IS_BF16, HAS_EXACT, STEPS)
             absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
             scale = _scale_of(absmax, QMAX, FLOOR)
             inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
@@ -345,6 +373,52 @@ if triton is not None:
         tl.store(dst_ptr + base + offs, out, mask=valid)
 
 
+    @triton.jit
+    def _stored_code(y, FMT: tl.constexpr):
+        """What a pack stores for an already clamped quotient, as int32."""
+        if FMT == 1:
+            return _e4m3_bits(y, False).to(tl.int32)
+        return _round_half_even(y).to(tl.int32)
+
+    @triton.jit
+    def _division_check_kernel(out_ptr, QMAX: tl.constexpr, FLOOR: tl.constexpr, IS_BF16: tl.constexpr,
+                               FMT: tl.constexpr):
+        """Program p takes the absmax bit pattern p + 1 and counts the bit patterns x with
+        |x| <= absmax whose stored value differs between the two division methods."""
+        a = _widen((tl.program_id(0) + 1).to(tl.int16), IS_BF16)
+        scale = _scale_of(tl.zeros([1], tl.float32) + a, QMAX, FLOOR)
+        inv = tl.math.div_rn(tl.full([1], 1.0, tl.float32), scale)
+        bad = tl.zeros([1024], tl.int32)
+        for start in range(0, 65536, 1024):
+            x = _widen((start + tl.arange(0, 1024)).to(tl.int16), IS_BF16)
+            rn = _stored_code(_divide(x, scale, inv, QMAX, False), FMT)
+            rc = _stored_code(_divide(x, scale, inv, QMAX, True), FMT)
+            bad += ((tl.abs(x) <= a) & (rn != rc)).to(tl.int32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0))
+
+
+def division_mismatches(fmt: str, dtype: torch.dtype, device: str | torch.device = "cuda") -> int:
+    """Exhaustive check of ``DIVISION = "recip"`` on a CUDA device.
+
+    For every positive finite bf16/fp16 absmax and every bit pattern ``x`` with
+    ``|x| <= absmax`` (all inputs a group can hold), count the pairs on which the
+    reciprocal method stores a different value than the correctly rounded division.
+    Both use only IEEE fp32 operations (division, multiply, fma), so 0 here holds on
+    any device. About 2**31 pairs; milliseconds on a GPU.
+    """
+    if dtype not in _IO_DTYPES:
+        raise TypeError(f"dtype must be bf16 or fp16, got {dtype}")
+    f = get_format(fmt)
+    last_finite = 0x7F7F if dtype == torch.bfloat16 else 0x7BFF
+    out = torch.full((last_finite,), -1, dtype=torch.int32, device=device)
+    _division_check_kernel[(last_finite,)](
+        out, QMAX=float(f.qmax), FLOOR=FLT_MIN, IS_BF16=dtype == torch.bfloat16, FMT=_FMT_CODES[f.name]
+    )
+    if int(out.min()) < 0:
+        raise RuntimeError("the division check did not cover every absmax")
+    return int(out.sum())
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -394,9 +468,9 @@ def pack_payload(
     values, scales, side = _sections(out, layout, n, group_size, f, count)
     if n == 0:
         return
-    shape = _launch_shape(n, group_size)
+    has_exact = exact_index is not None and exact_index.numel() > 0
+    shape = _launch_shape(n, group_size, has_exact)
     idx, blk = _exact_tables(exact_index, shape, src.device)
-    has_exact = idx is not None
     _pack_kernel[(shape.programs,)](
         src.view(torch.int16),
         values,
@@ -408,6 +482,7 @@ def pack_payload(
         IS_BF16=src.dtype == torch.bfloat16,
         SOFT=_soft(src.device),
         RECIP=DIVISION == "recip",
+        PAIRS=src.data_ptr() % 4 == 0,
         FMT=_FMT_CODES[f.name],
         QMAX=float(f.qmax),
         FLOOR=FLT_MIN,
@@ -416,7 +491,7 @@ def pack_payload(
         G=shape.groups_per_prog,
         HAS_EXACT=has_exact,
         STEPS=shape.search_steps,
-        num_warps=TUNING.num_warps,
+        num_warps=shape.num_warps,
     )
 
 
@@ -436,9 +511,9 @@ def unpack_payload(
     values, scales, side = _sections(payload, layout, n, group_size, f, count)
     if n == 0:
         return
-    shape = _launch_shape(n, group_size)
+    has_exact = exact_index is not None and exact_index.numel() > 0
+    shape = _launch_shape(n, group_size, has_exact)
     idx, blk = _exact_tables(exact_index, shape, dst.device)
-    has_exact = idx is not None
     _unpack_kernel[(shape.programs,)](
         values,
         scales,
@@ -455,5 +530,5 @@ def unpack_payload(
         G=shape.groups_per_prog,
         HAS_EXACT=has_exact,
         STEPS=shape.search_steps,
-        num_warps=TUNING.num_warps,
+        num_warps=shape.num_warps,
     )
