@@ -11,6 +11,7 @@ rank instead of hanging), then run :func:`run_gather` on a static
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from typing import NamedTuple
@@ -82,9 +83,11 @@ def quantized_all_gather(
                 f"quantized_all_gather needs a bf16 or fp16 flat buffer, got {flat.dtype}: "
                 "an fp32 buffer has nothing to gain from quantization and would lose precision"
             )
-        return _cached_plan(
+        plan = _cached_plan(
             flat.numel(), world, flat.element_size(), bucket_numel, fmt, group_size, _freeze_ranges(exact_ranges)
         )
+        check_finite_partition(flat, plan, _world_and_rank(group)[1])
+        return plan
 
     plan = _agreed_plan(build, flat, group, world, "quantized_all_gather")
     return run_gather(flat, plan, group)
@@ -113,8 +116,31 @@ def all_gather(
 # --------------------------------------------------------------------------- execution
 
 
+class PeerFailure(RuntimeError):
+    """A collective failed: a peer rank died, or did not answer within the process group's timeout."""
+
+
+@contextlib.contextmanager
+def peer_failure(what: str):
+    """Turn a backend error inside a collective into one clear :class:`PeerFailure`."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts are RuntimeErrors
+        raise PeerFailure(
+            f"qzero: {what} failed: a peer rank died or did not answer within the process group's timeout "
+            f"(set it with init_process_group(timeout=...)). Backend said: {str(e).splitlines()[0] if str(e) else e!r}"
+        ) from e
+
+
 def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None = None) -> GatherStats:
     """Execute ``plan`` on ``flat`` (no argument checks: the plan was validated when built)."""
+    with peer_failure("the weight gather"):
+        return _run_gather(flat, plan, group)
+
+
+def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None) -> GatherStats:
     world, rank = _world_and_rank(group)
     stats = stats_of(plan)
     if not plan.chunks:
@@ -184,6 +210,17 @@ def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.dev
 
 
 # --------------------------------------------------------------------------- checks
+
+
+def check_finite_partition(flat: torch.Tensor, plan: GatherPlan, rank: int) -> None:
+    """Refuse to send NaN/Inf: they would reach every replica (and poison whole groups' scales)."""
+    lo, hi = plan.partition(rank)
+    bad = (~torch.isfinite(flat[lo:hi])).nonzero()
+    if bad.numel():
+        raise ValueError(
+            f"flat holds non-finite values in rank {rank}'s partition (first at flat index {lo + bad[0, 0].item()}, "
+            f"{bad.shape[0]} in all); nothing was gathered"
+        )
 
 
 def _world_and_rank(group) -> tuple[int, int]:

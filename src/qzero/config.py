@@ -93,6 +93,11 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     """fp16 dynamic scaling never goes below this."""
 
+    check_finite: bool = True
+    """After each update, check the fp32 masters for NaN/Inf (one read of the shard and
+    one 1-element all-reduce) and raise, naming the parameter, before anything is
+    gathered: non-finite weights never reach the other replicas."""
+
     overlap_param_gather: bool = False
     """Return from ``step()`` before the weight gather finishes and let each module
     wait for its own chunks in its forward (gather-ahead)."""
@@ -100,7 +105,7 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
-        for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather"):
+        for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)

@@ -24,7 +24,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_into, pack_chunk, stats_of, unpack_chunk
+from .comm import all_gather_into, pack_chunk, peer_failure, stats_of, unpack_chunk
 from .layout import GatherPlan
 from .quant import kernels_for
 
@@ -56,7 +56,8 @@ class PendingGather:
         self._in_flight: deque = deque()
         self._launched = 0
         self.finished = 0  # chunks [0, finished) are in the flat buffer
-        self._pump()
+        with peer_failure("the weight gather (gather-ahead)"):
+            self._pump()
 
     @property
     def done(self) -> bool:
@@ -73,13 +74,14 @@ class PendingGather:
 
     def wait_until(self, chunk_index: int) -> None:
         """Finish chunks up to ``chunk_index`` (in order), keeping the pipeline full."""
-        while self.finished <= min(chunk_index, len(self.plan.chunks) - 1):
-            chunk, buf, work = self._in_flight.popleft()
-            if work is not None:
-                work.wait()
-            unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
-            self.finished += 1
-            self._pump()
+        with peer_failure("the weight gather (gather-ahead)"):
+            while self.finished <= min(chunk_index, len(self.plan.chunks) - 1):
+                chunk, buf, work = self._in_flight.popleft()
+                if work is not None:
+                    work.wait()
+                unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+                self.finished += 1
+                self._pump()
 
     def wait_all(self) -> None:
         self.wait_until(len(self.plan.chunks) - 1)

@@ -12,8 +12,12 @@ unpickled: the tensors come from DCP's tensor files, the rest is JSON.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import pickle
+import shutil
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,12 +32,51 @@ if TYPE_CHECKING:
 
 META_FILE = "qzero.json"
 FORMAT_VERSION = 1
+TMP_SUFFIX = ".saving"
+OLD_SUFFIX = ".replaced"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP stores its index (``.metadata``) as a pickle; load only the classes that index is
+    made of, so a tampered checkpoint cannot run code."""
+
+    _ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")} | {
+        ("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)
+    }
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}; qzero refuses to load it")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """A DCP reader whose index is read with :class:`_MetadataUnpickler` (tensors themselves
+    are read by DCP with ``torch.load(weights_only=True)``)."""
+
+    def read_metadata(self, *args, **kwargs):
+        get_path = getattr(self, "_get_metadata_path", None)
+        path = get_path(kwargs.get("rank")) if get_path else None
+        if path is None or not os.path.exists(path):
+            path = os.path.join(self.path, ".metadata")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if hasattr(metadata, "storage_meta"):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
 
 
 def _sharded(t: torch.Tensor, group: FlatGroup, opt: ZeroOptimizer):
     """Wrap this rank's piece of a partition-shaped tensor as a shard of the logical buffer."""
     n = group.layout.used_numel
     a, b = min(group.lo, n), min(group.hi, n)
+    if not dist.is_initialized():  # one process, no group: the whole logical buffer, as a plain tensor
+        return t[:n]
     shards = []
     if a < b:
         global_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -104,28 +147,74 @@ def _json_default(v):
 
 
 def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
-    os.makedirs(path, exist_ok=True)
+    """Write aside, then rename into place: a save killed at any point leaves the previous
+    checkpoint at ``path`` (or, between the two renames, at ``path + ".replaced"``, which
+    :func:`load_checkpoint` falls back to)."""
+    path = os.path.abspath(path).rstrip(os.sep)
+    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     meta = _metadata(opt)
-    dcp.save(sharded_state_dict(opt), checkpoint_id=path, process_group=opt.process_group)
+    if opt.rank == 0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # left by a save that was killed
+    _barrier(opt)
+    dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
     if opt.rank == 0:
-        tmp = os.path.join(path, META_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, META_FILE))
+        _write_json(os.path.join(tmp, META_FILE), meta)  # last: its presence marks a complete checkpoint
+        _fsync_dir(tmp)
+        if os.path.exists(path):
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+        if os.path.exists(old):
+            shutil.rmtree(old)
+    _barrier(opt)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier(opt: ZeroOptimizer) -> None:
     if opt.world_size > 1:
         dist.barrier(group=opt.process_group)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``path``, or the previous checkpoint a killed save left beside it."""
+    path = os.path.abspath(path).rstrip(os.sep)
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return path
+    old = path + OLD_SUFFIX
+    if os.path.isfile(os.path.join(old, META_FILE)):
+        warnings.warn(f"{path} is missing (a save was interrupted); loading the previous checkpoint {old}", stacklevel=3)
+        return old
+    return path
 
 
 def read_metadata(path: str) -> dict:
     meta_path = os.path.join(path, META_FILE)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{path!r} is not a qzero checkpoint: {META_FILE} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path!r}: checkpoint format {meta.get('format')!r} is not {FORMAT_VERSION}")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path!r}: {META_FILE} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path!r}: checkpoint format {got!r} is not {FORMAT_VERSION}")
     return meta
 
 
@@ -156,6 +245,7 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
 
 
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
+    path = resolve_checkpoint(path)
     meta = read_metadata(path)
     check_compatible(opt, meta, path)
     targets, fills = dict(_module_state(opt)), []
@@ -172,7 +262,12 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                 targets[f"group{i}.state.{key}"] = t
             state[key] = t
         fills.append((g, state, saved["hyperparameters"]))
-    dcp.load(targets, checkpoint_id=path, process_group=opt.process_group)
+    reader = SafeFileSystemReader(path)
+    try:
+        reader.read_metadata()  # fail early and clearly on a tampered or missing index
+    except (pickle.UnpicklingError, OSError, EOFError) as e:
+        raise ValueError(f"{path!r}: cannot read the checkpoint index: {e}") from None
+    dcp.load(targets, storage_reader=SafeFileSystemReader(path), process_group=opt.process_group)
     for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
         # padding past the logical buffer holds zeros (it was never trained)
         n = g.layout.used_numel

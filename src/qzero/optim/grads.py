@@ -19,6 +19,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from ..comm import peer_failure
 from ..layout import ReduceBucket, owners, plan_reduce_buckets
 from .flat import FlatGroup
 
@@ -50,16 +51,18 @@ class OwnerReducer:
         works = []
         if self.world == 1:
             return works
-        for r, a, b in owners(start, stop, self.p):
-            works.append(
-                dist.reduce(buf[a - start : b - start], dst=self._ranks[r], group=self.pg, async_op=True)
-            )
+        with peer_failure("the gradient reduction"):
+            for r, a, b in owners(start, stop, self.p):
+                works.append(
+                    dist.reduce(buf[a - start : b - start], dst=self._ranks[r], group=self.pg, async_op=True)
+                )
         return works
 
     def finish(self, works: list, buf: torch.Tensor, start: int, stop: int) -> None:
         """Wait for the reductions of ``buf`` and add this rank's part into the gradient shard."""
-        for w in works:
-            w.wait()
+        with peer_failure("the gradient reduction"):
+            for w in works:
+                w.wait()
         g = self.group
         a, b = max(start, g.lo), min(stop, g.hi)
         if a < b:

@@ -93,6 +93,7 @@ class ZeroOptimizer:
         self.grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
         self.last_gather: list[GatherStats] = []
+        self.steps_taken = 0
 
     # ------------------------------------------------------------------ the loop
 
@@ -137,6 +138,9 @@ class ZeroOptimizer:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coef)
         self.optimizer.step()
+        self.steps_taken += 1
+        if self.config.check_finite:
+            self._check_finite_masters()
         if self.ahead is None:
             self.last_gather = [g.gather() for g in self.groups]
         else:
@@ -196,6 +200,32 @@ class ZeroOptimizer:
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
+
+    def _check_finite_masters(self) -> None:
+        """Raise on every rank, naming the parameters, if any master shard holds NaN/Inf."""
+        first_bad = []
+        for g in self.groups:
+            bad = (~torch.isfinite(g.master)).nonzero()
+            first_bad.append(g.lo + bad[0, 0] if bad.numel() else torch.tensor(-1, device=g.master.device))
+        mine = torch.stack([torch.as_tensor(b, device=self.groups[0].master.device) for b in first_bad])
+        if not self._any_rank((mine >= 0).any()):
+            return
+        rows = [mine.clone() for _ in range(self.world_size)]
+        if self.world_size > 1:
+            dist.all_gather(rows, mine, group=self.process_group)
+        culprits = []
+        for r, row in enumerate(rows):
+            for gi, idx in enumerate(row.tolist()):
+                if idx >= 0:
+                    g = self.groups[gi]
+                    slot = next((s for s in g.layout.slots if s.start <= idx < s.stop), None)
+                    name = g.names[slot.index] if slot is not None else f"padding at flat index {idx}"
+                    culprits.append(f"{name!r} (group {gi}, rank {r}'s shard)")
+        raise FloatingPointError(
+            f"qzero: non-finite weights after optimizer step {self.steps_taken} in {', '.join(culprits)}; "
+            "nothing was gathered, so no replica received them. Lower the learning rate, clip gradients "
+            "(gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
+        )
 
     def _global_norm(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the whole gradient: every element lives in exactly one shard."""

@@ -1,0 +1,249 @@
+"""Reliability: non-finite weights, dead ranks, killed checkpoint saves, tampered checkpoints."""
+
+import datetime
+import functools
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+import qzero
+import qzero.comm as comm
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).bfloat16()
+
+
+# ------------------------------------------------------------------ non-finite weights
+
+
+def nan_step(rank, world):
+    model = small_model()
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(small_param_numel=16))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    loss = (model(x).float() ** 2).mean()
+    opt.backward(loss * (float("nan") if rank == 1 else 1.0))  # NaN gradients from rank 1 only
+    before = [g.flat.clone() for g in opt.groups]
+    try:
+        opt.step()
+    except FloatingPointError as e:
+        unchanged = all(torch.equal(a, g.flat) for a, g in zip(before, opt.groups))
+        finite = all(torch.isfinite(g.flat).all() for g in opt.groups)
+        return str(e), unchanged, finite
+    return None, None, None
+
+
+def test_bf16_nan_is_refused_on_every_rank_before_the_gather():
+    for msg, unchanged, finite in run_distributed(nan_step, 2):
+        assert msg is not None, "a NaN step must raise"
+        assert "non-finite weights" in msg and "'0.weight'" in msg
+        assert unchanged and finite, "nothing may have been gathered"
+
+
+def nan_gather(rank, world):
+    flat = torch.randn(64 * world).bfloat16()
+    if rank == 1:
+        flat[64 + 5] = float("inf")
+    before = flat.clone()
+    try:
+        qzero.quantized_all_gather(flat)
+    except ValueError as e:
+        return str(e), torch.equal(flat, before)
+    return None, None
+
+
+def test_gather_refuses_non_finite_input_on_every_rank():
+    msgs = run_distributed(nan_gather, 3)
+    assert "non-finite" in msgs[1][0] and "index 69" in msgs[1][0]
+    for msg, unchanged in msgs:
+        assert msg is not None and unchanged
+
+
+# ------------------------------------------------------------------ a rank dies
+
+
+def _dying_worker(rank, world, store, results, where):
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20)
+        )
+        torch.set_num_threads(1)
+        if where == "gather":
+            flat = torch.randn(64 * 20 * world).bfloat16()
+            if rank == world - 1:
+                real, calls = comm.all_gather_into, [0]
+
+                def die_on_third(*a, **k):
+                    calls[0] += 1
+                    if calls[0] == 3:
+                        os._exit(17)  # dies mid-gather, without a word
+                    return real(*a, **k)
+
+                comm.all_gather_into = die_on_third
+            t0 = time.monotonic()
+            try:
+                qzero.quantized_all_gather(flat, bucket_numel=64 * world)
+            except comm.PeerFailure as e:
+                results.put((rank, str(e), time.monotonic() - t0))
+                return
+        else:  # mid-step: the last rank dies inside backward's gradient reduction
+            model = small_model()
+            opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(reduce_bucket_size=256))
+            x = torch.randn(4, 16).bfloat16()
+            if rank == world - 1:
+                model[2].weight.register_post_accumulate_grad_hook(lambda p: os._exit(17))
+            t0 = time.monotonic()
+            try:
+                opt.backward((model(x).float() ** 2).mean())
+                opt.step()
+            except comm.PeerFailure as e:
+                results.put((rank, str(e), time.monotonic() - t0))
+                return
+        results.put((rank, None, 0.0))
+    except BaseException as e:  # noqa: BLE001
+        results.put((rank, f"unexpected {type(e).__name__}: {e}", 0.0))
+
+
+@pytest.mark.parametrize("where", ["gather", "step"])
+def test_a_dead_rank_makes_the_others_fail_clearly(where):
+    world = 3
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_dying_worker, args=(r, world, os.path.join(tmp, "store"), results, where), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        got = {}
+        deadline = time.monotonic() + 90
+        try:
+            while len(got) < world - 1 and time.monotonic() < deadline:
+                rank, msg, seconds = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                got[rank] = (msg, seconds)
+        except queue.Empty:
+            pass
+        finally:
+            for p in procs:
+                p.join(timeout=2)
+                if p.is_alive():
+                    p.kill()
+        assert procs[-1].exitcode == 17
+    assert sorted(got) == list(range(world - 1)), f"survivors did not all report: {got}"
+    for msg, seconds in got.values():
+        assert msg is not None and msg.startswith("qzero:") and "peer rank died" in msg, msg
+        assert seconds < 60
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+SAVER = textwrap.dedent(
+    """
+    import functools, sys, torch, qzero
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).bfloat16()
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3))
+    step = 0
+    while True:
+        step += 1
+        opt.backward((model(torch.randn(8, 64).bfloat16()).float() ** 2).mean())
+        opt.step(); opt.zero_grad()
+        opt.save_checkpoint(sys.argv[1])
+        print(step, flush=True)
+    """
+)
+
+
+def load_into_fresh(path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).bfloat16()
+    opt = qzero.ZeroOptimizer(model, ADAMW)
+    opt.load_checkpoint(path)
+    return opt
+
+
+def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER)
+    rng = random.Random(int(time.time()))
+    for attempt in range(5):
+        proc = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip()  # one complete save at least
+        time.sleep(rng.random() * 0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.warns(UserWarning) if not os.path.isdir(path) else _nothing():
+            opt = load_into_fresh(path)
+        assert opt.optimizer.state[opt.groups[0].master]["step"].item() >= 1
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch qzero_pwned",))
+
+
+def test_a_tampered_checkpoint_index_is_not_unpickled(tmp_path):
+    opt = qzero.ZeroOptimizer(small_model(), ADAMW)
+    path = str(tmp_path / "ckpt")
+    opt.save_checkpoint(path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Boom(), f)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(Exception, match="refuses to load"):
+            opt.load_checkpoint(path)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "qzero_pwned").exists()
+
+
+def test_resume_after_load_is_bit_exact_at_world_size_1(tmp_path):
+    def train(opt, model, steps, seed):
+        out = []
+        for s in range(steps):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + s)).bfloat16()
+            loss = (model(x).float() ** 2).mean()
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    cfg = qzero.ZeroConfig(zero_quantized_weights=True, small_param_numel=16)
+    model = small_model()
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
+    train(opt, model, 3, 0)
+    opt.save_checkpoint(str(tmp_path / "c"))
+    first = train(opt, model, 3, 100)
+    model2 = small_model(seed=5)
+    opt2 = qzero.ZeroOptimizer(model2, ADAMW, config=cfg)
+    opt2.load_checkpoint(str(tmp_path / "c"))
+    assert train(opt2, model2, 3, 100) == first
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
