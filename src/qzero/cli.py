@@ -41,6 +41,7 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     z.add_argument("--allgather-bucket", type=float, default=5e8, help="elements across all ranks (default 5e8)")
     z.add_argument("--reduce-bucket", type=float, default=5e8)
     z.add_argument("--reduce-dtype", choices=("bf16", "fp16", "fp32"))
+    z.add_argument("--overlap", action="store_true", help="gather-ahead: overlap the weight gather with the next forward")
 
 
 def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
@@ -59,6 +60,7 @@ def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
         allgather_bucket=int(args.allgather_bucket),
         reduce_bucket=int(args.reduce_bucket),
         reduce_dtype=args.reduce_dtype,
+        overlap=args.overlap,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,

@@ -38,6 +38,7 @@ class TrainSettings:
     precision: str = "bf16"  # bf16 | fp16
     stage: int = 2
     quantized: bool = False
+    overlap: bool = False  # gather-ahead: hide the post-step gather under the next forward
     group_size: int = 64
     fmt: str = "int8"
     small_param_numel: int | None = None  # None: the preset's own threshold
@@ -69,6 +70,7 @@ class TrainSettings:
             allgather_bucket_size=self.allgather_bucket,
             reduce_bucket_size=self.reduce_bucket,
             reduce_dtype=self.reduce_dtype,
+            overlap_param_gather=self.overlap,
             **self.extra_config,
         )
 
