@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from qzero import pipeline
-from qzero.comm import all_gather, quantized_all_gather
+from qzero.comm import all_gather, quantized_all_gather, run_gather
 from qzero.layout import plan_gather
 from qzero.quant import get_format, reference
 from qzero.quant import triton as kernels
@@ -49,9 +49,7 @@ def parse_args():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--regime", default=None, help="label of the link regime (default: from NCCL env)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (multi-GPU)")
-    ap.add_argument("--tune", default="1024x4,2048x4,2048x8,4096x4,4096x8", help="block_elems x num_warps to sweep")
-    ap.add_argument("--division", default=None, choices=["rn", "recip", "auto"],
-                    help="pack kernel division method; auto: recip if its exhaustive check passes")
+    ap.add_argument("--tune", default="1024x4,2048x4,2048x8", help="block_elems x num_warps to sweep")
     ap.add_argument("--no-reference", action="store_true", help="skip the eager torch reference timings")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
@@ -183,8 +181,7 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
 
 def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> list[dict]:
     """Sweep launch shapes for payloads without and with exact elements and keep the
-    fastest (pack + unpack) of each in ``kernels.TUNING``; then time the other division
-    method at the chosen shape, for the record."""
+    fastest (pack + unpack) of each in ``kernels.TUNING``."""
     rows = []
     for exact in (False, True):
         for block, warps in shapes:
@@ -193,37 +190,43 @@ def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, 
             else:
                 kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
             r = kernel_case(n, fmt, gs, dtype, exact, kernels)
-            rows.append({"exact": exact, "division": kernels.DIVISION, "block_elems": block, "num_warps": warps, **r})
+            rows.append({"exact": exact, "block_elems": block, "num_warps": warps, **r})
         best = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
         if exact:
             kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = best["block_elems"], best["num_warps"]
         else:
             kernels.TUNING.block_elems, kernels.TUNING.num_warps = best["block_elems"], best["num_warps"]
-    chosen = kernels.DIVISION
-    kernels.DIVISION = "rn" if chosen == "recip" else "recip"
-    r = kernel_case(n, fmt, gs, dtype, False, kernels)
-    rows.append({"exact": False, "division": kernels.DIVISION, "block_elems": kernels.TUNING.block_elems,
-                 "num_warps": kernels.TUNING.num_warps, **r})
-    kernels.DIVISION = chosen
     return rows
 
 
+def gather_plan(n: int, world: int, fmt: str | None, gs: int, bucket: int):
+    """The static plan an optimizer keeps (bf16 elements; exact ranges only when quantized)."""
+    if fmt is None:
+        return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=None)
+    return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=fmt, group_size=gs, exact_ranges=exact_ranges_for(n))
+
+
 def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True) -> dict:
+    """World-size-1 gather through ``run_gather`` with a prebuilt plan (the optimizer's path),
+    and the public ``quantized_all_gather``/``all_gather`` (which validate arguments each call)."""
     flat = random_flat(n, dtype, 4)
-    ranges = exact_ranges_for(n)
+    plan = gather_plan(n, 1, fmt, gs, bucket)
     os.environ["QZERO_PIPELINE"] = "1" if pipelined else "0"
     if fmt is None:
-        fn = lambda: all_gather(flat, bucket_numel=bucket)  # noqa: E731
+        api = lambda: all_gather(flat, bucket_numel=bucket)  # noqa: E731
     else:
-        fn = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, bucket_numel=bucket, fmt=fmt)  # noqa: E731
+        ranges = exact_ranges_for(n)
+        api = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, bucket_numel=bucket, fmt=fmt)  # noqa: E731
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ms = median_ms(fn, reps=reps_for(n))
+    ms = median_ms(lambda: run_gather(flat, plan), reps=reps_for(n))
     extra = torch.cuda.max_memory_allocated() - base
-    stats = fn()
+    api_ms = median_ms(api, reps=reps_for(n))
+    stats = run_gather(flat, plan)
     os.environ["QZERO_PIPELINE"] = "1"
     del flat
-    return {"ms": ms, "chunks": stats.num_chunks, "bytes_per_rank": stats.bytes_sent, "peak_extra_bytes": extra}
+    return {"ms": ms, "api_ms": api_ms, "chunks": stats.num_chunks, "bytes_per_rank": stats.bytes_sent,
+            "peak_extra_bytes": extra}
 
 
 def single_gpu(args) -> dict:
@@ -232,15 +235,12 @@ def single_gpu(args) -> dict:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     formats = args.formats.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.tune.split(",") if s]
-    out = {"mode": "single", "regime": "single GPU, no link", "group_size": gs, "dtype": args.dtype,
-           "division": kernels.DIVISION, **versions()}
+    out = {"mode": "single", "regime": "single GPU, no link", "group_size": gs, "dtype": args.dtype, **versions()}
     small = min(sizes)
 
     out["correct"] = {fmt: check_kernels(1 << 24, fmt, gs, dtype) for fmt in formats}
     print("kernels == reference:", out["correct"], flush=True)
 
-    out["division"] = kernels.DIVISION
-    out["division_mismatches"] = args.division_mismatches
 
     out["tuning"] = {}
     best = {}
@@ -285,17 +285,19 @@ def single_markdown(res: dict) -> str:
         f"# Gather kernels: {res['device']}, {res['regime']}",
         "",
         f"{res['date_utc']} UTC; torch {res['torch']}, Triton {res['triton']}, CUDA {res['cuda']}; "
-        f"{res['dtype']} flat buffer, group size {res['group_size']}, pack division '{res['division']}'. "
-        "Medians of CUDA-event times. "
+        f"{res['dtype']} flat buffer, group size {res['group_size']}. Medians of CUDA-event times. "
         "Bandwidth counts bytes read + written; 'of copy' compares it with a device-to-device copy "
         "measured in the same run. 'exact' adds a 4 Ki-element exact range every 2 Mi elements. "
-        "Gathers are world size 1 (no collective): quantize + dequantize through the chunk loop.",
+        "Gathers are world size 1 (no collective): quantize + dequantize through the chunk loop, "
+        "run with a prebuilt plan as the optimizer does (`run_gather`); the public API also validates its "
+        "arguments on every call.",
         "",
         f"Kernels equal to the torch reference (bytes and elements): {res['correct']}",
         "",
         "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy "
-        "| pack/unpack ms, exact | eager reference pack/unpack ms | gather ms (pipelined / serial) | plain gather ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pack/unpack ms, exact | eager reference pack/unpack ms | gather ms (pipelined / serial) | plain gather ms "
+        "| gather ms via public API (quantized / plain) | gather peak extra GB (quantized / plain) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in res["sizes"]:
         for fmt, r in e["formats"].items():
@@ -306,20 +308,22 @@ def single_markdown(res: dict) -> str:
                 f"| {size_label(e['numel'])} | {fmt} | {k['pack_ms']:.3f} | {k['pack_GBps']:.0f} | "
                 f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | {k['unpack_frac_copy']:.0%} | "
                 f"{x['pack_ms']:.3f} / {x['unpack_ms']:.3f} | {ref_txt} | "
-                f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} |"
+                f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} | "
+                f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / {e['plain_gather'].get('api_ms', float('nan')):.2f} | "
+                f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / {e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
             )
     if res.get("tuning"):
         lines += [
             "",
             f"Launch-shape sweep at {size_label(min(e['numel'] for e in res['sizes']))}:",
             "",
-            "| format | exact ranges | division | block | warps | pack ms | pack GB/s | unpack ms | unpack GB/s |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| format | exact ranges | block | warps | pack ms | pack GB/s | unpack ms | unpack GB/s |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for fmt, rows in res["tuning"].items():
             for r in rows:
                 lines.append(
-                    f"| {fmt} | {'yes' if r.get('exact') else 'no'} | {r.get('division', '-')} | {r['block_elems']} | "
+                    f"| {fmt} | {'yes' if r.get('exact') else 'no'} | {r['block_elems']} | "
                     f"{r['num_warps']} | {r['pack_ms']:.3f} | "
                     f"{r['pack_GBps']:.0f} | {r['unpack_ms']:.3f} | {r['unpack_GBps']:.0f} |"
                 )
@@ -371,8 +375,6 @@ def multi_gpu(args) -> dict:
         "group_size": gs,
         "dtype": args.dtype,
         "bucket_numel": args.bucket,
-        "division": kernels.DIVISION,
-        "division_mismatches": args.division_mismatches,
         "launch": dataclasses.asdict(kernels.TUNING),
         **versions(),
         "sizes": [],
@@ -380,15 +382,18 @@ def multi_gpu(args) -> dict:
     for n in (parse_size(s) for s in args.sizes.split(",")):
         flat = random_flat(n, dtype, 5 + rank)
         ranges = exact_ranges_for(n)
-        arms = {"bf16": lambda: all_gather(flat, bucket_numel=args.bucket)}
+        plain = gather_plan(n, world, None, gs, args.bucket)
+        arms = {"bf16": lambda plain=plain: run_gather(flat, plain)}
         for fmt in formats:
-            arms[fmt] = lambda fmt=fmt: quantized_all_gather(
-                flat, group_size=gs, exact_ranges=ranges, bucket_numel=args.bucket, fmt=fmt
-            )
-            plan = plan_gather(n, world, bucket_numel=args.bucket, fmt=fmt, group_size=gs, exact_ranges=ranges)
+            plan = gather_plan(n, world, fmt, gs, args.bucket)
+            arms[fmt] = lambda plan=plan: run_gather(flat, plan)
             pay = torch.empty(plan.bytes_per_rank, dtype=torch.uint8, device="cuda")
             recv = torch.empty(world * pay.numel(), dtype=torch.uint8, device="cuda")
             arms[f"{fmt} payload only"] = lambda pay=pay, recv=recv: dist.all_gather_into_tensor(recv, pay)
+        fmt0 = formats[0]
+        arms[f"{fmt0} via quantized_all_gather"] = lambda: quantized_all_gather(
+            flat, group_size=gs, exact_ranges=ranges, bucket_numel=args.bucket, fmt=fmt0
+        )
         for fn in arms.values():  # warm-up: compile, plans, NCCL channels
             fn()
             fn()
@@ -420,6 +425,8 @@ def multi_markdown(res: dict) -> str:
         f"{res['date_utc']} UTC; torch {res['torch']}, Triton {res['triton']}, CUDA {res['cuda']}; "
         f"{res['dtype']} flat, group size {res['group_size']}, bucket {res['bucket_numel']:,} elements; "
         "arms interleaved round by round, median over rounds of the slowest rank's CUDA-event time. "
+        "Gathers run with prebuilt plans as the optimizer does (`run_gather`); 'payload only' is the bare "
+        "all-gather of the same bytes; 'via quantized_all_gather' adds the public API's per-call checks. "
         "Algorithm bandwidth = bf16 bytes of the whole flat buffer / time.",
         "",
         "| size | arm | median ms | algbw GB/s | speedup vs bf16 |",
@@ -447,14 +454,6 @@ def main() -> int:
             fh.write(md)
         print(md)
         return 0
-    args.division_mismatches = None
-    if args.division in ("rn", "recip"):
-        kernels.DIVISION = args.division
-    elif args.division == "auto" and torch.cuda.is_available() and kernels.AVAILABLE:
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-        args.division_mismatches = {f: kernels.division_mismatches(f, dtype) for f in args.formats.split(",")}
-        kernels.DIVISION = "rn" if any(args.division_mismatches.values()) else "recip"
-        print("reciprocal-division mismatches:", args.division_mismatches, "->", kernels.DIVISION, flush=True)
     if not torch.cuda.is_available() or not kernels.AVAILABLE:
         print("needs a CUDA device and Triton", file=sys.stderr)
         return 2

@@ -5,8 +5,8 @@
 # Usage: bash bench/run_all.sh OUTDIR
 set -u
 out=${1:-bench/results}
-bash bench/run_device.sh "$out" --division auto
-bash bench/run_regimes.sh "$out" --division auto --rounds "${ROUNDS:-11}" >"$out/regimes.log" 2>&1
+bash bench/run_device.sh "$out"
+bash bench/run_regimes.sh "$out" --rounds "${ROUNDS:-9}" >"$out/regimes.log" 2>&1
 grep -v "^\[W\|Warning\|warn(" "$out/regimes.log" | tail -n 45
 cat "$out/gpu_tests.log" "$out/bench.log" "$out/regimes.log" > "$out/logs.txt"
 rm -f "$out/gpu_tests.log" "$out/bench.log" "$out/regimes.log" "$out"/gather_dp2_*.md

@@ -118,19 +118,6 @@ def test_roundtrip_matches_reference(fmt, group_size, dtype, tile):
 
 
 @cpu_only
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_reciprocal_division_matches_reference(fmt, dtype, monkeypatch):
-    monkeypatch.setattr(kernels, "DIVISION", "recip")
-    gen = torch.Generator().manual_seed(23)
-    n = 40 * 64 + 3
-    x = weights(n, dtype, gen)
-    exact = random_exact(n, gen)
-    payload, layout = check_pack(x, fmt, 64, exact, gen)
-    check_unpack(payload, layout, n, dtype, fmt, 64, exact, gen)
-
-
-@cpu_only
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 65, 130])
 def test_odd_tails(fmt, n, tile):
@@ -299,15 +286,6 @@ def test_gpu_plain_gather_untouched():
     all_gather(flat, bucket_numel=1 << 16)
     assert torch.equal(flat.view(torch.int16), want.view(torch.int16))
 
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_reciprocal_division_exhaustive(fmt, dtype):
-    """Over every (absmax, x) pair a group can hold, the reciprocal method stores the same
-    values as the correctly rounded division: DIVISION="recip" is exact."""
-    assert kernels.division_mismatches(fmt, dtype) == 0
 
 
 @gpu_only

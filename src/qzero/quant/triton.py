@@ -8,19 +8,19 @@ Same contract and the same bytes as :func:`qzero.quant.reference.pack_payload` a
   ``max(absmax / qmax, FLT_MIN)`` and ``y = x / scale`` (both divisions correctly
   rounded, like torch's); round and store values and scales.
 * ``unpack``: read values and scales, write ``q * scale`` (fp32, one rounding)
-  straight into the bf16/fp16 destination, exact elements replaced by their
-  side-channel bits in the same store.
+  straight into the bf16/fp16 destination; exact elements are then put back from
+  the side channel by a scatter on the same stream (see :func:`unpack_payload`).
 
 Work split: each program owns ``G`` whole groups, laid out as a ``[G, GS_PAD]``
 tile (``GS_PAD`` is the group size rounded up to a power of two; the extra columns
 are masked off), so a group's absmax is a row reduction inside one program.
 
-Exact elements are found without any per-element mask buffer. ``exact_index`` is
-sorted and unique, so one ``searchsorted`` gives, for every program, the slice of
-``exact_index`` that falls in its tile (memory: one int64 per program, bounded by
-the chunk). Only programs whose slice is non-empty do more work: a branch-free
-binary search of each element within that slice, which also yields the element's
-position in the side channel.
+In the pack, exact elements are found without any per-element mask buffer.
+``exact_index`` is sorted and unique, so one ``searchsorted`` gives, for every
+program, the slice of ``exact_index`` that falls in its tile (memory: one int64 per
+program, bounded by the chunk). Only programs whose slice is non-empty do more
+work: they walk that slice run by run (a run is typically one small parameter),
+which also yields each exact element's position in the side channel.
 
 ``AVAILABLE`` is False when Triton is missing, or when there is neither a CUDA
 device nor the CPU interpreter (``TRITON_INTERPRET=1``) to run on.
@@ -74,11 +74,6 @@ TUNING = Tuning()
 #: of the hardware conversions. Same results; needed under the CPU interpreter, whose
 #: own bf16/fp8 conversions truncate, and on GPUs older than sm_89 (no fp8 support).
 SOFT_CASTS = INTERPRET
-
-#: How the pack kernel computes ``x / scale``: "rn" is a correctly rounded division
-#: per element; "recip" multiplies by the group's correctly rounded reciprocal and
-#: corrects once with an fma (fewer instructions, same results on bf16/fp16 input).
-DIVISION = "rn"
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,22 +226,16 @@ if triton is not None:
         return tl.maximum(tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32)), FLOOR)
 
     @triton.jit
-    def _divide(x, scale, inv, QMAX: tl.constexpr, RECIP: tl.constexpr):
-        """``x / scale`` rounded to nearest, then clamped to [-QMAX, QMAX].
+    def _divide(x, scale, QMAX: tl.constexpr):
+        """``x / scale`` correctly rounded (like torch's; Triton's ``/`` is not), then
+        clamped to [-QMAX, QMAX]. Clamping before rounding to the stored value gives the
+        same result as after (rounding is monotone, QMAX representable) and keeps |y| small.
 
-        RECIP: one multiplication by the group's rounded reciprocal and one fma
-        correction step instead of a full division; it equals the correctly rounded
-        quotient on every bf16/fp16 input (checked exhaustively on the GPU, see the
-        tests). Clamping before rounding gives the same result as after (rounding
-        is monotone and QMAX is representable) and keeps |y| small.
+        A cheaper multiply by the group's reciprocal plus one fma correction was tried:
+        an exhaustive check over all bf16 (absmax, x) pairs found pairs where it stores a
+        different value, so the full division stays.
         """
-        if RECIP:
-            q = x * inv
-            y = tl.fma(tl.fma(-q, scale, x), inv, q)  # the residual x - q*scale is exact
-            y = tl.where(y == 0.0, q, y)  # keep the sign of a zero quotient (it shows in e4m3's -0)
-        else:
-            y = tl.math.div_rn(x, scale)
-        return tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
 
     @triton.jit
     def _tile(n, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr):
@@ -268,7 +257,6 @@ if triton is not None:
         n,
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
-        RECIP: tl.constexpr,
         PAIRS: tl.constexpr,
         FMT: tl.constexpr,
         QMAX: tl.constexpr,
@@ -285,12 +273,13 @@ if triton is not None:
             # never cross threads. With a 4-byte aligned source (PAIRS) a pair is one
             # 32-bit load, even element in the low half; else two strided loads.
             jb = tl.arange(0, GS_PAD // 2)
-            even = g[:, None] * GS + 2 * jb[None, :]
+            pair = g[:, None] * (GS // 2) + jb[None, :]  # byte (and pair) index in the tile
+            even = 2 * pair
             valid_e = (jb[None, :] < GS // 2) & (even < rem)
             valid_o = valid_e & (even + 1 < rem)
             if PAIRS:
                 words = (src_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True)
-                w = tl.load(words + even // 2, mask=valid_o, other=0)
+                w = tl.load(words + pair, mask=valid_o, other=0)
                 # A short tail leaves a lone even element: load it on its own.
                 lone = tl.load(src_ptr + base + even, mask=valid_e & (even + 1 >= rem), other=0)
                 bits_e = tl.where(valid_o, w.to(tl.int16), lone)
@@ -302,11 +291,10 @@ if triton is not None:
             xo = _mask_exact(bits_o, side_ptr, idx_ptr, blk_ptr, pid, base, even + 1, valid_o, IS_BF16, HAS_EXACT, STEPS)
             absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
             scale = _scale_of(absmax, QMAX, FLOOR)
-            inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-            qe = _round_half_even(_divide(xe, scale[:, None], inv[:, None], QMAX, RECIP)).to(tl.int32)
-            qo = _round_half_even(_divide(xo, scale[:, None], inv[:, None], QMAX, RECIP)).to(tl.int32)
+            qe = _round_half_even(_divide(xe, scale[:, None], QMAX)).to(tl.int32)
+            qo = _round_half_even(_divide(xo, scale[:, None], QMAX)).to(tl.int32)
             byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
-            tl.store(values_ptr + base // 2 + even // 2, byte, mask=valid_e)
+            tl.store(values_ptr + base // 2 + pair, byte, mask=valid_e)
         else:
             j = tl.arange(0, GS_PAD)
             offs = g[:, None] * GS + j[None, :]
@@ -314,8 +302,7 @@ if triton is not None:
             x = _load_masked(src_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, IS_BF16, HAS_EXACT, STEPS)
             absmax = tl.max(tl.abs(x), axis=1)
             scale = _scale_of(absmax, QMAX, FLOOR)
-            inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-            y = _divide(x, scale[:, None], inv[:, None], QMAX, RECIP)
+            y = _divide(x, scale[:, None], QMAX)
             if FMT == 1:
                 v = _e4m3_bits(y, SOFT)
             else:
@@ -327,9 +314,6 @@ if triton is not None:
     def _unpack_kernel(
         values_ptr,  # uint8
         scales_ptr,  # fp32
-        side_ptr,  # int16
-        idx_ptr,  # int64
-        blk_ptr,  # int64
         dst_ptr,  # int16 view of the bf16/fp16 destination
         n,
         IS_BF16: tl.constexpr,
@@ -338,8 +322,6 @@ if triton is not None:
         GS: tl.constexpr,
         GS_PAD: tl.constexpr,
         G: tl.constexpr,
-        HAS_EXACT: tl.constexpr,
-        STEPS: tl.constexpr,
     ):
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         j = tl.arange(0, GS_PAD)
@@ -363,60 +345,7 @@ if triton is not None:
             q = v.to(tl.int8, bitcast=True).to(tl.float32)
 
         out = _narrow(q * scale[:, None], IS_BF16, SOFT)
-        if HAS_EXACT:
-            lo = tl.load(blk_ptr + pid)
-            hi = tl.load(blk_ptr + pid + 1)
-            if hi > lo:
-                is_exact, pos = _exact_runs(idx_ptr, lo, hi, base, offs, STEPS)
-                kept = tl.load(side_ptr + lo + pos, mask=is_exact & valid, other=0)
-                out = tl.where(is_exact, kept, out)
         tl.store(dst_ptr + base + offs, out, mask=valid)
-
-
-    @triton.jit
-    def _stored_code(y, FMT: tl.constexpr):
-        """What a pack stores for an already clamped quotient, as int32."""
-        if FMT == 1:
-            return _e4m3_bits(y, False).to(tl.int32)
-        return _round_half_even(y).to(tl.int32)
-
-    @triton.jit
-    def _division_check_kernel(out_ptr, QMAX: tl.constexpr, FLOOR: tl.constexpr, IS_BF16: tl.constexpr,
-                               FMT: tl.constexpr):
-        """Program p takes the absmax bit pattern p + 1 and counts the bit patterns x with
-        |x| <= absmax whose stored value differs between the two division methods."""
-        a = _widen((tl.program_id(0) + 1).to(tl.int16), IS_BF16)
-        scale = _scale_of(tl.zeros([1], tl.float32) + a, QMAX, FLOOR)
-        inv = tl.math.div_rn(tl.full([1], 1.0, tl.float32), scale)
-        bad = tl.zeros([1024], tl.int32)
-        for start in range(0, 65536, 1024):
-            x = _widen((start + tl.arange(0, 1024)).to(tl.int16), IS_BF16)
-            rn = _stored_code(_divide(x, scale, inv, QMAX, False), FMT)
-            rc = _stored_code(_divide(x, scale, inv, QMAX, True), FMT)
-            bad += ((tl.abs(x) <= a) & (rn != rc)).to(tl.int32)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0))
-
-
-def division_mismatches(fmt: str, dtype: torch.dtype, device: str | torch.device = "cuda") -> int:
-    """Exhaustive check of ``DIVISION = "recip"`` on a CUDA device.
-
-    For every positive finite bf16/fp16 absmax and every bit pattern ``x`` with
-    ``|x| <= absmax`` (all inputs a group can hold), count the pairs on which the
-    reciprocal method stores a different value than the correctly rounded division.
-    Both use only IEEE fp32 operations (division, multiply, fma), so 0 here holds on
-    any device. About 2**31 pairs; milliseconds on a GPU.
-    """
-    if dtype not in _IO_DTYPES:
-        raise TypeError(f"dtype must be bf16 or fp16, got {dtype}")
-    f = get_format(fmt)
-    last_finite = 0x7F7F if dtype == torch.bfloat16 else 0x7BFF
-    out = torch.full((last_finite,), -1, dtype=torch.int32, device=device)
-    _division_check_kernel[(last_finite,)](
-        out, QMAX=float(f.qmax), FLOOR=FLT_MIN, IS_BF16=dtype == torch.bfloat16, FMT=_FMT_CODES[f.name]
-    )
-    if int(out.min()) < 0:
-        raise RuntimeError("the division check did not cover every absmax")
-    return int(out.sum())
 
 
 # --------------------------------------------------------------------------- launchers
@@ -481,7 +410,6 @@ def pack_payload(
         n,
         IS_BF16=src.dtype == torch.bfloat16,
         SOFT=_soft(src.device),
-        RECIP=DIVISION == "recip",
         PAIRS=src.data_ptr() % 4 == 0,
         FMT=_FMT_CODES[f.name],
         QMAX=float(f.qmax),
@@ -503,7 +431,13 @@ def unpack_payload(
     fmt: str,
     exact_index: torch.Tensor | None,
 ) -> None:
-    """Kernel twin of :func:`qzero.quant.reference.unpack_payload`: same arguments, same result."""
+    """Kernel twin of :func:`qzero.quant.reference.unpack_payload`: same arguments, same result.
+
+    Exact elements are written back by a scatter right after the dequantizing kernel,
+    on the same stream. Doing it inside the kernel (as the pack does its masking) was
+    measured slower: the lookup code costs every program registers, while the
+    scatter touches only the exact elements (a fraction of a percent of a chunk).
+    """
     f = get_format(fmt)
     _check(dst, "destination")
     n = dst.numel()
@@ -511,15 +445,10 @@ def unpack_payload(
     values, scales, side = _sections(payload, layout, n, group_size, f, count)
     if n == 0:
         return
-    has_exact = exact_index is not None and exact_index.numel() > 0
-    shape = _launch_shape(n, group_size, has_exact)
-    idx, blk = _exact_tables(exact_index, shape, dst.device)
+    shape = _launch_shape(n, group_size, False)
     _unpack_kernel[(shape.programs,)](
         values,
         scales,
-        side if has_exact else scales,
-        idx if has_exact else scales,
-        blk if has_exact else scales,
         dst.view(torch.int16),
         n,
         IS_BF16=dst.dtype == torch.bfloat16,
@@ -528,7 +457,7 @@ def unpack_payload(
         GS=group_size,
         GS_PAD=shape.gs_pad,
         G=shape.groups_per_prog,
-        HAS_EXACT=has_exact,
-        STEPS=shape.search_steps,
         num_warps=shape.num_warps,
     )
+    if count:
+        dst.view(torch.int16).index_copy_(0, exact_index.to(device=dst.device, dtype=torch.int64), side)
