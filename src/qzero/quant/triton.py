@@ -1,7 +1,7 @@
 """Fused Triton kernels for one rank's chunk payload.
 
 Same contract and the same bytes as :func:`qzero.quant.reference.pack_payload` and
-:func:`qzero.quant.reference.unpack_payload`, in one kernel launch each:
+:func:`qzero.quant.reference.unpack_payload`, one pass over the data each:
 
 * ``pack``: read the bf16/fp16 slice once; zero its exact elements (copying their
   raw bits into the side channel); per group take the absmax, the scale
@@ -175,8 +175,8 @@ if triton is not None:
 
         ``idx[lo:hi]`` are the sorted exact indices inside this tile. They are walked
         run by run (a run: consecutive indices, e.g. one small parameter), so the cost
-        is a few scalar loads per run plus two compares per element, and registers
-        stay few even though this code is compiled into every program.
+        is a few scalar loads per run plus two compares per element, not a search per
+        element.
         """
         is_exact = offs < 0
         pos = tl.zeros(offs.shape, tl.int32)
