@@ -1,0 +1,90 @@
+"""Single-process simulation of the chunked gather, and an independent numpy model of its result.
+
+``simulate_gather`` runs exactly what :func:`qzero.comm.run_gather` runs on every rank,
+but for all ``world_size`` ranks in one process: per chunk, every simulated rank packs
+its payload into its slot of one shared receive buffer (so the buffer holds exactly
+what an all-gather would deliver), then every rank unpacks that buffer into its own
+copy of the flat buffer. No process group is involved.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from qzero.comm import pack_chunk, unpack_chunk
+from qzero.quant import reference
+from qzero.quant.reference import FLT_MIN
+
+QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+
+
+def poisoned_copy(truth: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Only ``rank``'s own partition is real; the rest is NaN, which the gather must overwrite."""
+    flat = torch.full_like(truth, float("nan"))
+    p = truth.numel() // world
+    flat[rank * p : (rank + 1) * p] = truth[rank * p : (rank + 1) * p]
+    return flat
+
+
+def simulate_gather(truth: torch.Tensor, plan, kernels=reference, garbage_seed: int | None = 0) -> list[torch.Tensor]:
+    """The W flat buffers that W ranks would hold after ``run_gather(flat, plan)``.
+
+    The receive buffer starts as random bytes (``garbage_seed``), so padding or a
+    section a rank forgot to write shows up as a difference.
+    """
+    world = plan.world_size
+    copies = [poisoned_copy(truth, r, world) for r in range(world)]
+    gen = torch.Generator().manual_seed(garbage_seed or 0)
+    for chunk in plan.chunks:
+        nbytes = world * chunk.payload_bytes
+        if garbage_seed is None:
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+        else:
+            buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        for r in range(world):
+            slot = pack_chunk(copies[r], plan, chunk, r, buf, kernels)
+            pb = chunk.payload_bytes
+            assert slot.data_ptr() == buf[r * pb : (r + 1) * pb].data_ptr() and slot.numel() == pb
+        for r in range(world):
+            unpack_chunk(copies[r], plan, chunk, r, buf, kernels)
+    return copies
+
+
+def _e4m3(y: np.ndarray) -> np.ndarray:
+    """Round fp32 values to e4m3 (torch's cast defines the rounding) and back to fp32."""
+    return torch.from_numpy(np.ascontiguousarray(y)).to(torch.float8_e4m3fn).to(torch.float32).numpy()
+
+
+def expected_gather(truth: torch.Tensor, world: int, group_size: int, exact_ranges, fmt: str = "int8") -> torch.Tensor:
+    """Per partition, group by group from the partition start, in numpy float32: exact
+    elements masked to zero before the scales, then restored bit-exactly."""
+    v = truth.float().numpy().astype(np.float32)
+    exact = np.zeros(v.size, bool)
+    for a, b in exact_ranges:
+        exact[a:b] = True
+    masked = np.where(exact, np.float32(0), v)
+    qmax = np.float32(QMAX[fmt])
+    p = v.size // world
+    out = np.empty(v.size, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for r in range(world):
+            for g0 in range(r * p, (r + 1) * p, group_size):
+                g1 = min(g0 + group_size, (r + 1) * p)
+                grp = masked[g0:g1]
+                scale = np.float32(max(np.float32(np.abs(grp).max()) / qmax, np.float32(FLT_MIN)))
+                y = (grp / scale).astype(np.float32)
+                if fmt == "fp8":
+                    q = _e4m3(np.clip(y, -qmax, qmax))
+                else:
+                    q = np.clip(np.rint(y), -qmax, qmax).astype(np.int8)  # integers: no -0
+                out[g0:g1] = (q.astype(np.float32) * scale).astype(np.float32)
+    result = torch.from_numpy(out).to(truth.dtype)
+    mask = torch.from_numpy(exact)
+    result[mask] = truth[mask]
+    return result
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a 16-bit tensor (NaN-safe bitwise comparison)."""
+    return t.view(torch.int16)
