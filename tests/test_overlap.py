@@ -21,7 +21,7 @@ class Net(torch.nn.Module):
     def __init__(self, reverse=False):
         super().__init__()
         self.emb = torch.nn.Embedding(41, 32)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(20))
         self.norm = torch.nn.LayerNorm(32)
         self.head = torch.nn.Linear(32, 41, bias=False)
         self.reverse = reverse

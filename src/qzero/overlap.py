@@ -29,6 +29,9 @@ from .layout import GatherPlan
 from .quant import kernels_for
 
 DEPTH = 2
+#: Modules may run this many places before their registration order without a warning
+#: (a transformer layer runs its input norm, registered last, before its projections).
+REORDER_TOLERANCE = 16
 
 
 def last_chunk_needed(plan: GatherPlan, start: int, stop: int) -> int:
@@ -95,47 +98,50 @@ class GatherAhead:
         self.groups = groups
         self.pending: list[PendingGather | None] = [None] * len(groups)
         self._warned = False
-        self._furthest = [-1] * len(groups)  # furthest flat start a module of this forward began at
+        self._furthest = -1  # the furthest module (registration order) this forward has reached
+        self._active = False
         index = {}
         for gi, g in enumerate(groups):
             for slot, p in zip(g.layout.slots, g.params):
                 index[p] = (gi, slot.start, slot.stop)
         self._needs: dict[torch.nn.Module, list[tuple[int, int, int]]] = {}
+        self._position: dict[torch.nn.Module, int] = {}
         self._handles = []
         for module in model.modules():
             ranges = [index[p] for p in module.parameters(recurse=False) if p in index]
             if ranges:
                 self._needs[module] = ranges
+                self._position[module] = len(self._position)
                 self._handles.append(module.register_forward_pre_hook(self._hook))
 
     def start(self, gi: int, pending: PendingGather) -> None:
         self.pending[gi] = pending
-        self._furthest[gi] = -1
+        self._furthest = -1
+        self._active = True  # the next forward is the one that overlaps this gather
 
     def _hook(self, module: torch.nn.Module, args) -> None:
+        position = self._position[module]
+        if self._active and position < self._furthest - REORDER_TOLERANCE and not self._warned:
+            warnings.warn(
+                "qzero gather-ahead: the forward runs modules far out of their registration order; weights stay "
+                "correct (each module waits for the chunks it needs), but less of the gather is hidden",
+                stacklevel=3,
+            )
+            self._warned = True
+        self._furthest = max(self._furthest, position)
         for gi, start, stop in self._needs[module]:
             pending = self.pending[gi]
-            if pending is None:
-                continue
-            k = last_chunk_needed(pending.plan, start, stop)
-            behind = start < self._furthest[gi]  # earlier in the flat buffer than a module already run
-            if behind and k >= pending.finished and not self._warned:
-                warnings.warn(
-                    "qzero gather-ahead: the forward reads parameters in an order other than their flat order; "
-                    "weights stay correct (each module waits for what it needs), but less of the gather is hidden",
-                    stacklevel=3,
-                )
-                self._warned = True
-            self._furthest[gi] = max(self._furthest[gi], start)
-            pending.wait_until(k)
-            if pending.done:
-                self.pending[gi] = None
+            if pending is not None:
+                pending.wait_until(last_chunk_needed(pending.plan, start, stop))
+                if pending.done:
+                    self.pending[gi] = None
 
     def wait_all(self) -> None:
         for gi, pending in enumerate(self.pending):
             if pending is not None:
                 pending.wait_all()
                 self.pending[gi] = None
+        self._active = False
 
     @property
     def busy(self) -> bool:

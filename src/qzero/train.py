@@ -177,18 +177,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _summary(settings, opt, losses, norms, times, skipped, device) -> dict:
-    flats = [g.flat for g in opt.groups]
-    digest = hashlib.sha256()
+def replicas_identical(flats: list[torch.Tensor], chunk: int = 1 << 26) -> bool:
+    """Compare every rank's flat buffers with rank 0's, bit for bit, a bounded chunk at a time."""
+    same = torch.ones((), dtype=torch.int32, device=flats[0].device)
     for f in flats:
-        digest.update(f.detach().cpu().view(torch.int16).numpy().tobytes())
-    mine = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    used = torch.cat([f[: g.layout.used_numel] for f, g in zip(flats, opt.groups)]).float().cpu()
-    g = torch.Generator().manual_seed(1234)
-    idx = torch.randperm(used.numel(), generator=g)[: min(SAMPLE_SIZE, used.numel())].sort().values
-    sample = used[idx]
+        bits = f.view(torch.uint8)  # every backend broadcasts bytes
+        bits = bits.view(torch.int32) if bits.numel() % 4 == 0 else bits
+        for start in range(0, bits.numel(), chunk):
+            piece = bits[start : start + chunk].clone()
+            dist.broadcast(piece, src=0)
+            same &= torch.equal(piece, bits[start : start + chunk])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def sample_weights(opt, size: int = SAMPLE_SIZE) -> torch.Tensor:
+    """The same ``size`` elements of the (used part of the) flat buffers, in every run."""
+    used = [(g.flat, g.layout.used_numel) for g in opt.groups]
+    total = sum(n for _, n in used)
+    idx = torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
+    out, offset = [], 0
+    for flat, n in used:
+        mine = idx[(idx >= offset) & (idx < offset + n)] - offset
+        out.append(flat[mine.to(flat.device)].float().cpu())
+        offset += n
+    return torch.cat(out)
+
+
+def _summary(settings, opt, losses, norms, times, skipped, device) -> dict:
+    sample = sample_weights(opt)
     peak_alloc, peak_reserved, total = _memory(device)
     return {
         "settings": dataclasses.asdict(settings),
@@ -200,7 +217,7 @@ def _summary(settings, opt, losses, norms, times, skipped, device) -> dict:
         "skipped_steps": skipped,
         "sample": sample.tolist(),
         "sample_hash": hashlib.sha256(sample.numpy().tobytes()).hexdigest(),
-        "replicas_identical": len({t.item() for t in every}) == 1,
+        "replicas_identical": replicas_identical([g.flat for g in opt.groups]),
         "peak_allocated_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,
         "device_memory_bytes": total,
