@@ -16,7 +16,6 @@ import bisect
 import math
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
