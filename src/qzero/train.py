@@ -52,6 +52,7 @@ class TrainSettings:
     warmup: int = 2
     lr: float = 1e-3
     seed: int = 0
+    deterministic: bool = True  # CUDA: deterministic kernels, so arms of one setting reproduce exactly
     extra_config: dict = field(default_factory=dict)  # more ZeroConfig fields, by name
 
     def zero_config(self):
@@ -124,6 +125,8 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
+        if settings.deterministic:
+            make_deterministic()
     dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
     corpus = load_corpus(settings.data)
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
@@ -163,6 +166,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             bar.update(losses[-1], elapsed, saved)
     if bar is not None:
         bar.close()
+    opt.wait_for_weights()  # gather-ahead: the last step's gather may still be in flight
     result = _summary(settings, opt, losses, norms, times, skipped, device)
     if rank == 0 and out_path:
         tmp = out_path + ".tmp"
@@ -170,6 +174,14 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             json.dump(result, f)
         os.replace(tmp, out_path)
     return result if rank == 0 else None
+
+
+def make_deterministic() -> None:
+    """Deterministic CUDA kernels (cuBLAS workspace, no atomics-based reductions) so that two
+    runs of one setting produce the same bits; ops without such a kernel warn."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def _sync(device: torch.device) -> None:
@@ -286,6 +298,8 @@ def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str 
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if device_kind == "cuda" and settings.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     if device_kind == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.world_size))
     else:
