@@ -1,0 +1,619 @@
+"""qzero's quantized post-step weight gather inside DeepSpeed ZeRO-1/2.
+
+A DeepSpeed ZeRO-1/2 user adds two keys to ``zero_optimization`` and swaps one import::
+
+    from qzero.integrations.deepspeed import initialize   # instead of deepspeed.initialize
+
+    "zero_optimization": {"stage": 2, "zero_quantized_weights": true,
+                          "zero_quantized_weights_group_size": 64, ...}
+
+How it works. After its optimizer step, DeepSpeed's ``DeepSpeedZeroOptimizer`` copies
+each rank's updated fp32 master partition into its bf16/fp16 flat group
+(``bit16_groups_flat[i]``) and then all-gathers the flat groups through the function
+``all_gather_dp_groups`` of its module ``deepspeed.runtime.zero.stage_1_and_2``. That
+module-level name is replaced (once, and only when some optimizer enables quantization)
+by a dispatcher: a call made on behalf of an optimizer registered here runs qzero's
+bounded, quantized gather in place on the same flat groups; every other call goes to
+DeepSpeed's own function unchanged.
+
+DeepSpeed's layout is honoured rather than assumed: the plan of every flat group is
+built from the parameters' recorded offsets in it (which already reflect round-robin
+reordering and alignment padding), partitions are checked to be the equal, contiguous
+slices qzero's gather expects (parameters may straddle them), and every group is
+gathered over its own data-parallel process group (``real_dp_process_group``: MoE
+expert groups have their own). Small parameters (norms, biases) travel exactly.
+
+With ``zero_quantized_weights`` off, nothing is patched and DeepSpeed runs as it would
+without qzero, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, run_gather
+from ..layout import DEFAULT_SMALL_PARAM_NUMEL, GatherPlan, plan_gather
+from ..quant.formats import FORMATS, check_group_size, get_format
+
+#: DeepSpeed releases this adapter was tested with (it reads optimizer internals).
+SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
+
+DEFAULT_GROUP_SIZE = 64
+DEFAULT_FORMAT = "int8"
+
+ENABLE_KEY = "zero_quantized_weights"
+GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
+FORMAT_KEY = "zero_quantized_weights_format"
+SMALL_PARAM_KEY = "zero_quantized_weights_small_param_numel"
+#: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
+#: so they are taken out of (a copy of) the config before DeepSpeed sees it.
+QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY)
+
+__all__ = [
+    "SUPPORTED_DEEPSPEED",
+    "QuantizedGather",
+    "QuantizedWeightsSettings",
+    "disable",
+    "enable",
+    "initialize",
+    "prepare_config",
+]
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class QuantizedWeightsSettings:
+    """How the post-step weight gather is quantized. Validated on construction."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+    fmt: str = DEFAULT_FORMAT
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
+    bucket_numel: int | None = None
+    """Elements one chunk gathers across all ranks; None: DeepSpeed's ``allgather_bucket_size``."""
+
+    def __post_init__(self) -> None:
+        check_group_size(self.group_size)
+        get_format(self.fmt)
+        small = _as_int("small_param_numel", self.small_param_numel)
+        if small < 0:
+            raise ValueError(f"small_param_numel must be >= 0, got {self.small_param_numel!r}")
+        object.__setattr__(self, "small_param_numel", small)
+        if self.bucket_numel is not None:
+            bucket = _as_int("bucket_numel", self.bucket_numel)
+            if bucket <= 0:
+                raise ValueError(f"bucket_numel must be positive, got {self.bucket_numel!r}")
+            object.__setattr__(self, "bucket_numel", bucket)
+
+    def is_default(self) -> bool:
+        return self == QuantizedWeightsSettings()
+
+
+def _as_int(name: str, value: Any) -> int:
+    """Integers, and integral floats as JSON configs write them (``5e8``)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class PreparedConfig:
+    """A user's DeepSpeed config split into what DeepSpeed sees and what qzero does."""
+
+    ds_config: dict
+    stage: int
+    quantize: bool
+    """True: patch the engine's post-step gather after DeepSpeed built it."""
+    settings: QuantizedWeightsSettings
+
+
+def prepare_config(config: dict) -> PreparedConfig:
+    """Read qzero's keys from a DeepSpeed config dict and reject what it cannot do.
+
+    Works on a deep copy; ``config`` is never modified. Raises ``ValueError`` naming the
+    offending key and value.
+    """
+    if not isinstance(config, dict):
+        raise TypeError(f"expected a DeepSpeed config dict, got {type(config).__name__}")
+    ds_config = copy.deepcopy(config)
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict):  # absent, or the deprecated boolean form: nothing for qzero
+        return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
+    settings = _settings_from(zero)
+    enabled = zero.get(ENABLE_KEY, False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"zero_optimization.{ENABLE_KEY} must be true or false, got {enabled!r}")
+    stage = _stage_of(zero)
+    if stage == 3:
+        if not settings.is_default():
+            raise ValueError(
+                f"ZeRO stage 3 with {_describe_non_default(settings)} is not supported: at stage 3 "
+                f"DeepSpeed's own {ENABLE_KEY} applies, with its fixed group size; remove the qzero keys "
+                f"{list(QZERO_KEYS)}"
+            )
+        return PreparedConfig(ds_config, stage, False, settings)  # DeepSpeed's own quantized weights
+    if not enabled:
+        return PreparedConfig(ds_config, stage, False, settings)
+    if stage not in (1, 2):
+        raise ValueError(
+            f"zero_optimization.{ENABLE_KEY}=true needs ZeRO stage 1 or 2, got stage {stage}: "
+            "without ZeRO partitions there is no post-step weight gather to quantize"
+        )
+    # DeepSpeed ignores this key below stage 3; qzero implements it there.
+    del zero[ENABLE_KEY]
+    _reject_unsupported_config(ds_config, zero)
+    return PreparedConfig(ds_config, stage, True, settings)
+
+
+def _settings_from(zero: dict) -> QuantizedWeightsSettings:
+    """Pop qzero's keys from ``zero`` (a copy) and validate them."""
+    values = {key: zero.pop(key) for key in QZERO_KEYS if key in zero}
+    try:
+        return QuantizedWeightsSettings(
+            group_size=values.get(GROUP_SIZE_KEY, DEFAULT_GROUP_SIZE),
+            fmt=values.get(FORMAT_KEY, DEFAULT_FORMAT),
+            small_param_numel=values.get(SMALL_PARAM_KEY, DEFAULT_SMALL_PARAM_NUMEL),
+        )
+    except ValueError as e:
+        raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
+
+
+def _stage_of(zero: dict) -> int:
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return int(stage)
+
+
+def _describe_non_default(settings: QuantizedWeightsSettings) -> str:
+    default = QuantizedWeightsSettings()
+    parts = []
+    if settings.group_size != default.group_size:
+        parts.append(f"{GROUP_SIZE_KEY}={settings.group_size}")
+    if settings.fmt != default.fmt:
+        parts.append(f"{FORMAT_KEY}={settings.fmt!r}")
+    if settings.small_param_numel != default.small_param_numel:
+        parts.append(f"{SMALL_PARAM_KEY}={settings.small_param_numel}")
+    return ", ".join(parts)
+
+
+def _reject_unsupported_config(ds_config: dict, zero: dict) -> None:
+    """Config-level refusals, before DeepSpeed builds anything."""
+    if zero.get("zenflow") is not None:
+        raise ValueError(
+            "zero_optimization.zenflow is set: ZenFlow is not supported with qzero's quantized weights "
+            "(its optimizer updates and gathers weights its own way)"
+        )
+    offload = zero.get("offload_optimizer")
+    device = offload.get("device") if isinstance(offload, dict) else offload
+    if device not in (None, "none"):
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device={device!r}: CPU/NVMe optimizer offload is not "
+            "supported with qzero's quantized weights (not proven correct)"
+        )
+    if zero.get("cpu_offload"):
+        raise ValueError("zero_optimization.cpu_offload=true: optimizer offload is not supported with qzero")
+    if not _half_precision_requested(ds_config):
+        raise ValueError(
+            "neither bf16.enabled nor fp16.enabled is true: the flat groups would be fp32, which has nothing "
+            f"to gain from quantization and would lose precision; enable bf16 or fp16, or set {ENABLE_KEY}=false"
+        )
+
+
+def _half_precision_requested(ds_config: dict) -> bool:
+    """True when bf16/fp16 is on, or left to be decided later ("auto")."""
+    for key in ("bf16", "bfloat16", "fp16"):
+        section = ds_config.get(key)
+        if isinstance(section, dict) and section.get("enabled", False) in (True, "auto"):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- DeepSpeed checks
+
+
+def check_deepspeed_version(version: str | None = None) -> str:
+    """Raise unless the installed DeepSpeed (or ``version``) is in :data:`SUPPORTED_DEEPSPEED`."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    release = Version(version).base_version  # "0.19.8+abc" and "0.19.9.dev0" count as 0.19.x
+    if release not in SpecifierSet(SUPPORTED_DEEPSPEED):
+        raise RuntimeError(
+            f"DeepSpeed {version} is outside the range qzero's adapter was tested with ({SUPPORTED_DEEPSPEED}); "
+            "it patches optimizer internals that change between releases. Install qzero[deepspeed]."
+        )
+    return version
+
+
+def _zero_optimizer_class():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return DeepSpeedZeroOptimizer
+
+
+def find_zero_optimizer(target: Any):
+    """The DeepSpeed optimizer behind ``target``: an engine, the optimizer itself, or a
+    wrapper holding it in ``.optimizer`` (as Accelerate does). Checked to be one qzero knows."""
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+    obj = target
+    for _ in range(8):
+        if isinstance(obj, DeepSpeedOptimizer) or not hasattr(obj, "optimizer"):
+            break
+        obj = obj.optimizer
+    _check_optimizer_class(obj)
+    return obj
+
+
+def _check_optimizer_class(opt: Any) -> None:
+    known = _zero_optimizer_class()
+    if type(opt) is known:
+        if getattr(opt, "zenflow", False):
+            raise ValueError("ZenFlow is not supported with qzero's quantized weights")
+        return
+    name = type(opt).__name__
+    if "zenflow" in name.lower():
+        raise ValueError(f"optimizer {name}: ZenFlow is not supported with qzero's quantized weights")
+    if "stage3" in name.lower():
+        raise ValueError(
+            f"optimizer {name} is ZeRO stage 3: qzero does not patch it (DeepSpeed's own "
+            f"{ENABLE_KEY} applies at stage 3)"
+        )
+    raise ValueError(
+        f"optimizer class {type(opt).__module__}.{name} is not supported: qzero replaces the post-step "
+        f"weight gather of DeepSpeed's {known.__name__} (ZeRO stage 1 or 2 with bf16/fp16) only"
+    )
+
+
+def _check_optimizer_state(opt) -> None:
+    if getattr(opt, "cpu_offload", False):
+        raise ValueError("optimizer offload (offload_optimizer) is not supported with qzero's quantized weights")
+    for i, flat in enumerate(opt.bit16_groups_flat):
+        if flat.dtype not in QUANTIZABLE_DTYPES:
+            raise ValueError(
+                f"parameter group {i} has a {flat.dtype} flat buffer: qzero quantizes bf16/fp16 flat groups only "
+                "(an fp32 gather has nothing to gain and would lose precision); enable bf16 or fp16"
+            )
+
+
+# --------------------------------------------------------------------------- layout of one flat group
+
+
+def exact_ranges_of(offsets, numels, small_param_numel: int) -> list[tuple[int, int]]:
+    """Flat ranges of the parameters with at most ``small_param_numel`` elements,
+    sorted, with touching ranges merged."""
+    spans = sorted((int(o), int(o) + int(n)) for o, n in zip(offsets, numels) if 0 < int(n) <= small_param_numel)
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _check_partitions(flat: torch.Tensor, partitions, world: int, index: int) -> None:
+    """DeepSpeed's partitions must be the ``world`` equal contiguous slices of ``flat``, in rank order."""
+    where = f"DeepSpeed parameter group {index}"
+    if not flat.is_contiguous() or flat.dim() != 1:
+        raise RuntimeError(f"{where}: the flat group is not a 1-D contiguous tensor")
+    if flat.numel() % world:
+        raise RuntimeError(f"{where}: flat numel {flat.numel()} is not divisible by its data-parallel size {world}")
+    if len(partitions) != world:
+        raise RuntimeError(f"{where}: {len(partitions)} partitions for a data-parallel size of {world}")
+    p = flat.numel() // world
+    base = flat.data_ptr()
+    for r, part in enumerate(partitions):
+        if part.numel() != p or part.data_ptr() != base + r * p * flat.element_size():
+            raise RuntimeError(
+                f"{where}: partition {r} is not elements [{r * p}, {(r + 1) * p}) of the flat group; "
+                "this DeepSpeed layout is not one qzero knows"
+            )
+
+
+def _check_param_spans(offsets, numels, flat_numel: int, index: int) -> None:
+    stop = 0
+    for o, n in sorted(zip(offsets, numels)):
+        if o < stop or o + n > flat_numel:
+            raise RuntimeError(
+                f"DeepSpeed parameter group {index}: parameter at [{o}, {o + n}) overlaps another "
+                f"or runs past the flat group of {flat_numel} elements"
+            )
+        stop = o + n
+
+
+class GroupGather(NamedTuple):
+    """The static plan of one flat group and the process group it is gathered over."""
+
+    index: int
+    process_group: Any
+    plan: GatherPlan
+
+
+def _plan_group(opt, index: int, settings: QuantizedWeightsSettings) -> tuple[GroupGather, dict[str, int]]:
+    flat = opt.bit16_groups_flat[index]
+    group = opt.real_dp_process_group[index]
+    world = dist.get_world_size(group)
+    _check_partitions(flat, opt.parallel_partitioned_bit16_groups[index], world, index)
+    offsets = [int(o) for o in opt.round_robin_bit16_offsets[index]]
+    numels = [int(m.numel()) for m in opt.round_robin_bit16_meta[index]]
+    _check_param_spans(offsets, numels, flat.numel(), index)
+    exact = exact_ranges_of(offsets, numels, settings.small_param_numel)
+    bucket = settings.bucket_numel if settings.bucket_numel is not None else int(opt.allgather_bucket_size)
+    plan = plan_gather(
+        flat.numel(),
+        world,
+        elem_size=flat.element_size(),
+        bucket_numel=bucket,
+        fmt=settings.fmt,
+        group_size=settings.group_size,
+        exact_ranges=exact,
+    )
+    return GroupGather(index, group, plan), _fields(plan, flat.dtype, settings)
+
+
+def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSettings) -> dict[str, int]:
+    """What every rank of a group must agree on, as integers."""
+    digest = hashlib.blake2b(repr(plan.exact_ranges).encode(), digest_size=7).digest()
+    return {
+        "flat numel": plan.numel,
+        "flat dtype": QUANTIZABLE_DTYPES.index(dtype),
+        "format": sorted(FORMATS).index(plan.fmt),
+        "group size": plan.group_size,
+        "bucket": plan.bucket_numel,
+        "small-param threshold": settings.small_param_numel,
+        "exact ranges": int.from_bytes(digest, "little"),
+    }
+
+
+# --------------------------------------------------------------------------- the replacement gather
+
+
+class QuantizedGather:
+    """Replaces one ``DeepSpeedZeroOptimizer``'s post-step gather; records what it moved.
+
+    ``calls`` counts gathers run; ``last_stats`` has one :class:`~qzero.GatherStats` per
+    gathered flat group (per-rank bytes of the last gather); ``bytes_sent`` and
+    ``plain_bytes`` are per-rank totals over all calls.
+    """
+
+    def __init__(self, optimizer, settings: QuantizedWeightsSettings):
+        self.settings = settings
+        self.groups_flat = optimizer.bit16_groups_flat  # the very list DeepSpeed passes to its gather
+        self.groups: list[GroupGather | None] = []
+        self.calls = 0
+        self.bytes_sent = 0
+        self.plain_bytes = 0
+        self.last_stats: tuple[GatherStats, ...] = ()
+        for index in range(len(self.groups_flat)):
+            self.groups.append(self._plan_agreed(optimizer, index))
+        _warn_if_no_saving(self.plans)
+
+    def _plan_agreed(self, opt, index: int) -> GroupGather | None:
+        """Plan group ``index`` and make every rank of its process group agree on the plan."""
+        group = opt.real_dp_process_group[index]
+        world = dist.get_world_size(group)
+        if world == 1:
+            return None  # nothing to gather, as in DeepSpeed
+        try:
+            (planned, fields), error = _plan_group(opt, index, self.settings), None
+        except (TypeError, ValueError, RuntimeError) as e:
+            planned, fields, error = None, None, e
+        agree_or_raise(group, world, self.groups_flat[index].device, error, fields, "qzero DeepSpeed adapter")
+        return planned
+
+    @property
+    def plans(self) -> tuple[GatherPlan | None, ...]:
+        return tuple(g.plan if g is not None else None for g in self.groups)
+
+    def owns(self, groups_flat) -> bool:
+        return groups_flat is self.groups_flat
+
+    def __call__(self, groups_flat, dp_process_group) -> None:
+        stats = []
+        for g, flat, group in zip(self.groups, groups_flat, dp_process_group):
+            if g is None:
+                continue
+            self._check_call(g, flat, group)
+            s = run_gather(flat, g.plan, g.process_group)
+            stats.append(s)
+        self.calls += 1
+        self.bytes_sent += sum(s.bytes_sent for s in stats)
+        self.plain_bytes += sum(s.plain_bytes for s in stats)
+        self.last_stats = tuple(stats)
+
+    @staticmethod
+    def _check_call(g: GroupGather, flat: torch.Tensor, group) -> None:
+        if group is not g.process_group:
+            raise RuntimeError(
+                f"DeepSpeed parameter group {g.index}: its data-parallel process group changed after qzero "
+                "planned the gather; call qzero.integrations.deepspeed.enable() again"
+            )
+        if flat.numel() != g.plan.numel or flat.element_size() != g.plan.elem_size or not flat.is_contiguous():
+            raise RuntimeError(
+                f"DeepSpeed parameter group {g.index}: the flat group changed shape or dtype after qzero "
+                "planned the gather; call qzero.integrations.deepspeed.enable() again"
+            )
+
+
+def _warn_if_no_saving(plans) -> None:
+    """A buffer made mostly of small (exact) parameters sends more than the plain gather."""
+    sent = sum(p.bytes_per_rank for p in plans if p is not None)
+    plain = sum(p.plain_bytes_per_rank for p in plans if p is not None)
+    if plain and sent >= plain:
+        warnings.warn(
+            f"qzero's quantized gather would send {sent} bytes per rank per step, not less than the plain "
+            f"gather's {plain}: most parameters are at or below the small-parameter threshold and travel "
+            f"exactly; lower {SMALL_PARAM_KEY} or leave {ENABLE_KEY} off",
+            stacklevel=3,
+        )
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+# id(groups_flat list) -> its QuantizedGather. The optimizer holds the gather
+# (``optimizer.qzero_gather``), so an entry disappears with its optimizer.
+_REGISTRY: weakref.WeakValueDictionary[int, QuantizedGather] = weakref.WeakValueDictionary()
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _stage12_module():
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    return stage_1_and_2
+
+
+def _dispatching_gather(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
+    """Stands in for DeepSpeed's ``all_gather_dp_groups`` inside its ZeRO-1/2 module."""
+    gather = _REGISTRY.get(id(groups_flat))
+    if gather is not None and gather.owns(groups_flat):
+        return gather(groups_flat, dp_process_group)
+    return _ORIGINAL["all_gather_dp_groups"](groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
+
+
+def _install() -> None:
+    module = _stage12_module()
+    if module.all_gather_dp_groups is not _dispatching_gather:
+        _ORIGINAL["all_gather_dp_groups"] = module.all_gather_dp_groups
+        module.all_gather_dp_groups = _dispatching_gather
+
+
+def _uninstall_if_unused() -> None:
+    module = _stage12_module()
+    if not _REGISTRY and module.all_gather_dp_groups is _dispatching_gather:
+        module.all_gather_dp_groups = _ORIGINAL.pop("all_gather_dp_groups")
+
+
+def is_patched() -> bool:
+    """Whether DeepSpeed's ZeRO-1/2 gather currently goes through qzero's dispatcher."""
+    return _stage12_module().all_gather_dp_groups is _dispatching_gather
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def enable(
+    target: Any,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    fmt: str = DEFAULT_FORMAT,
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+    bucket_numel: int | None = None,
+) -> QuantizedGather:
+    """Quantize the post-step weight gather of an existing DeepSpeed ZeRO-1/2 engine.
+
+    ``target`` is the engine, its optimizer, or a wrapper holding it in ``.optimizer``.
+    Collective: call it on every rank. Calling it again replaces the settings. The
+    returned :class:`QuantizedGather` (also ``engine.qzero_gather`` and
+    ``optimizer.qzero_gather``) records what each gather moved.
+    """
+    settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel)
+    check_deepspeed_version()
+    opt = find_zero_optimizer(target)
+    _check_optimizer_state(opt)
+    gather = QuantizedGather(opt, settings)
+    _unregister(opt)
+    opt.qzero_gather = gather
+    _REGISTRY[id(gather.groups_flat)] = gather
+    _install()
+    if isinstance(target, torch.nn.Module):
+        target.qzero_gather = gather
+    return gather
+
+
+def disable(target: Any) -> None:
+    """Give the optimizer behind ``target`` DeepSpeed's own gather back."""
+    opt = find_zero_optimizer(target)
+    _unregister(opt)
+    if isinstance(target, torch.nn.Module) and hasattr(target, "qzero_gather"):
+        del target.qzero_gather
+    _uninstall_if_unused()
+
+
+def _unregister(opt) -> None:
+    old = getattr(opt, "qzero_gather", None)
+    if old is not None:
+        if _REGISTRY.get(id(old.groups_flat)) is old:
+            del _REGISTRY[id(old.groups_flat)]
+        del opt.qzero_gather
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with qzero's quantized post-step weight gather.
+
+    Same arguments and return value (``engine, optimizer, dataloader, lr_scheduler``).
+    The config (``config=``, ``config_params=`` or ``args.deepspeed_config``; a dict or a
+    path) is read for ``zero_optimization.zero_quantized_weights`` and qzero's keys
+    ``zero_quantized_weights_group_size`` / ``_format`` / ``_small_param_numel``, which are
+    removed from a copy before DeepSpeed validates it. At ZeRO stage 1 or 2 with
+    quantization on, the engine's post-step gather is replaced; otherwise nothing is.
+    """
+    import deepspeed
+
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    call = bound.arguments
+    config, source = _find_config(call)
+    if config is None:  # DeepSpeed will complain about the missing config itself
+        return deepspeed.initialize(*bound.args, **bound.kwargs)
+    prepared = prepare_config(_load_config(config))
+    if prepared.quantize:
+        check_deepspeed_version()
+    _put_config(call, source, prepared.ds_config)
+    result = deepspeed.initialize(**call)
+    if prepared.quantize:
+        engine = result[0]
+        s = prepared.settings
+        enable(engine, group_size=s.group_size, fmt=s.fmt, small_param_numel=s.small_param_numel)
+    return result
+
+
+def _find_config(call: dict) -> tuple[Any, str | None]:
+    """The config the user passed, and where: ``config``, ``config_params`` or ``args``."""
+    if call.get("config") is not None:
+        return call["config"], "config"
+    if call.get("config_params") is not None:
+        return call["config_params"], "config_params"
+    args = call.get("args")
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if getattr(args, attr, None) is not None:
+            return getattr(args, attr), attr
+    return None, None
+
+
+def _load_config(config: Any) -> dict:
+    if isinstance(config, dict):
+        return config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+def _put_config(call: dict, source: str, ds_config: dict) -> None:
+    """Hand DeepSpeed the prepared copy in ``config=`` (never touching the user's objects)."""
+    if source in ("deepspeed_config", "deepscale_config"):
+        args = copy.copy(call["args"])
+        setattr(args, source, None)
+        call["args"] = args
+    call.pop("config_params", None)
+    call["config"] = ds_config

@@ -1,0 +1,90 @@
+"""qzero's quantized post-step weight gather inside the Hugging Face ``Trainer`` (DeepSpeed ZeRO-1/2).
+
+The Trainer builds its DeepSpeed engine itself (through Accelerate), so qzero's
+``initialize`` cannot be swapped in; instead this callback enables the quantized gather
+on the engine's optimizer when training begins, before the first step::
+
+    from qzero.integrations.hf import QZeroCallback
+
+    ds_config = {..., "zero_optimization": {"stage": 2, "zero_quantized_weights": True}}
+    trainer = Trainer(model, TrainingArguments(..., deepspeed=ds_config), ...,
+                      callbacks=[QZeroCallback(group_size=64)])
+
+DeepSpeed accepts ``zero_quantized_weights`` (and ignores it below stage 3) but rejects
+unknown keys, so qzero's other settings are the callback's arguments. By default the
+callback follows ``zero_quantized_weights`` in the Trainer's DeepSpeed config; at ZeRO
+stage 3 it leaves DeepSpeed's own quantized weights alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..layout import DEFAULT_SMALL_PARAM_NUMEL
+from . import deepspeed as qds
+
+__all__ = ["QZeroCallback"]
+
+
+class QZeroCallback(TrainerCallback):
+    """Enables :func:`qzero.integrations.deepspeed.enable` on the Trainer's DeepSpeed engine.
+
+    ``enabled``: None follows ``zero_optimization.zero_quantized_weights`` of the Trainer's
+    DeepSpeed config; True/False force it (True without DeepSpeed ZeRO-1/2 is an error).
+    After training begins, ``gather`` is the engine's
+    :class:`~qzero.integrations.deepspeed.QuantizedGather` (None when not enabled).
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool | None = None,
+        group_size: int = qds.DEFAULT_GROUP_SIZE,
+        fmt: str = qds.DEFAULT_FORMAT,
+        small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+        bucket_numel: int | None = None,
+    ):
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be None, True or False, got {enabled!r}")
+        # validated now, so a bad value fails when the Trainer is built, not mid-launch
+        self.settings = qds.QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel)
+        self.enabled = enabled
+        self.gather: qds.QuantizedGather | None = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        if not self._wanted(args):
+            return
+        if optimizer is None or getattr(args, "hf_deepspeed_config", None) is None:
+            raise ValueError(
+                "QZeroCallback(enabled=True) needs the Trainer to run DeepSpeed ZeRO stage 1 or 2 "
+                "(TrainingArguments(deepspeed=...))"
+            )
+        s = self.settings
+        # the Trainer passes Accelerate's wrapper; enable() finds DeepSpeed's optimizer inside it
+        self.gather = qds.enable(
+            optimizer,
+            group_size=s.group_size,
+            fmt=s.fmt,
+            small_param_numel=s.small_param_numel,
+            bucket_numel=s.bucket_numel,
+        )
+
+    def _wanted(self, args) -> bool:
+        zero = _zero_section(args)
+        if self.enabled is not None:
+            return self.enabled
+        if zero.get("stage", 0) not in (1, 2):
+            return False  # no ZeRO-1/2 here; at stage 3 the key is DeepSpeed's own
+        return zero.get(qds.ENABLE_KEY, False) is True
+
+
+def _zero_section(args) -> dict[str, Any]:
+    """``zero_optimization`` of the Trainer's DeepSpeed config (with "auto" values filled), or {}."""
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    config = getattr(hf_config, "config", None)
+    if not isinstance(config, dict):
+        return {}
+    zero = config.get("zero_optimization")
+    return zero if isinstance(zero, dict) else {}

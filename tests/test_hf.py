@@ -1,0 +1,202 @@
+"""QZeroCallback inside the real HF Trainer: DeepSpeed ZeRO-2 bf16 on CPU, 2 gloo ranks, tiny Llama.
+
+The model is built from a config (no downloads). One group of ranks trains a baseline
+(the key off) and a quantized run with the same seed and data. The ranks are *spawned*
+(fresh interpreters), not forked: forked from a pytest process that already ran other
+tests in-process (tests/test_cli.py), the Trainer's first forward hung in native code.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import tempfile
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+import distributed  # noqa: E402
+
+from qzero.integrations import deepspeed as qds  # noqa: E402
+from qzero.integrations.hf import QZeroCallback  # noqa: E402
+
+STEPS = 3
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(16):
+        ids = torch.randint(0, 128, (16,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def train(tmp, quantize):
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": "auto"},
+        "steps_per_print": 10**9,
+        # the one key a DeepSpeed user adds; the bucket makes several chunks on this tiny model
+        "zero_optimization": {"stage": 2, "zero_quantized_weights": quantize, "allgather_bucket_size": 2048},
+    }
+    args = transformers.TrainingArguments(
+        output_dir=tmp,
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        deepspeed=ds_config,
+        bf16=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-3,
+        optim="adamw_torch",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    callback = QZeroCallback(group_size=32, small_param_numel=64)
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=dataset(), callbacks=[callback])
+    trainer.train()
+    engine = trainer.model_wrapped
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    gather = callback.gather
+    return dict(
+        losses=losses,
+        optimizer=type(engine.optimizer).__name__,
+        flats=[f.detach().clone() for f in engine.optimizer.bit16_groups_flat],
+        params={n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        patched=qds.is_patched(),
+        calls=None if gather is None else gather.calls,
+        ratio=None if gather is None else gather.bytes_sent / gather.plain_bytes,
+        on_engine=getattr(engine, "qzero_gather", None) is not None,
+    )
+
+
+def worker(rank, world, tmp, port):
+    # launcher variables Accelerate checks; the process group itself already exists (gloo, file store)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    off = train(os.path.join(tmp, "off"), quantize=False)
+    on = train(os.path.join(tmp, "on"), quantize=True)
+    return dict(off=off, on=on)
+
+
+def run_spawned(fn, world_size, *args, timeout=300.0):
+    """``distributed.run_distributed`` with fresh interpreters: the same worker entry and results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=distributed._entry, args=(fn, r, world_size, store, queue, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        try:
+            for _ in range(world_size):
+                rank, ok, value = queue.get(timeout=timeout)
+                if ok:
+                    results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    errors[rank] = value
+        except queue_mod.Empty:
+            errors["timeout"] = f"not every rank finished within {timeout}s (hang?)"
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise distributed.WorkerError("\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items(), key=str)))
+    return [results[r] for r in range(world_size)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_spawned(worker, 2, tmp, free_port(), timeout=300)
+
+
+def test_key_off_leaves_the_trainer_alone(runs):
+    for r in runs:
+        off = r["off"]
+        assert off["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert not off["patched"] and off["calls"] is None and len(off["losses"]) == STEPS
+
+
+def test_callback_quantizes_the_trainers_gather(runs):
+    r0, r1 = runs
+    for r in runs:
+        on, off = r["on"], r["off"]
+        assert on["patched"] and on["calls"] == STEPS
+        assert on["ratio"] < 0.8
+        assert max(abs(a - b) for a, b in zip(on["losses"], off["losses"])) < 0.02
+        for name, p in on["params"].items():
+            torch.testing.assert_close(p, off["params"][name], atol=0.02, rtol=0.02, msg=name)
+        assert any(not torch.equal(a, b) for a, b in zip(on["flats"], off["flats"])), "nothing was quantized"
+    for a, b in zip(r0["on"]["flats"], r1["on"]["flats"]):
+        assert torch.equal(a, b), "replicas differ"
+
+
+# ------------------------------------------------------------------ the callback's decisions (no Trainer)
+
+
+def fake_args(zero):
+    return types.SimpleNamespace(hf_deepspeed_config=types.SimpleNamespace(config={"zero_optimization": zero}))
+
+
+@pytest.mark.parametrize(
+    "enabled, zero, wanted",
+    [
+        (None, {"stage": 2, "zero_quantized_weights": True}, True),
+        (None, {"stage": 1, "zero_quantized_weights": True}, True),
+        (None, {"stage": 2}, False),
+        (None, {"stage": 3, "zero_quantized_weights": True}, False),  # DeepSpeed's own at stage 3
+        (False, {"stage": 2, "zero_quantized_weights": True}, False),
+        (True, {"stage": 2}, True),
+    ],
+)
+def test_callback_follows_the_config_key(enabled, zero, wanted):
+    assert QZeroCallback(enabled=enabled)._wanted(fake_args(zero)) is wanted
+
+
+def test_callback_refusals():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QZeroCallback(group_size=12)
+    with pytest.raises(ValueError, match="int3"):
+        QZeroCallback(fmt="int3")
+    no_deepspeed = types.SimpleNamespace(hf_deepspeed_config=None)
+    with pytest.raises(ValueError, match="needs the Trainer to run DeepSpeed"):
+        QZeroCallback(enabled=True).on_train_begin(no_deepspeed, None, None, optimizer=None)
