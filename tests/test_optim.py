@@ -398,7 +398,7 @@ def rejection_run(rank, world, case):
         ("fp32 with quantization", "fp32"),
         ("mixed dtypes", "several dtypes"),
         ("settings differ", "config differs between ranks|rejected"),
-        ("shapes differ", "parameters differs between ranks"),
+        ("shapes differ", r"parameter and buffer shapes\) differs between ranks"),
         ("bucket below one group per rank", "smaller than one group per rank"),
         ("not an optimizer", "torch.optim.Optimizer"),
     ],

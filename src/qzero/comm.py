@@ -74,9 +74,11 @@ def quantized_all_gather(
     bit-identical. Transient memory is bounded by ``bucket_numel`` elements of
     receive buffer; there is one collective per chunk.
     """
-    world, _ = _world_and_rank(group)
+    world, agree_group, group_error = _world_or_default(group)
 
     def build() -> GatherPlan:
+        if group_error is not None:
+            raise group_error
         _check_flat(flat)
         if fmt is not None and flat.dtype not in QUANTIZABLE_DTYPES:
             raise TypeError(
@@ -89,7 +91,7 @@ def quantized_all_gather(
         check_finite_partition(flat, plan, _world_and_rank(group)[1])
         return plan
 
-    plan = _agreed_plan(build, flat, group, world, "quantized_all_gather")
+    plan = _agreed_plan(build, flat, agree_group, world, "quantized_all_gather")
     return run_gather(flat, plan, group)
 
 
@@ -103,13 +105,15 @@ def all_gather(
 
     With one chunk it gathers straight into ``flat`` with no extra buffer.
     """
-    world, _ = _world_and_rank(group)
+    world, agree_group, group_error = _world_or_default(group)
 
     def build() -> GatherPlan:
+        if group_error is not None:
+            raise group_error
         _check_flat(flat)
         return _cached_plan(flat.numel(), world, flat.element_size(), bucket_numel, None, 1, ())
 
-    plan = _agreed_plan(build, flat, group, world, "all_gather")
+    plan = _agreed_plan(build, flat, agree_group, world, "all_gather")
     return run_gather(flat, plan, group)
 
 
@@ -136,8 +140,7 @@ def peer_failure(what: str):
 
 def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None = None) -> GatherStats:
     """Execute ``plan`` on ``flat`` (no argument checks: the plan was validated when built)."""
-    with peer_failure("the weight gather"):
-        return _run_gather(flat, plan, group)
+    return _run_gather(flat, plan, group)
 
 
 def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None) -> GatherStats:
@@ -148,20 +151,23 @@ def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup |
     p = plan.partition_numel
     if not plan.quantized and len(plan.chunks) == 1:
         if world > 1:
-            all_gather_into(flat, flat[rank * p : (rank + 1) * p], group=group)
+            with peer_failure("the weight gather"):
+                all_gather_into(flat, flat[rank * p : (rank + 1) * p], group=group)
         return stats
     if plan.quantized and flat.device.type == "cuda" and len(plan.chunks) > 1:
         from .pipeline import run_pipelined  # CUDA only: overlapped stages on their own streams
 
-        if run_pipelined(flat, plan, group, world, rank):
-            return stats
+        with peer_failure("the weight gather"):
+            if run_pipelined(flat, plan, group, world, rank):
+                return stats
     kernels = kernels_for(flat.device)
     recv = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device)
     for chunk in plan.chunks:
         buf = recv[: world * chunk.payload_bytes]
         mine = pack_chunk(flat, plan, chunk, rank, buf, kernels)
         if world > 1:
-            all_gather_into(buf, mine, group=group)
+            with peer_failure("the weight gather"):
+                all_gather_into(buf, mine, group=group)
         unpack_chunk(flat, plan, chunk, rank, buf, kernels)
     return stats
 
@@ -213,24 +219,52 @@ def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.dev
 
 
 def check_finite_partition(flat: torch.Tensor, plan: GatherPlan, rank: int) -> None:
-    """Refuse to send NaN/Inf: they would reach every replica (and poison whole groups' scales)."""
+    """Refuse to send NaN/Inf: they would reach every replica (and poison whole groups' scales).
+
+    One pass over the partition, a chunk at a time (bounded temporary memory), and one
+    host synchronisation at the end."""
     lo, hi = plan.partition(rank)
-    bad = (~torch.isfinite(flat[lo:hi])).nonzero()
-    if bad.numel():
-        raise ValueError(
-            f"flat holds non-finite values in rank {rank}'s partition (first at flat index {lo + bad[0, 0].item()}, "
-            f"{bad.shape[0]} in all); nothing was gathered"
-        )
+    step = max(plan.chunk_numel, 1)
+    finite = torch.ones((), dtype=torch.bool, device=flat.device)
+    for a in range(lo, hi, step):
+        finite &= torch.isfinite(flat[a : min(a + step, hi)]).all()
+    if bool(finite):
+        return
+    for a in range(lo, hi, step):
+        bad = (~torch.isfinite(flat[a : min(a + step, hi)])).nonzero()
+        if bad.numel():
+            raise ValueError(
+                f"flat holds non-finite values in rank {rank}'s partition (first at flat index "
+                f"{a + bad[0, 0].item()}); nothing was gathered"
+            )
 
 
 def _world_and_rank(group) -> tuple[int, int]:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    check_group(group)
     if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialized")
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_group(group) -> None:
+    """A ProcessGroup this rank belongs to, or None for the default group."""
+    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("this rank is not a member of the process group it was given")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__} {group!r}")
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("a process group was given but torch.distributed is not initialized")
+
+
+def _world_or_default(group) -> tuple[int, dist.ProcessGroup | None, Exception | None]:
+    """World size for the agreement; an invalid group is a local error, and the agreement
+    then runs on the default group so that the other ranks hear of it instead of waiting."""
+    try:
+        return _world_and_rank(group)[0], group, None
+    except (TypeError, ValueError) as e:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), None, e
+        return 1, None, e
 
 
 def _check_flat(flat) -> None:
@@ -240,6 +274,9 @@ def _check_flat(flat) -> None:
         raise ValueError(f"flat must be 1-D, got shape {tuple(flat.shape)}")
     if not flat.is_contiguous():
         raise ValueError(f"flat must be contiguous, got strides {flat.stride()}")
+    if flat.requires_grad:
+        raise ValueError("flat requires grad; the gather writes it in place: pass flat.detach() (or a buffer, "
+                         "not a leaf that autograd tracks)")
 
 
 def _freeze_ranges(exact_ranges) -> tuple:

@@ -18,6 +18,8 @@ from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
 from .quant.formats import check_group_size, get_format
 
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
+#: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
+MAX_SCALE_POWER = 64
 
 # DeepSpeed keys with no setting of their own here: qzero always behaves as the value given.
 _DEEPSPEED_FIXED = {
@@ -127,8 +129,13 @@ class ZeroConfig:
             raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES} or None, got {self.reduce_dtype!r}")
         for name in ("gradient_clipping", "loss_scale", "min_loss_scale"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != v:
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not 0 <= self.initial_scale_power <= MAX_SCALE_POWER:
+            raise ValueError(
+                f"initial_scale_power must be in [0, {MAX_SCALE_POWER}] (the scale must fit fp16 gradients' fp32 "
+                f"arithmetic), got {self.initial_scale_power!r}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ZeroConfig:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -163,7 +164,7 @@ def check_exact_ranges(exact_ranges, numel: int) -> tuple[Range, ...]:
     prev_stop = 0
     for i, r in enumerate(exact_ranges):
         try:
-            a, b = (int(v) for v in r)
+            a, b = (operator.index(v) for v in r)  # integers only: 1.5 or "3" are refused, not truncated
         except (TypeError, ValueError):
             raise TypeError(f"exact_ranges[{i}] = {r!r} is not a (start, stop) pair of integers") from None
         if not 0 <= a < b <= numel:

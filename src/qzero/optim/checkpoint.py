@@ -12,7 +12,7 @@ unpickled: the tensors come from DCP's tensor files, the rest is JSON.
 
 from __future__ import annotations
 
-import glob
+import hashlib
 import json
 import os
 import pickle
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+from torch.distributed.checkpoint.api import CheckpointException
 
 if TYPE_CHECKING:
     from .flat import FlatGroup
@@ -215,7 +216,55 @@ def read_metadata(path: str) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{path!r}: checkpoint format {got!r} is not {FORMAT_VERSION}")
+    _check_schema(meta, path)
     return meta
+
+
+#: Dtypes a checkpoint's optimizer state may declare (resolved by this table, never by getattr).
+STATE_DTYPES = {
+    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8")
+}
+_SCHEMA = {"optimizer": str, "module_state": dict, "loss_scaler": dict, "groups": list, "world_size": int}
+_GROUP_SCHEMA = {"names": list, "shapes": list, "used_numel": int, "state": dict, "hyperparameters": dict}
+
+
+def _check_schema(meta: dict, path: str) -> None:
+    """Every field load_checkpoint reads is present and of the right type."""
+
+    def need(obj: dict, schema: dict, where: str) -> None:
+        for key, kind in schema.items():
+            if not isinstance(obj.get(key), kind):
+                raise ValueError(f"{path!r}: {META_FILE} lacks a valid {where}{key!r} ({kind.__name__} expected)")
+
+    need(meta, _SCHEMA, "")
+    for i, g in enumerate(meta["groups"]):
+        if not isinstance(g, dict):
+            raise ValueError(f"{path!r}: {META_FILE} group {i} is not an object")
+        need(g, _GROUP_SCHEMA, f"groups[{i}].")
+        for key, spec in g["state"].items():
+            if not isinstance(spec, dict) or spec.get("dtype") not in STATE_DTYPES or not isinstance(
+                spec.get("shape"), list
+            ) or not isinstance(spec.get("sharded"), bool):
+                raise ValueError(
+                    f"{path!r}: {META_FILE} declares state {key!r} of group {i} as {spec!r}; expected "
+                    f"sharded/shape/dtype with dtype one of {sorted(STATE_DTYPES)}"
+                )
+
+
+def check_storage(path: str) -> None:
+    """Read the DCP index (safely) and make sure every file it names is there and long enough."""
+    try:
+        index = SafeFileSystemReader(path).read_metadata()
+    except (pickle.UnpicklingError, OSError, EOFError, AttributeError, ImportError) as e:
+        raise ValueError(f"{path!r}: cannot read the checkpoint index: {e}") from None
+    need: dict[str, int] = {}
+    for info in getattr(index, "storage_data", {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        need[rel] = max(need.get(rel, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
+    for rel, size in need.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full) or os.path.getsize(full) < size:
+            raise ValueError(f"{path!r}: tensor file {rel!r} is missing or truncated (needs {size} bytes)")
 
 
 def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
@@ -245,15 +294,28 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
 
 
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
-    path = resolve_checkpoint(path)
-    meta = read_metadata(path)
-    check_compatible(opt, meta, path)
+    # Everything that can be checked locally is checked before any communication, and the
+    # ranks agree on the outcome (and on the metadata) so that all of them raise together.
+    from ..comm import agree_or_raise
+
+    error, digest, meta = None, 0, None
+    try:
+        path = resolve_checkpoint(path)
+        meta = read_metadata(path)
+        check_compatible(opt, meta, path)
+        check_storage(path)
+        digest = int.from_bytes(hashlib.blake2b(json.dumps(meta, sort_keys=True).encode(), digest_size=7).digest(), "little")
+    except (TypeError, ValueError) as e:
+        error = e
+    agree_group = opt.process_group
+    fields = None if error else {"checkpoint metadata": digest}
+    agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
     targets, fills = dict(_module_state(opt)), []
     for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
         targets[f"group{i}.master"] = _sharded(g.master, g, opt)
         state = {}
         for key, spec in saved["state"].items():
-            dtype = getattr(torch, spec["dtype"])
+            dtype = STATE_DTYPES[spec["dtype"]]
             if spec["sharded"]:
                 t = torch.zeros(g.master.shape, dtype=dtype, device=g.master.device)
                 targets[f"group{i}.state.{key}"] = _sharded(t, g, opt)
@@ -262,12 +324,10 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                 targets[f"group{i}.state.{key}"] = t
             state[key] = t
         fills.append((g, state, saved["hyperparameters"]))
-    reader = SafeFileSystemReader(path)
     try:
-        reader.read_metadata()  # fail early and clearly on a tampered or missing index
-    except (pickle.UnpicklingError, OSError, EOFError) as e:
-        raise ValueError(f"{path!r}: cannot read the checkpoint index: {e}") from None
-    dcp.load(targets, storage_reader=SafeFileSystemReader(path), process_group=opt.process_group)
+        dcp.load(targets, storage_reader=SafeFileSystemReader(path), process_group=opt.process_group)
+    except CheckpointException as e:
+        raise ValueError(f"{path!r}: reading the tensors failed: {_first_line(e)}") from e
     for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
         # padding past the logical buffer holds zeros (it was never trained)
         n = g.layout.used_numel
@@ -284,6 +344,11 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     with torch.no_grad():
         for g in opt.groups:
             g.gather()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
 
 
 def _scalar_device(opt: ZeroOptimizer, group: FlatGroup, key: str) -> torch.device:

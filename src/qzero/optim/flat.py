@@ -61,25 +61,29 @@ class FlatGroup:
             if quantized
             else self.gather_plan
         )
-        # The flat buffer; parameters become views into it.
+        self.lo, self.hi = self.layout.partition(rank)
+        # fp32 master and gradient shards exist from the start (the inner optimizer is built on
+        # them before anything is modified); they get their values in sync_from().
+        self.master = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
+        self.grad = torch.zeros_like(self.master)
+        self.master.grad = self.grad
+        self.flat: torch.Tensor | None = None
+
+    def flatten(self) -> None:
+        """Copy the parameters into one flat buffer and make them views into it."""
         self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for slot, p in zip(self.layout.slots, params):
+            for slot, p in zip(self.layout.slots, self.params):
                 view = self.flat[slot.start : slot.stop]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(slot.shape)
-        self.lo, self.hi = self.layout.partition(rank)
-        self.master: torch.Tensor | None = None
-        self.grad: torch.Tensor | None = None
 
     def sync_from(self, src_rank: int) -> None:
-        """Make every replica start from ``src_rank``'s weights (as DDP does), then
-        take the fp32 master shard and allocate the fp32 gradient shard."""
+        """Make every replica start from ``src_rank``'s weights (as DDP does), then fill the
+        fp32 master shard from this rank's partition."""
         if self.world_size > 1:
             dist.broadcast(self.flat, src=src_rank, group=self.process_group)
-        self.master = self.flat[self.lo : self.hi].to(torch.float32).clone()
-        self.grad = torch.zeros_like(self.master)
-        self.master.grad = self.grad
+        self.master.copy_(self.flat[self.lo : self.hi])
 
     @property
     def own(self) -> torch.Tensor:

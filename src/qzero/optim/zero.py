@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import GatherStats, agree_or_raise
+from ..comm import _world_and_rank as comm_world_and_rank
 from ..config import ZeroConfig
 from ..overlap import DEPTH as OVERLAP_DEPTH
 from ..overlap import GatherAhead
@@ -50,9 +51,11 @@ class ZeroOptimizer:
         param_groups: list[dict] | None = None,
     ):
         config = ZeroConfig() if config is None else config
-        world, rank = _world_and_rank(process_group)
-        error, groups, names = None, None, None
+        world, rank, agree_group, error = _world_or_default(process_group)
+        groups = names = inner = flat_groups = None
         try:
+            if error is not None:
+                raise error
             if not isinstance(config, ZeroConfig):
                 raise TypeError(f"config must be a qzero.ZeroConfig, got {type(config).__name__}")
             if not isinstance(model, torch.nn.Module):
@@ -61,27 +64,32 @@ class ZeroOptimizer:
                 raise TypeError(f"optimizer must be a callable that builds a torch.optim.Optimizer, got {optimizer!r}")
             groups, names = _split_groups(model, param_groups)
             _check_flattenable(groups, names, config, world)
+            # Plan (pure) and build the inner optimizer on the empty master shards *before*
+            # touching the model, so that its errors, too, leave everything as it was.
+            flat_groups = [
+                FlatGroup(params, [names[p] for p in params], config, world, rank, process_group)
+                for params, _ in groups
+            ]
+            inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
         except (TypeError, ValueError) as e:
             error = e
-        fields = None if error else {"config": config.digest(), "parameters": _shapes_digest(groups)}
+        fields = None if error else {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups)}
         device = groups[0][0][0].device if groups else None
-        agree_or_raise(process_group, world, device, error, fields, "ZeroOptimizer")
+        agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer")
 
         self.config = config
         self.process_group = process_group
         self.world_size, self.rank = world, rank
         self.model = model
-        self.groups = [
-            FlatGroup(params, [names[p] for p in params], config, world, rank, process_group)
-            for params, _ in groups
-        ]
+        self.groups = flat_groups
+        self.optimizer = inner
         src = dist.get_global_rank(process_group, 0) if process_group is not None and world > 1 else 0
         for g in self.groups:
+            g.flatten()
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
-        self.optimizer = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(self.groups, groups)])
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         self.grads = [
             Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size)
             if config.stage == 1
@@ -245,14 +253,16 @@ class ZeroOptimizer:
 # ---------------------------------------------------------------------- construction checks
 
 
-def _world_and_rank(group) -> tuple[int, int]:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialized")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+def _world_or_default(group):
+    """World size and rank for ``group``; an invalid group becomes a local error and the
+    construction-time agreement then runs on the default group, so no rank waits forever."""
+    try:
+        world, rank = comm_world_and_rank(group)
+        return world, rank, group, None
+    except (TypeError, ValueError) as e:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank(), None, e
+        return 1, 0, None, e
 
 
 def _split_groups(model: torch.nn.Module, param_groups: Iterable[dict] | None):
@@ -330,8 +340,10 @@ def _broadcast_module_state(model: torch.nn.Module, src: int, group, world: int)
             dist.broadcast(b, src=src, group=group)
 
 
-def _shapes_digest(groups) -> int:
-    text = repr([[(tuple(p.shape), str(p.dtype)) for p in params] for params, _ in groups])
+def _model_digest(model: torch.nn.Module, groups) -> int:
+    """Shapes and dtypes of the trainable groups, the frozen parameters and the buffers."""
+    trainable = [[(tuple(p.shape), str(p.dtype)) for p in params] for params, _ in groups]
+    frozen = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters() if not p.requires_grad]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    text = repr((trainable, frozen, buffers))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
