@@ -10,7 +10,6 @@ machine); each rank reads its slice of every global batch.
 import argparse
 import functools
 import os
-import sysconfig
 import time
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import qzero
+from qzero.workload import load_corpus
 
 
 class TinyLM(torch.nn.Module):
@@ -37,18 +37,6 @@ class TinyLM(torch.nn.Module):
         return self.norm(x) @ self.emb.weight.T
 
 
-def stdlib_bytes(limit=2_000_000):
-    root = sysconfig.get_paths()["stdlib"]
-    out = bytearray()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                out += f.read()
-        if len(out) >= limit:
-            break
-    return torch.frombuffer(out[:limit], dtype=torch.uint8).long()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -65,7 +53,7 @@ def main():
     config = qzero.ZeroConfig(stage=2, zero_quantized_weights=not args.no_quant, small_param_numel=4096)
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=config)
 
-    data = stdlib_bytes()
+    data = load_corpus(limit=2_000_000)  # the stdlib sources, byte tokens (qzero.workload)
     g = torch.Generator().manual_seed(1)
     for step in range(args.steps):
         t0 = time.perf_counter()
