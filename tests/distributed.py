@@ -39,9 +39,12 @@ def _entry(fn, rank, world_size, store_path, queue, args):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
-    ctx = mp.get_context("fork")
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, start_method: str = "fork"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``start_method="spawn"`` gives each rank a fresh interpreter (slower to start; for code
+    that must not inherit the test process's state; ``fn`` must then be importable)."""
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")

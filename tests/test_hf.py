@@ -8,10 +8,7 @@ tests in-process (tests/test_cli.py), the Trainer's first forward hung in native
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import socket
 import tempfile
 import types
@@ -105,38 +102,6 @@ def worker(rank, world, tmp, port):
     return dict(off=off, on=on)
 
 
-def run_spawned(fn, world_size, *args, timeout=300.0):
-    """``distributed.run_distributed`` with fresh interpreters: the same worker entry and results."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=distributed._entry, args=(fn, r, world_size, store, queue, args), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        results, errors = {}, {}
-        try:
-            for _ in range(world_size):
-                rank, ok, value = queue.get(timeout=timeout)
-                if ok:
-                    results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-                else:
-                    errors[rank] = value
-        except queue_mod.Empty:
-            errors["timeout"] = f"not every rank finished within {timeout}s (hang?)"
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    if errors:
-        raise distributed.WorkerError("\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items(), key=str)))
-    return [results[r] for r in range(world_size)]
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,7 +111,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
-        return run_spawned(worker, 2, tmp, free_port(), timeout=300)
+        return distributed.run_distributed(worker, 2, tmp, free_port(), timeout=300, start_method="spawn")
 
 
 def test_key_off_leaves_the_trainer_alone(runs):

@@ -57,7 +57,6 @@ def test_round_half_to_even():
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
 def test_error_bound(dtype, fmt):
     """Each element is within half a step of its group (fp8: half an e4m3 ulp), plus output rounding."""
-    f = get_format(fmt)
     g = torch.Generator().manual_seed(7)
     big = 5e3 if dtype == torch.float16 else 1e30
     small = 1e-3 if dtype == torch.float16 else 1e-30
