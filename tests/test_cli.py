@@ -84,3 +84,24 @@ def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_qualify_against_a_peer_engine(tmp_path):
+    """DeepSpeed ZeRO-2 (unmodified) as the baseline arm, qzero INT8 as the candidate."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "rep"
+    res = qzero("qualify", *TINY, "--order", "BC", "--baseline", "engine=deepspeed", "--candidate", "quantized=true",
+                "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["differing_settings"] == {"engine": ["deepspeed", "qzero"], "quantized": [False, True]}
+    assert report["arms"][0]["replicas_identical"] and report["gates"]["max_loss_diff"]
+
+
+def test_train_with_fsdp2(tmp_path):
+    out = tmp_path / "run.json"
+    res = qzero("train", *TINY, "--engine", "fsdp2", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["replicas_identical"] is None  # sharded: no replicated buffer to compare
+    assert rec["losses"][-1] < rec["losses"][0] and len(rec["sample"]) > 4000

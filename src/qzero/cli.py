@@ -20,6 +20,8 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     from .workload import PRESETS
 
     w = p.add_argument_group("workload")
+    w.add_argument("--engine", choices=("qzero", "deepspeed", "fsdp2"), default="qzero",
+                   help="qzero (default), or a peer for side-by-side arms: deepspeed (ZeRO-1/2), fsdp2")
     w.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default: tiny)")
     w.add_argument("--model-config", metavar="JSON", help="a transformers config JSON instead of a preset")
     w.add_argument("--data", metavar="FILE", help="train on this text file (default: the Python stdlib sources)")
@@ -46,6 +48,7 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
 
 def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
     return TrainSettings(
+        engine=args.engine,
         preset=args.preset,
         model_config=args.model_config,
         data=args.data,

@@ -30,6 +30,7 @@ SAMPLE_SIZE = 4096
 class TrainSettings:
     """Everything that defines one training run (one arm of ``qzero qualify``)."""
 
+    engine: str = "qzero"  # qzero | deepspeed | fsdp2 (peers, for side-by-side arms)
     preset: str = "tiny"
     model_config: str | None = None
     data: str | None = None
@@ -96,6 +97,10 @@ def validate(settings: TrainSettings) -> None:
             raise WorkloadError(
                 f"world size {settings.world_size} is larger than the {torch.cuda.device_count()} visible GPU(s)"
             )
+    from .engines import ENGINES
+
+    if settings.engine not in ENGINES:
+        raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
     if settings.precision not in ("bf16", "fp16"):
         raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
@@ -114,9 +119,7 @@ def validate(settings: TrainSettings) -> None:
 
 def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
     """Run the training loop on this rank (process group already initialised)."""
-    import functools
-
-    from .optim import ZeroOptimizer
+    from .engines import make_engine
     from .workload import build_model, global_batch, load_corpus, model_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,10 +133,8 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
     corpus = load_corpus(settings.data)
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
-    model = build_model(config, dtype, device, settings.seed)
-    opt = ZeroOptimizer(
-        model, functools.partial(torch.optim.AdamW, lr=settings.lr, weight_decay=0.0), config=settings.zero_config()
-    )
+    engine = make_engine(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
+    model = engine.model
     losses, norms, times, skipped = [], [], [], 0
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
     per_step = world * settings.micro_batch * settings.grad_accum
@@ -149,25 +150,26 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             loss = torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
             ) / settings.grad_accum
-            opt.backward(loss)
+            engine.backward(loss)
             loss_sum += loss.detach()
-        took = opt.step()
-        opt.zero_grad()
+        took = engine.step()
+        engine.zero_grad()
         _sync(device)
         elapsed = time.perf_counter() - t0
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
-        norms.append(opt.grad_norm.item() if opt.grad_norm is not None else None)
+        norms.append(engine.grad_norm())
         skipped += not took
         if step >= settings.warmup:
             times.append(elapsed)
         if bar is not None:
-            saved = sum(s.plain_bytes - s.bytes_sent for s in opt.last_gather)
+            sent, plain = engine.gathered_bytes()
+            saved = plain - sent
             bar.update(losses[-1], elapsed, saved)
     if bar is not None:
         bar.close()
-    opt.wait_for_weights()  # gather-ahead: the last step's gather may still be in flight
-    result = _summary(settings, opt, losses, norms, times, skipped, device)
+    engine.finish()  # gather-ahead: the last step's gather may still be in flight
+    result = _summary(settings, engine, losses, norms, times, skipped, device)
     if rank == 0 and out_path:
         tmp = out_path + ".tmp"
         with open(tmp, "w") as f:
@@ -193,7 +195,7 @@ def replicas_identical(flats: list[torch.Tensor], chunk: int = 1 << 26) -> bool:
     """Compare every rank's flat buffers with rank 0's, bit for bit, a bounded chunk at a time."""
     same = torch.ones((), dtype=torch.int32, device=flats[0].device)
     for f in flats:
-        bits = f.view(torch.uint8)  # every backend broadcasts bytes
+        bits = f.detach().view(torch.uint8)  # every backend broadcasts bytes
         bits = bits.view(torch.int32) if bits.numel() % 4 == 0 else bits
         for start in range(0, bits.numel(), chunk):
             piece = bits[start : start + chunk].clone()
@@ -203,22 +205,18 @@ def replicas_identical(flats: list[torch.Tensor], chunk: int = 1 << 26) -> bool:
     return bool(same.item())
 
 
-def sample_weights(opt, size: int = SAMPLE_SIZE) -> torch.Tensor:
-    """The same ``size`` elements of the (used part of the) flat buffers, in every run."""
-    used = [(g.flat, g.layout.used_numel) for g in opt.groups]
-    total = sum(n for _, n in used)
-    idx = torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
-    out, offset = [], 0
-    for flat, n in used:
-        mine = idx[(idx >= offset) & (idx < offset + n)] - offset
-        out.append(flat[mine.to(flat.device)].float().cpu())
-        offset += n
-    return torch.cat(out)
+def sample_index(total: int, size: int = SAMPLE_SIZE) -> torch.Tensor:
+    """The same ``size`` (sorted, distinct) indices into the parameters laid end to end, in every run."""
+    return torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
 
 
-def _summary(settings, opt, losses, norms, times, skipped, device) -> dict:
-    sample = sample_weights(opt)
-    peak_alloc, peak_reserved, total = _memory(device)
+def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
+    params = [p for p in engine.model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    sample = engine.sample(sample_index(total))
+    flats = engine.flats()
+    sent, plain = engine.gathered_bytes()
+    peak_alloc, peak_reserved, total_mem = _memory(device)
     return {
         "settings": dataclasses.asdict(settings),
         "world_size": dist.get_world_size(),
@@ -229,15 +227,15 @@ def _summary(settings, opt, losses, norms, times, skipped, device) -> dict:
         "skipped_steps": skipped,
         "sample": sample.tolist(),
         "sample_hash": hashlib.sha256(sample.numpy().tobytes()).hexdigest(),
-        "replicas_identical": replicas_identical([g.flat for g in opt.groups]),
+        # None where the engine keeps no replicated weights (FSDP2): nothing to compare
+        "replicas_identical": replicas_identical(flats) if flats else None,
         "peak_allocated_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,
-        "device_memory_bytes": total,
+        "device_memory_bytes": total_mem,
         "memory_kind": "cuda allocator" if device.type == "cuda" else "process peak RSS (CPU)",
-        "bytes_sent_per_step": sum(s.bytes_sent for s in opt.last_gather),
-        "plain_bytes_per_step": sum(s.plain_bytes for s in opt.last_gather),
-        "gather_chunks": sum(s.num_chunks for s in opt.last_gather),
-        "params": sum(g.layout.used_numel for g in opt.groups),
+        "bytes_sent_per_step": sent,
+        "plain_bytes_per_step": plain,
+        "params": total,
     }
 
 

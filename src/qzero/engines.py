@@ -1,0 +1,188 @@
+"""Training engines an arm of ``qzero train``/``qualify`` can use, behind one small interface.
+
+* ``qzero`` — :class:`qzero.ZeroOptimizer` (plain or quantized gather, gather-ahead).
+* ``deepspeed`` — DeepSpeed ZeRO-1/2 as users install it, unmodified (or, with
+  ``quantized``, through :mod:`qzero.integrations.deepspeed`).
+* ``fsdp2`` — PyTorch FSDP2, ``fully_shard`` per decoder layer and at the root with
+  ``reshard_after_forward=False`` (its ZeRO-2-like mode), fp32 masters, bf16/fp16 compute.
+
+Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
+training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
+``zero_grad``, ``grad_norm``, ``gathered_bytes`` (sent, plain) of the last step,
+``finish`` and ``flats`` (the replicated weight buffers whose bits must agree on every
+rank; empty where nothing is replicated) and ``sample(index)`` (weights at flat indices
+into the parameters laid end to end, identical on every rank).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+ENGINES = ("qzero", "deepspeed", "fsdp2")
+
+
+class QZeroEngine:
+    def __init__(self, settings, build, dtype, device):
+        from .optim import ZeroOptimizer
+
+        self.model = build(dtype)
+        adamw = functools.partial(torch.optim.AdamW, lr=settings.lr, weight_decay=0.0)
+        self.opt = ZeroOptimizer(self.model, adamw, config=settings.zero_config())
+
+    def backward(self, loss):
+        self.opt.backward(loss)
+
+    def step(self) -> bool:
+        return self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def grad_norm(self):
+        return None if self.opt.grad_norm is None else self.opt.grad_norm.item()
+
+    def gathered_bytes(self):
+        return sum(s.bytes_sent for s in self.opt.last_gather), sum(s.plain_bytes for s in self.opt.last_gather)
+
+    def finish(self):
+        self.opt.wait_for_weights()
+
+    def flats(self):
+        return [g.flat for g in self.opt.groups]
+
+    def sample(self, index):
+        return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
+
+
+class DeepSpeedEngine:
+    def __init__(self, settings, build, dtype, device):
+        import deepspeed
+
+        from .integrations import deepspeed as qds
+
+        self.model = build(dtype)
+        world = dist.get_world_size()
+        config = {
+            "train_micro_batch_size_per_gpu": settings.micro_batch,
+            "gradient_accumulation_steps": settings.grad_accum,
+            "train_batch_size": settings.micro_batch * settings.grad_accum * world,
+            "bf16": {"enabled": dtype == torch.bfloat16},
+            "fp16": {"enabled": dtype == torch.float16},
+            "zero_optimization": {
+                "stage": settings.stage,
+                "allgather_bucket_size": settings.allgather_bucket,
+                "reduce_bucket_size": settings.reduce_bucket,
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+            },
+        }
+        if settings.quantized:
+            config["zero_optimization"].update(
+                zero_quantized_weights=True,
+                zero_quantized_weights_group_size=settings.group_size,
+                zero_quantized_weights_format=settings.fmt,
+                zero_quantized_weights_small_param_numel=settings.zero_config().small_param_numel,
+            )
+        fused = device.type == "cuda"
+        inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
+        init = qds.initialize if settings.quantized else deepspeed.initialize
+        self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
+        self.grad_accum = settings.grad_accum
+
+    def backward(self, loss):
+        # DeepSpeed divides by the accumulation steps itself; the caller already did.
+        self.engine.backward(loss * self.grad_accum)
+
+    def step(self) -> bool:
+        self.engine.step()
+        return not getattr(self.opt, "overflow", False)
+
+    def zero_grad(self):
+        pass  # engine.step() clears the gradients at the accumulation boundary
+
+    def grad_norm(self):
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def gathered_bytes(self):
+        stats = getattr(self.engine, "qzero_gather", None)
+        last = getattr(stats, "last_stats", None) if stats is not None else None
+        if last:
+            return sum(s.bytes_sent for s in last), sum(s.plain_bytes for s in last)
+        plain = sum(f.numel() * f.element_size() for f in self.opt.bit16_groups_flat) // dist.get_world_size()
+        return plain, plain
+
+    def finish(self):
+        pass
+
+    def flats(self):
+        return list(self.opt.bit16_groups_flat)
+
+    def sample(self, index):
+        return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
+
+
+class FSDP2Engine:
+    def __init__(self, settings, build, dtype, device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.model = build(torch.float32)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        reduce = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(settings.reduce_dtype, dtype)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+        for layer in getattr(getattr(self.model, "model", None), "layers", []):
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fused = device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
+        self._norm = None
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self) -> bool:
+        norms = [p.grad.full_tensor().float().pow(2).sum() for p in self.model.parameters() if p.grad is not None]
+        self._norm = torch.stack(norms).sum().sqrt().item() if norms else None
+        self.opt.step()
+        return True
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def grad_norm(self):
+        return self._norm
+
+    def gathered_bytes(self):
+        plain = sum(p.numel() for p in self.model.parameters()) * 2 // dist.get_world_size()
+        return plain, plain  # bf16 parameters gathered in forward, as a plain ZeRO gather would
+
+    def finish(self):
+        pass
+
+    def flats(self):
+        return []  # sharded: no replicated weight buffer to compare
+
+    def sample(self, index):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return _sample_params(params, index, lambda p: p.detach().full_tensor())
+
+
+def _sample_params(params, index: torch.Tensor, materialise) -> torch.Tensor:
+    """Elements at ``index`` of the parameters laid end to end, as fp32 on the CPU."""
+    out, offset = [], 0
+    for p in params:
+        n = p.numel()
+        mine = index[(index >= offset) & (index < offset + n)] - offset
+        if mine.numel():
+            out.append(materialise(p).reshape(-1)[mine.to(p.device)].float().cpu())
+        offset += n
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def make_engine(settings, build, dtype, device):
+    kinds = {"qzero": QZeroEngine, "deepspeed": DeepSpeedEngine, "fsdp2": FSDP2Engine}
+    return kinds[settings.engine](settings, build, dtype, device)
