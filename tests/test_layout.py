@@ -95,7 +95,7 @@ def test_random_plans_obey_bounds_and_side_channel_sizes(seed):
         assert c.payload.exact_numel == brute_force_exact_max(plan, c)
 
 
-@pytest.mark.parametrize("world", [64, 1024])
+@pytest.mark.parametrize("world", [4, 8, 64, 1024])
 def test_large_world_plans_stay_within_the_bucket(world):
     bucket = 50_000_000
     lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=bucket)
@@ -136,3 +136,21 @@ def test_bad_plan_arguments(kwargs, match):
     world = kwargs.pop("world_size")
     with pytest.raises(ValueError, match=match):
         plan_gather(numel, world, **kwargs)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_proposal_configuration_plans(world):
+    """The public proposal's DP4 setting (and DP8): Qwen3-4B, 50M gather bucket, 26M reduce bucket.
+    Transient gather memory stays within the bucket whatever the world size, with gather-ahead's
+    two chunks in flight planned at half the bucket each."""
+    from qzero.layout import plan_reduce_buckets
+
+    for depth in (1, 2):
+        lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=50_000_000 // depth)
+        plan = lay.gather
+        check_plan_invariants(plan)
+        assert depth * plan.max_recv_numel <= 50_000_000
+        assert depth * plan.max_recv_bytes <= 1.1 * 50_000_000  # ~1.07 B/element: about half a bf16 bucket
+    buckets = plan_reduce_buckets(lay, 26_000_000)
+    assert max(b.numel for b in buckets) <= 26_000_000
+    assert sum(b.numel for b in buckets) == lay.used_numel
