@@ -4,7 +4,11 @@ For a small Qwen3-shaped model: the quantized gather with and without gather-ahe
 must give bitwise the same losses and weights; replicas must be bit-identical; the
 plain path must match too. Prints one line per check and exits non-zero on failure.
 
-    torchrun --nproc_per_node=2 bench/gpu_check.py
+    torchrun --nproc_per_node=2 bench/gpu_check.py [--delays]
+
+``--delays`` is the race stress: every collective launch and wait of the synchronous,
+pipelined and gather-ahead paths first puts a random GPU sleep on the current stream (and
+every pipeline stage its own), and every result must still equal the undelayed run's bits.
 """
 
 import functools
@@ -43,6 +47,35 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2):
     return torch.stack(losses).cpu(), flat.cpu(), same
 
 
+def install_delays(seed: int) -> None:
+    """Random GPU sleeps before every collective launch and wait, and in every pipeline stage."""
+    import random
+
+    import qzero.comm as comm
+    import qzero.overlap as overlap
+    import qzero.pipeline as pipeline
+
+    rng = random.Random(seed)
+    real = comm.all_gather_into
+
+    class SlowWork:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            torch.cuda._sleep(rng.randrange(0, 2_000_000))
+            return self.work.wait()
+
+    def delayed(out, inp, group=None, async_op=False):
+        torch.cuda._sleep(rng.randrange(0, 2_000_000))
+        work = real(out, inp, group=group, async_op=async_op)
+        return SlowWork(work) if async_op else work
+
+    comm.all_gather_into = overlap.all_gather_into = delayed
+    for stage in pipeline.DELAY_CYCLES:
+        pipeline.DELAY_CYCLES[stage] = 1_000_000
+
+
 def main():
     dist.init_process_group("nccl")
     torch.cuda.set_device(dist.get_rank())
@@ -66,6 +99,13 @@ def main():
               torch.equal(plain[0], plain_ahead[0]) and torch.equal(plain[1], plain_ahead[1]))
         diff = (plain[0] - quant[0]).abs().max().item()
         check(f"stage {stage}: int8 loss within 0.02 of plain (max diff {diff:.5f})", diff < 0.02)
+    if "--delays" in sys.argv:
+        clean = run(dict(stage=2, zero_quantized_weights=True, overlap_param_gather=True))
+        install_delays(1000 + dist.get_rank())
+        for cfg in (dict(), dict(overlap_param_gather=True)):
+            stressed = run(dict(stage=2, zero_quantized_weights=True, **cfg))
+            check(f"race stress {cfg or 'synchronous/pipelined'}: bitwise equal to the undelayed run",
+                  torch.equal(clean[0], stressed[0]) and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
     os.environ["QZERO_KERNELS"] = "reference"
     ref = run(dict(stage=2, zero_quantized_weights=True))
     os.environ.pop("QZERO_KERNELS")

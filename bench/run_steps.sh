@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/qzero_pip.log 2>&1 || { echo "pip install failed"; tail /tmp/qzero_pip.log; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-[ -n "${SKIP_CHECK:-}" ] || timeout "${CHECK_TIMEOUT:-150}" python3 -m torch.distributed.run --nproc_per_node=2 bench/gpu_check.py 2>&1 \
+[ -n "${SKIP_CHECK:-}" ] || timeout "${CHECK_TIMEOUT:-150}" python3 -m torch.distributed.run --nproc_per_node=2 bench/gpu_check.py --delays 2>&1 \
     | grep -E "PASS|FAIL|Error|error" | tee "$out/gpu_check.log"
 common=(--device cuda --world-size 2 --preset qwen3-1.7b --seq-len 2048 --micro-batch 2
         --steps "${STEPS:-8}" --warmup 2 --allgather-bucket 5e7 --reduce-bucket 5e7 --lr 1e-4)

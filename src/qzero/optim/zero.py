@@ -75,7 +75,9 @@ class ZeroOptimizer:
                 raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
         except (TypeError, ValueError) as e:
             error = e
-        fields = None if error else {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups)}
+        fields = None
+        if error is None:
+            fields = {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups)}
         device = groups[0][0][0].device if groups else None
         agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer")
 
