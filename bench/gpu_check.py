@@ -26,6 +26,8 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank)
     model = build_model(model_config("small", max_positions=seq), torch.bfloat16, device, seed=0)
+    # one flat order for every arm, so that synchronous and gather-ahead runs compare bit for bit
+    cfg_kwargs = {"flat_order": "interleaved", **cfg_kwargs}
     cfg = qzero.ZeroConfig(small_param_numel=4096, allgather_bucket_size=world * 64 * 1024,
                            reduce_bucket_size=200_000, **cfg_kwargs)
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3, fused=True), config=cfg)

@@ -154,3 +154,47 @@ def test_proposal_configuration_plans(world):
     buckets = plan_reduce_buckets(lay, 26_000_000)
     assert max(b.numel for b in buckets) <= 26_000_000
     assert sum(b.numel for b in buckets) == lay.used_numel
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_interleaved_order_follows_the_model_in_every_partition(world):
+    """Each partition holds its parameters in model order, and the gather chunk a parameter
+    needs grows with its model position: a forward in model order meets chunks in gather order."""
+    from qzero.overlap import last_chunk_needed
+
+    shapes = QWEN3_4B_SHAPES[: 1 + 11 * 8]  # embedding + 8 layers
+    lay = plan_flat_layout(shapes, world, bucket_numel=world * 64 * 2048, order="interleaved")
+    check_plan_invariants(lay.gather)
+    p = lay.partition_numel
+    assert lay.numel == world * p and p % 64 == 0
+    largest = max(s.numel for s in lay.slots)
+    assert lay.padding < world * (largest + 64)
+    by_rank = {}
+    for s in lay.slots:  # model order
+        r = s.start // p
+        assert (s.stop - 1) // p == r, "parameters do not straddle partitions in the interleaved order"
+        by_rank.setdefault(r, []).append(s.start)
+    for starts in by_rank.values():
+        assert starts == sorted(starts)
+    # After the embedding (needed first, whatever the order), chunks are needed in gather order,
+    # give or take the partitions' imbalance (at most one parameter).
+    slack = largest // lay.gather.chunk_numel + 1
+    needed = [last_chunk_needed(lay.gather, s.start, s.stop) for s in lay.slots[1:]]
+    running = 0
+    for k in needed:
+        assert k >= running - slack, "a later parameter needs a much earlier chunk"
+        running = max(running, k)
+    # whereas in the contiguous order the parameter straddling the first partition boundary
+    # (about 1/world of the way through the model) already needs the last chunk
+    contiguous = plan_flat_layout(shapes, world, bucket_numel=world * 64 * 2048)
+    q = contiguous.partition_numel
+    straddler = next((s for s in contiguous.slots if s.start < q < s.stop), None)
+    if straddler is not None:
+        assert last_chunk_needed(contiguous.gather, straddler.start, straddler.stop) == len(contiguous.gather.chunks) - 1
+
+
+def test_interleaved_with_one_rank_is_contiguous():
+    shapes = [(10, 30), (30,), (7,), (64, 64)]
+    a = plan_flat_layout(shapes, 1, order="interleaved")
+    b = plan_flat_layout(shapes, 1)
+    assert [s.start for s in a.slots] == [s.start for s in b.slots] and a.numel == b.numel

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 
 import qzero
+from qzero.optim.checkpoint import logical_pieces
 
 # ------------------------------------------------------------------ a tiny model, fp32 compute on bf16/fp16 weights
 
@@ -153,7 +154,7 @@ def zero_run(rank, world, steps, cfg_kwargs, micro=1, split_groups=False, dtype=
         opt.zero_grad()
         losses.append(step_loss / micro)
     params = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    masters = [(g.lo, g.hi, g.master.clone(), g.layout.used_numel) for g in opt.groups]
+    masters = [(logical_pieces(g), g.master.clone(), g.layout.used_numel) for g in opt.groups]
     flats = [g.flat.clone() for g in opt.groups]
     return {
         "losses": losses,
@@ -168,12 +169,16 @@ def zero_run(rank, world, steps, cfg_kwargs, micro=1, split_groups=False, dtype=
 
 
 def assemble_masters(results, group=0):
-    """The full fp32 master vector of one group, from every rank's shard."""
-    parts = []
+    """The full fp32 master vector of one group (parameters in model order), from every rank's shard."""
+    full = None
     for res in results:
-        lo, hi, m, n = res["masters"][group]
-        parts.append(m[: max(0, min(hi, n) - lo)])
-    return torch.cat(parts)
+        pieces, m, n = res["masters"][group]
+        if full is None:
+            full = torch.full((n,), float("nan"))
+        for local, length, at in pieces:
+            full[at : at + length] = m[local : local + length]
+    assert not torch.isnan(full).any(), "every parameter element is owned by some rank"
+    return full
 
 
 def flatten_reference_masters(masters, model_order_groups):
@@ -189,11 +194,13 @@ def assert_replicas_identical(results):
 # ------------------------------------------------------------------ tests
 
 
+@pytest.mark.parametrize("order", ["contiguous", "interleaved"])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [2, 3])
-def test_matches_single_process_reference(stage, world):
+def test_matches_single_process_reference(stage, world, order):
     steps = 4
-    kwargs = dict(stage=stage, reduce_dtype="fp32", reduce_bucket_size=300, allgather_bucket_size=world * 64 * 3)
+    kwargs = dict(stage=stage, reduce_dtype="fp32", reduce_bucket_size=300, allgather_bucket_size=world * 64 * 3,
+                  flat_order=order)
     results = run_distributed(zero_run, world, steps, kwargs)
     ref_losses, ref_masters, ref_params = reference_run(world, steps, stage=stage)
     assert_replicas_identical(results)
@@ -290,9 +297,10 @@ def test_optimizer_variants_run():
 # ------------------------------------------------------------------ checkpoints
 
 
-def checkpoint_run(rank, world, path, mode, quantized):
+def checkpoint_run(rank, world, path, mode, quantized, order="contiguous"):
     model = make_model(seed=rank if mode == "save" else rank + 10)  # a loaded run must not depend on its init
-    cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, reduce_dtype="fp32", allgather_bucket_size=world * 128)
+    cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, reduce_dtype="fp32", allgather_bucket_size=world * 128,
+                           flat_order=order)
     opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
     losses = []
 
@@ -314,9 +322,9 @@ def checkpoint_run(rank, world, path, mode, quantized):
     else:
         opt.load_checkpoint(path)
         train(3, 3)
-    return losses[-3:], [p.detach().clone() for p in model.parameters() if p.requires_grad], assemble_masters([
-        {"masters": [(g.lo, g.hi, g.master.clone(), g.layout.used_numel) for g in opt.groups]}
-    ]), opt.groups[0].lo
+    return losses[-3:], [p.detach().clone() for p in model.parameters() if p.requires_grad], {
+        "masters": [(logical_pieces(g), g.master.clone(), g.layout.used_numel) for g in opt.groups]
+    }, opt.groups[0].lo
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -329,18 +337,20 @@ def test_checkpoint_resume_is_bit_exact(quantized):
         assert a[0] == b[0], "losses after resume differ"
         for p, q in zip(a[1], b[1]):
             assert torch.equal(p.view(torch.int16), q.view(torch.int16))
-        assert torch.equal(a[2], b[2])
+        assert torch.equal(a[2]["masters"][0][1], b[2]["masters"][0][1])
 
 
-def test_checkpoint_reshards_from_2_to_3_ranks():
-    """Saved at world 2 after 3 steps, loaded at world 3: the next 3 steps are what an
-    unsharded run with those per-step batch splits computes."""
+@pytest.mark.parametrize("orders", [("contiguous", "contiguous"), ("interleaved", "contiguous"),
+                                    ("contiguous", "interleaved")])
+def test_checkpoint_reshards_from_2_to_3_ranks(orders):
+    """Saved at world 2 after 3 steps, loaded at world 3 (also across flat orders): the next 3
+    steps are what an unsharded run with those per-step batch splits computes."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
-        run_distributed(checkpoint_run, 2, path, "save", False)
-        resumed = run_distributed(checkpoint_run, 3, path, "load", False)
+        run_distributed(checkpoint_run, 2, path, "save", False, orders[0])
+        resumed = run_distributed(checkpoint_run, 3, path, "load", False, orders[1])
     ref_losses, ref_masters, _ = reference_run([2, 2, 2, 3, 3, 3], 6, stage=2)
-    got = torch.cat([r[2] for r in resumed])
+    got = assemble_masters([r[2] for r in resumed])
     torch.testing.assert_close(got, torch.cat([m.reshape(-1) for m in ref_masters]), rtol=2e-6, atol=2e-7)
     torch.testing.assert_close(torch.tensor(resumed[0][0]), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
 

@@ -80,10 +80,16 @@ def run(rank, world, cfg_kwargs, steps, reverse=False, delays=False):
     return losses, [g.flat.clone() for g in opt.groups], pending_seen, warned
 
 
+# gather-ahead picks the interleaved flat order by default ("auto"); the synchronous arm is
+# given the same layout so that the two can be compared bit for bit.
 CASES = [
-    dict(stage=2, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3),
-    dict(stage=1, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3),
-    dict(stage=2, zero_quantized_weights=False, allgather_bucket_size=4 * 64 * 3),
+    dict(stage=2, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3,
+         flat_order="interleaved"),
+    dict(stage=1, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3,
+         flat_order="interleaved"),
+    dict(stage=2, zero_quantized_weights=False, allgather_bucket_size=4 * 64 * 3, flat_order="interleaved"),
+    dict(stage=2, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=4 * 64 * 3,
+         flat_order="contiguous"),
 ]
 
 

@@ -104,6 +104,15 @@ class ZeroConfig:
     """Return from ``step()`` before the weight gather finishes and let each module
     wait for its own chunks in its forward (gather-ahead)."""
 
+    flat_order: str = "auto"
+    """How parameters are placed in the flat buffer: ``contiguous`` (back to back in model
+    order, each rank a contiguous stretch of the model), ``interleaved`` (each partition in
+    model order, so gather chunks arrive in the order a forward needs them: gather-ahead can
+    then hide behind the whole forward instead of its first 1/world), or ``auto``
+    (interleaved with gather-ahead, contiguous otherwise). Interleaving spreads each
+    partition's parameters over the model, so stage 2 fills up to ~world gradient buckets
+    at once."""
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
@@ -112,6 +121,8 @@ class ZeroConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)
         get_format(self.zero_quantized_weights_format)
+        if self.flat_order not in ("auto", "contiguous", "interleaved"):
+            raise ValueError(f"flat_order must be auto, contiguous or interleaved, got {self.flat_order!r}")
         for name in ("allgather_bucket_size", "reduce_bucket_size", "small_param_numel", "initial_scale_power",
                      "loss_scale_window", "hysteresis"):
             object.__setattr__(self, name, _as_int(name, getattr(self, name)))
@@ -154,6 +165,12 @@ class ZeroConfig:
             else:
                 raise ValueError(f"unknown zero_optimization key {key!r}; known keys: {sorted(known | set(_DEEPSPEED_FIXED))}")
         return cls(**kwargs)
+
+    @property
+    def resolved_flat_order(self) -> str:
+        if self.flat_order != "auto":
+            return self.flat_order
+        return "interleaved" if self.overlap_param_gather else "contiguous"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

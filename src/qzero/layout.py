@@ -25,6 +25,7 @@ from .quant.formats import SCALE_BYTES, check_group_size, get_format
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 DEFAULT_SMALL_PARAM_NUMEL = 65_536
+FLAT_ORDERS = ("contiguous", "interleaved")
 #: Payload sections and whole payloads start on this many bytes.
 PAYLOAD_ALIGN = 16
 
@@ -311,6 +312,23 @@ class FlatLayout:
     def exact_ranges(self) -> tuple[Range, ...]:
         return self.gather.exact_ranges
 
+    def logical_start(self, index: int) -> int:
+        """Where parameter ``index`` starts when the parameters are laid back to back in model
+        order: the world-size independent coordinates checkpoints use."""
+        return sum(s.numel for s in self.slots[:index])
+
+    def padding_ranges(self, lo: int, hi: int) -> list[Range]:
+        """The parts of ``[lo, hi)`` no parameter occupies, relative to ``lo``."""
+        taken = sorted((max(s.start, lo), min(s.stop, hi)) for s in self.slots if s.start < hi and lo < s.stop)
+        out, pos = [], lo
+        for a, b in taken:
+            if a > pos:
+                out.append((pos - lo, a - lo))
+            pos = max(pos, b)
+        if pos < hi:
+            out.append((pos - lo, hi - lo))
+        return out
+
     def slots_in(self, lo: int, hi: int) -> list[tuple[ParamSlot, Range]]:
         """Parameters overlapping ``[lo, hi)``, each with the overlapping flat range."""
         out = []
@@ -331,9 +349,14 @@ def plan_flat_layout(
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     fmt: str | None = "int8",
+    order: str = "contiguous",
 ) -> FlatLayout:
-    """Pack parameters of ``shapes`` (in order) into a flat buffer and plan its gather.
+    """Pack parameters of ``shapes`` into a flat buffer and plan its gather.
 
+    ``order="contiguous"`` packs them back to back in the given order, padding at the tail;
+    ``order="interleaved"`` places them with :func:`interleaved_starts` (each partition in
+    model order; padding at the end of every partition), which lets a gather that runs
+    ahead of the forward finish chunks in the order the forward needs them.
     ``alignment`` defaults to the group size (so partitions hold whole groups).
     Parameters with at most ``small_param_numel`` elements become exact ranges.
     """
@@ -345,17 +368,27 @@ def plan_flat_layout(
     _check_positive_int("alignment", alignment)
     if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
         raise ValueError(f"small_param_numel must be an integer >= 0, got {small_param_numel!r}")
-    slots = []
-    pos = 0
+    sizes, shapes_t = [], []
     for i, shape in enumerate(shapes):
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"parameter {i} has a negative dimension in shape {shape}")
-        n = math.prod(shape)
-        slots.append(ParamSlot(i, shape, pos, n, n > 0 and is_small_param(n, small_param_numel)))
-        pos += n
-    numel = padded_flat_numel(pos, world_size, alignment)
-    exact = [(s.start, s.stop) for s in slots if s.exact] if fmt is not None else []
+        shapes_t.append(shape)
+        sizes.append(math.prod(shape))
+    if order == "contiguous":
+        starts = [0] * len(sizes)
+        for i in range(1, len(sizes)):
+            starts[i] = starts[i - 1] + sizes[i - 1]
+        numel = padded_flat_numel(sum(sizes), world_size, alignment)
+    elif order == "interleaved":
+        starts, numel = interleaved_starts(sizes, world_size, alignment)
+    else:
+        raise ValueError(f"order must be one of {FLAT_ORDERS}, got {order!r}")
+    slots = tuple(
+        ParamSlot(i, shape, start, n, n > 0 and is_small_param(n, small_param_numel))
+        for i, (shape, start, n) in enumerate(zip(shapes_t, starts, sizes))
+    )
+    exact = sorted((s.start, s.stop) for s in slots if s.exact) if fmt is not None else []
     gather = plan_gather(
         numel,
         world_size,
@@ -365,7 +398,28 @@ def plan_flat_layout(
         group_size=group_size,
         exact_ranges=_merge_adjacent(exact),
     )
-    return FlatLayout(tuple(slots), pos, numel, world_size, alignment, gather)
+    return FlatLayout(slots, sum(sizes), numel, world_size, alignment, gather)
+
+
+def interleaved_starts(sizes: Sequence[int], world_size: int, alignment: int) -> tuple[list[int], int]:
+    """Place parameters (in model order) so that each partition's local offsets follow model order.
+
+    Every parameter goes to the partition filled least so far (ties: the lowest rank), at
+    the end of what that partition holds. A parameter at model-order position ``x`` then
+    sits near local offset ``x / world_size`` in its partition, so gather chunk ``k`` (local
+    offsets ``[k c, (k+1) c)`` of every partition) holds one contiguous stretch of the model,
+    and a forward that runs in model order needs the chunks in gather order. Partitions are
+    padded to the fullest one (rounded up to ``alignment``); the imbalance is at most one
+    parameter.
+    """
+    fills = [0] * world_size
+    placed = []
+    for n in sizes:
+        r = min(range(world_size), key=lambda k: (fills[k], k))
+        placed.append((r, fills[r]))
+        fills[r] += n
+    partition = max(round_up(max(fills, default=0), alignment), alignment)
+    return [r * partition + off for r, off in placed], world_size * partition
 
 
 def _merge_adjacent(ranges: list[Range]) -> list[Range]:
@@ -397,16 +451,20 @@ class ReduceBucket:
 
 
 def plan_reduce_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ReduceBucket, ...]:
-    """Cut ``[0, used_numel)`` into buckets of at most ``bucket_numel`` elements.
+    """Cut the span the parameters occupy into buckets of at most ``bucket_numel`` elements
+    (padding between partitions rides along as zeros).
 
     Buckets are formed from the end of the buffer backwards, because backward
     produces the last parameters' gradients first. Bucket edges fall on parameter
     edges, except inside a parameter larger than the bucket, which is split.
     """
     _check_positive_int("bucket_numel", bucket_numel)
-    edges = [layout.used_numel]  # descending; the open bucket is [?, edges[-1])
-    for s in reversed(layout.slots):
-        if s.numel == 0 or edges[-1] - s.start <= bucket_numel:
+    in_flat_order = sorted((s for s in layout.slots if s.numel), key=lambda s: s.start)
+    if not in_flat_order:
+        return ()
+    edges = [in_flat_order[-1].stop]  # descending; the open bucket is [?, edges[-1])
+    for s in reversed(in_flat_order):
+        if edges[-1] - s.start <= bucket_numel:
             continue  # fits in the open bucket
         if edges[-1] > s.stop:
             edges.append(s.stop)  # close the open bucket at this parameter's end

@@ -72,17 +72,37 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def logical_pieces(group: FlatGroup) -> list[tuple[int, int, int]]:
+    """``(local offset, length, logical offset)`` of the parameter elements in this rank's
+    partition. The logical buffer is the parameters back to back in model order, which is
+    the same at every world size and for either flat order; adjacent pieces are merged."""
+    layout, lo, hi = group.layout, group.lo, group.hi
+    logical = 0
+    pieces: list[tuple[int, int, int]] = []
+    for s in layout.slots:
+        a, b = max(s.start, lo), min(s.stop, hi)
+        if a < b:
+            local, length, at = a - lo, b - a, logical + a - s.start
+            if pieces and pieces[-1][0] + pieces[-1][1] == local and pieces[-1][2] + pieces[-1][1] == at:
+                pieces[-1] = (pieces[-1][0], pieces[-1][1] + length, pieces[-1][2])
+            else:
+                pieces.append((local, length, at))
+        logical += s.numel
+    return pieces
+
+
 def _sharded(t: torch.Tensor, group: FlatGroup, opt: ZeroOptimizer):
-    """Wrap this rank's piece of a partition-shaped tensor as a shard of the logical buffer."""
+    """Wrap this rank's pieces of a partition-shaped tensor as shards of the logical buffer."""
     n = group.layout.used_numel
-    a, b = min(group.lo, n), min(group.hi, n)
+    pieces = logical_pieces(group)
     if not dist.is_initialized():  # one process, no group: the whole logical buffer, as a plain tensor
+        assert pieces in ([], [(0, n, 0)]), "a single rank holds the parameters back to back"
         return t[:n]
-    shards = []
-    if a < b:
-        global_rank = dist.get_rank() if dist.is_initialized() else 0
-        meta = ShardMetadata([a], [b - a], f"rank:{global_rank}/{t.device}")
-        shards.append(Shard(t[: b - a], meta))
+    global_rank = dist.get_rank()
+    shards = [
+        Shard(t[local : local + length], ShardMetadata([at], [length], f"rank:{global_rank}/{t.device}"))
+        for local, length, at in pieces
+    ]
     return init_from_local_shards(shards, n, process_group=opt.process_group)
 
 
@@ -329,10 +349,9 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     except CheckpointException as e:
         raise ValueError(f"{path!r}: reading the tensors failed: {_first_line(e)}") from e
     for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
-        # padding past the logical buffer holds zeros (it was never trained)
-        n = g.layout.used_numel
-        if g.hi > n:
-            g.master[max(n - g.lo, 0) :].zero_()
+        # padding holds zeros (it was never trained)
+        for a, b in g.layout.padding_ranges(g.lo, g.hi):
+            g.master[a:b].zero_()
         opt.optimizer.state[g.master] = state
         for k, v in hyper.items():
             if k in pg:
