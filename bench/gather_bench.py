@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from qzero.qualify.env import link_regime
 from qzero import pipeline
 from qzero.comm import all_gather, quantized_all_gather, run_gather
 from qzero.layout import plan_gather
@@ -338,15 +339,7 @@ def single_markdown(res: dict) -> str:
 
 
 def regime_label(args) -> str:
-    if args.regime:
-        return args.regime
-    p2p = os.environ.get("NCCL_P2P_DISABLE") == "1"
-    shm = os.environ.get("NCCL_SHM_DISABLE") == "1"
-    if p2p and shm:
-        return "Ethernet-class (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)"
-    if p2p:
-        return "PCIe-class, no P2P (NCCL_P2P_DISABLE=1)"
-    return "default (NVLink where present)"
+    return args.regime or link_regime("cuda")
 
 
 def timed(fn) -> float:
