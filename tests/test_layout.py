@@ -198,3 +198,21 @@ def test_interleaved_with_one_rank_is_contiguous():
     a = plan_flat_layout(shapes, 1, order="interleaved")
     b = plan_flat_layout(shapes, 1)
     assert [s.start for s in a.slots] == [s.start for s in b.slots] and a.numel == b.numel
+
+
+def test_auto_order_interleaves_unless_that_pads_much():
+    """``order="auto"``: the interleaved order for ordinary models; the contiguous order when
+    interleaving would pad more than 3% (one very large parameter placed last)."""
+    llm = QWEN3_4B_SHAPES
+    for world in (2, 3, 8):
+        auto = plan_flat_layout(llm, world, order="auto")
+        assert auto.order == "interleaved"
+        assert auto.numel == plan_flat_layout(llm, world, order="interleaved").numel
+    lopsided = [(64, 64)] * 10 + [(4096, 1024)]  # the last parameter is 98% of the model
+    auto = plan_flat_layout(lopsided, 2, order="auto")
+    interleaved = plan_flat_layout(lopsided, 2, order="interleaved")
+    assert interleaved.padding > 0.4 * interleaved.used_numel
+    assert auto.order == "contiguous" and auto.padding < 2 * 64
+    assert plan_flat_layout(lopsided, 2).order == "contiguous"  # the planner's own default
+    with pytest.raises(ValueError, match="order must be"):
+        plan_flat_layout(llm, 2, order="zigzag")

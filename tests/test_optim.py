@@ -419,3 +419,35 @@ def test_rejected_at_construction_on_every_rank(case, match):
     for msg, unchanged in run_distributed(rejection_run, 2, case, timeout=60):
         assert msg is not None and re.search(match, msg), msg
         assert unchanged
+
+
+def collectives_run(rank, world, order, stage):
+    calls = {"reduce_scatter_tensor": 0, "reduce": 0}
+    for name in calls:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    model = make_model()
+    cfg = qzero.ZeroConfig(stage=stage, reduce_bucket_size=world * 200, flat_order=order)
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
+    tokens, targets = batch(0, 0)
+    opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
+    opt.step()
+    return {"calls": calls, "order": opt.groups[0].layout.order,
+            "buckets": len(opt.grads[0].reducer.buckets)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_are_reduce_scattered_in_the_interleaved_order(stage):
+    """Interleaved order: one reduce-scatter per window, no reduce to a single owner; the
+    contiguous order reduces flat ranges to their owners (values: the reference tests above)."""
+    for order, used, unused in (("interleaved", "reduce_scatter_tensor", "reduce"),
+                                ("contiguous", "reduce", "reduce_scatter_tensor")):
+        res = run_distributed(collectives_run, 3, order, stage)[0]
+        assert res["order"] == order
+        assert res["calls"][unused] == 0
+        assert res["calls"][used] >= res["buckets"] > 1

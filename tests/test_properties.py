@@ -27,6 +27,9 @@ from qzero.layout import (
     plan_flat_layout,
     plan_gather,
     plan_reduce_buckets,
+    plan_scatter_buckets,
+    scatter_pieces,
+    scatter_window_numel,
 )
 from qzero.quant.formats import SCALE_BYTES, get_format
 
@@ -474,3 +477,40 @@ def test_real_gather_equals_simulation(batch):
         want = expected_gather(truth, world, g, ranges, fmt)
         for r in range(world):
             assert torch.equal(bits(by_rank[r][i]), bits(want)), f"case {i} rank {r}"
+
+
+@settings(max_examples=600, **FAST)
+@given(layouts(world=st.integers(1, 16)), st.sampled_from(["contiguous", "interleaved"]), st.data())
+def test_scatter_buckets_stage_every_gradient_element_once(args, order, data):
+    """Windows tile the partitions (windows nobody touches left out), last first; every element
+    of every parameter lands in exactly one staging position, at its rank's row of the window."""
+    shapes, w, g, fmt, threshold, alignment, a, bucket, elem = args
+    used = sum(math.prod(s) for s in shapes)
+    lay = plan_flat_layout(shapes, w, alignment=alignment, group_size=g, small_param_numel=threshold,
+                           bucket_numel=bucket, fmt=fmt, order=order)
+    p = lay.partition_numel
+    least = max(w, w * (p // 500))  # at most ~500 windows, so the checks stay fast
+    rbucket = data.draw(st.integers(least, least + 20_000))
+    buckets = plan_scatter_buckets(lay, rbucket)
+    width = scatter_window_numel(p, w, rbucket)
+    assert w * width <= max(rbucket, w) and width <= p
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    assert [b.lo for b in buckets] == sorted((b.lo for b in buckets), reverse=True)
+    for b in buckets:
+        assert b.lo % width == 0 and b.hi == min(b.lo + width, p)
+    seen = {}
+    for s in lay.slots:
+        got = 0
+        for b in buckets:
+            pieces = scatter_pieces(b, s.start, s.stop, p)
+            assert bool(pieces) == (s.numel > 0 and s.index in b.slots), "a bucket waits for exactly its parameters"
+            for x, y, off in pieces:
+                r = x // p
+                assert (y - 1) // p == r and off == r * b.width + x - r * p - b.lo
+                assert 0 <= off and off + y - x <= w * b.width
+                for pos in range(off, off + y - x) if y - x < 64 else (off, off + y - x - 1):
+                    assert (b.index, pos) not in seen, "two elements staged at one position"
+                    seen[(b.index, pos)] = s.index
+                got += y - x
+        assert got == s.numel, "every element of every parameter is staged exactly once"
+    assert sum(s.numel for s in lay.slots) == used

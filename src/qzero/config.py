@@ -108,10 +108,10 @@ class ZeroConfig:
     """How parameters are placed in the flat buffer: ``contiguous`` (back to back in model
     order, each rank a contiguous stretch of the model), ``interleaved`` (each partition in
     model order, so gather chunks arrive in the order a forward needs them: gather-ahead can
-    then hide behind the whole forward instead of its first 1/world), or ``auto``
-    (interleaved with gather-ahead, contiguous otherwise). Interleaving spreads each
-    partition's parameters over the model, so stage 2 fills up to ~world gradient buckets
-    at once."""
+    then hide behind the whole forward instead of its first 1/world, and gradients are
+    reduce-scattered window by window, using both directions of the link), or ``auto``
+    (interleaved unless that pads more than 3% of the parameters, e.g. when one parameter is
+    larger than its fair share of a partition; contiguous then)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -165,12 +165,6 @@ class ZeroConfig:
             else:
                 raise ValueError(f"unknown zero_optimization key {key!r}; known keys: {sorted(known | set(_DEEPSPEED_FIXED))}")
         return cls(**kwargs)
-
-    @property
-    def resolved_flat_order(self) -> str:
-        if self.flat_order != "auto":
-            return self.flat_order
-        return "interleaved" if self.overlap_param_gather else "contiguous"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

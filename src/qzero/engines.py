@@ -29,7 +29,8 @@ class QZeroEngine:
         from .optim import ZeroOptimizer
 
         self.model = build(dtype)
-        adamw = functools.partial(torch.optim.AdamW, lr=settings.lr, weight_decay=0.0)
+        # fused on CUDA, as the peers' arms use it (one kernel over each master shard)
+        adamw = functools.partial(torch.optim.AdamW, lr=settings.lr, weight_decay=0.0, fused=device.type == "cuda")
         self.opt = ZeroOptimizer(self.model, adamw, config=settings.zero_config())
 
     def backward(self, loss):

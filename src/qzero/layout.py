@@ -26,6 +26,9 @@ from .quant.formats import SCALE_BYTES, check_group_size, get_format
 DEFAULT_BUCKET_NUMEL = 500_000_000
 DEFAULT_SMALL_PARAM_NUMEL = 65_536
 FLAT_ORDERS = ("contiguous", "interleaved")
+#: ``order="auto"`` takes the interleaved order unless it pads more than this share of the
+#: parameters (a very large parameter placed late can leave partitions unbalanced).
+AUTO_INTERLEAVE_MAX_PADDING = 0.03
 #: Payload sections and whole payloads start on this many bytes.
 PAYLOAD_ALIGN = 16
 
@@ -296,6 +299,8 @@ class FlatLayout:
     world_size: int
     alignment: int
     gather: GatherPlan
+    order: str = "contiguous"
+    """How parameters were placed: ``contiguous`` or ``interleaved`` (see :func:`plan_flat_layout`)."""
 
     @property
     def padding(self) -> int:
@@ -357,6 +362,8 @@ def plan_flat_layout(
     ``order="interleaved"`` places them with :func:`interleaved_starts` (each partition in
     model order; padding at the end of every partition), which lets a gather that runs
     ahead of the forward finish chunks in the order the forward needs them.
+    ``order="auto"`` takes the interleaved order unless it pads more than
+    :data:`AUTO_INTERLEAVE_MAX_PADDING` of the parameters beyond what the contiguous order pads.
     ``alignment`` defaults to the group size (so partitions hold whole groups).
     Parameters with at most ``small_param_numel`` elements become exact ranges.
     """
@@ -375,15 +382,19 @@ def plan_flat_layout(
             raise ValueError(f"parameter {i} has a negative dimension in shape {shape}")
         shapes_t.append(shape)
         sizes.append(math.prod(shape))
+    if order not in FLAT_ORDERS + ("auto",):
+        raise ValueError(f"order must be auto or one of {FLAT_ORDERS}, got {order!r}")
+    contiguous_numel = padded_flat_numel(sum(sizes), world_size, alignment)
+    if order != "contiguous":
+        starts, numel = interleaved_starts(sizes, world_size, alignment)
+        if order == "auto":
+            extra = numel - contiguous_numel
+            order = "interleaved" if extra <= AUTO_INTERLEAVE_MAX_PADDING * sum(sizes) else "contiguous"
     if order == "contiguous":
         starts = [0] * len(sizes)
         for i in range(1, len(sizes)):
             starts[i] = starts[i - 1] + sizes[i - 1]
-        numel = padded_flat_numel(sum(sizes), world_size, alignment)
-    elif order == "interleaved":
-        starts, numel = interleaved_starts(sizes, world_size, alignment)
-    else:
-        raise ValueError(f"order must be one of {FLAT_ORDERS}, got {order!r}")
+        numel = contiguous_numel
     slots = tuple(
         ParamSlot(i, shape, start, n, n > 0 and is_small_param(n, small_param_numel))
         for i, (shape, start, n) in enumerate(zip(shapes_t, starts, sizes))
@@ -398,7 +409,7 @@ def plan_flat_layout(
         group_size=group_size,
         exact_ranges=_merge_adjacent(exact),
     )
-    return FlatLayout(slots, sum(sizes), numel, world_size, alignment, gather)
+    return FlatLayout(slots, sum(sizes), numel, world_size, alignment, gather, order)
 
 
 def interleaved_starts(sizes: Sequence[int], world_size: int, alignment: int) -> tuple[list[int], int]:
@@ -482,6 +493,13 @@ def plan_reduce_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ReduceBu
     return tuple(buckets)
 
 
+def bucket_pieces(bucket: ReduceBucket, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(a, b, offset)``: the part of flat ``[start, stop)`` inside the bucket, and where it
+    sits in the bucket's staging buffer."""
+    a, b = max(start, bucket.start), min(stop, bucket.stop)
+    return [(a, b, a - bucket.start)] if a < b else []
+
+
 def owners(start: int, stop: int, partition_numel: int) -> list[tuple[int, int, int]]:
     """``(rank, a, b)`` for every partition that ``[start, stop)`` overlaps."""
     out = []
@@ -491,3 +509,65 @@ def owners(start: int, stop: int, partition_numel: int) -> list[tuple[int, int, 
         out.append((r, start, b))
         start, r = b, r + 1
     return out
+
+
+@dataclass(frozen=True)
+class ScatterBucket:
+    """The same window ``[lo, hi)`` of local offsets in every partition, reduce-scattered as
+    one unit: rank ``r`` receives the summed gradient of flat ``[r P + lo, r P + hi)``.
+
+    Every rank sends and receives ``(world - 1) / world`` of the window at once, so the link
+    carries traffic both ways; a reduce to one owner at a time uses one direction only.
+    """
+
+    index: int
+    lo: int
+    hi: int
+    slots: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return self.hi - self.lo
+
+
+def scatter_pieces(bucket: ScatterBucket, start: int, stop: int, partition_numel: int) -> list[tuple[int, int, int]]:
+    """``(a, b, offset)`` for the parts of flat ``[start, stop)`` inside the bucket's windows:
+    flat ``[a, b)`` sits at ``offset`` of the bucket's ``[world, width]`` staging buffer."""
+    out = []
+    for r, a, b in owners(start, stop, partition_numel):
+        base = r * partition_numel
+        a, b = max(a, base + bucket.lo), min(b, base + bucket.hi)
+        if a < b:
+            out.append((a, b, r * bucket.width + a - base - bucket.lo))
+    return out
+
+
+def scatter_window_numel(partition_numel: int, world_size: int, bucket_numel: int) -> int:
+    """Window width of a scatter bucket: ``world * width <= bucket_numel`` (at least one
+    element, at most the partition)."""
+    _check_positive_int("bucket_numel", bucket_numel)
+    return min(max(bucket_numel // world_size, 1), max(partition_numel, 1))
+
+
+def plan_scatter_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ScatterBucket, ...]:
+    """Cut the partitions into windows for reduce-scatter, last window first (backward
+    produces the last parameters' gradients first; in the interleaved order a window is
+    one stretch of the model). Windows no parameter touches on any rank are left out."""
+    p, world = layout.partition_numel, layout.world_size
+    width = scatter_window_numel(p, world, bucket_numel)
+    n = -(-p // width)
+    touching: list[list[int]] = [[] for _ in range(n)]
+    for s in layout.slots:
+        if not s.numel:
+            continue
+        for _, a, b in owners(s.start, s.stop, p):
+            local = a % p
+            for k in range(local // width, (local + b - a - 1) // width + 1):
+                if not touching[k] or touching[k][-1] != s.index:
+                    touching[k].append(s.index)
+    buckets = []
+    for k in reversed(range(n)):
+        if touching[k]:
+            slots = tuple(sorted(set(touching[k])))
+            buckets.append(ScatterBucket(len(buckets), k * width, min((k + 1) * width, p), slots))
+    return tuple(buckets)

@@ -48,7 +48,7 @@ class FlatGroup:
             small_param_numel=config.small_param_numel,
             bucket_numel=bucket,
             fmt=config.zero_quantized_weights_format if quantized else None,
-            order=config.resolved_flat_order,
+            order=config.flat_order,
         )
         self.gather_plan: GatherPlan = self.layout.gather
         self.exact_plan: GatherPlan = (

@@ -1,15 +1,23 @@
 """Gradient strategies: how each rank ends up with the averaged fp32 gradient of its partition.
 
-Both stages share one mechanism, :class:`OwnerReducer`: a gradient bucket (a
-contiguous flat range) is reduced to the rank(s) whose partitions it overlaps,
-one async ``reduce`` per owner, and each owner adds its part (in fp32, divided by
-the world size) into its gradient shard. The stages differ only in *when*:
+A *reducer* says what a gradient bucket is and which collective moves it:
+
+* :class:`ScatterReducer` (interleaved flat order): a bucket is the same window of every
+  partition, staged as ``[world, width]`` and reduce-scattered, so every rank sends and
+  receives at once and both directions of the link carry data.
+* :class:`OwnerReducer` (contiguous flat order): a bucket is a contiguous flat range,
+  reduced to the rank(s) whose partitions it overlaps, one ``reduce`` per owner. In this
+  order a window of every partition spans far-apart parts of the model, so windows would
+  fill only at the end of backward; flat ranges fill in backward order.
+
+Either way each owner adds its part (in fp32, divided by the world size) into its
+gradient shard. The two stages differ only in *when*:
 
 * :class:`Stage1Grads` keeps a full gradient buffer (parameters' ``.grad`` are views
   into it) and reduces it once, at ``step()``, after all micro-batches.
 * :class:`Stage2Grads` reduces each bucket as soon as backward has produced all its
   gradients (overlapping backward), then frees the parameter gradients: only the
-  fp32 gradient shard persists.
+  fp32 gradient shard and at most a few staged buckets exist.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import peer_failure
-from ..layout import ReduceBucket, owners, plan_reduce_buckets
+from ..layout import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces
 from .flat import FlatGroup
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -32,9 +40,14 @@ def reduce_dtype_of(name: str | None, param_dtype: torch.dtype) -> torch.dtype:
     return param_dtype if name is None else _DTYPES[name]
 
 
-class OwnerReducer:
-    """Reduce flat ranges of gradient to their owners; accumulate into the gradient shard."""
+def make_reducer(group: FlatGroup, bucket_numel: int):
+    """The reducer that fits the group's flat order."""
+    if group.layout.order == "interleaved":
+        return ScatterReducer(group, bucket_numel)
+    return OwnerReducer(group, bucket_numel)
 
+
+class _Reducer:
     def __init__(self, group: FlatGroup):
         self.group = group
         self.pg = group.process_group
@@ -46,28 +59,83 @@ class OwnerReducer:
             else list(range(self.world))
         )
 
-    def launch(self, buf: torch.Tensor, start: int, stop: int) -> list:
-        """Start reducing ``buf`` (the gradient of ``[start, stop)``) to its owners."""
+    def pieces_of(self, bucket, slot) -> list[tuple[int, int, int]]:
+        """``(a, b, offset)``: the slot's elements ``[a, b)`` (relative to the slot) go to the
+        bucket's staging buffer at ``offset``."""
+        return [(a - slot.start, b - slot.start, off) for a, b, off in self._places(bucket, slot.start, slot.stop)]
+
+    def _add_to_shard(self, part: torch.Tensor, lo: int, hi: int) -> None:
+        """Add the summed gradient of flat ``[lo, hi)`` to this rank's shard, where they overlap."""
+        g = self.group
+        a, b = max(lo, g.lo), min(hi, g.hi)
+        if a < b:
+            g.grad[a - g.lo : b - g.lo].add_(part[a - lo : b - lo].to(torch.float32), alpha=1.0 / self.world)
+
+
+class OwnerReducer(_Reducer):
+    """Buckets are contiguous flat ranges; each reaches its owners by ``reduce``."""
+
+    def __init__(self, group: FlatGroup, bucket_numel: int):
+        super().__init__(group)
+        self.buckets = plan_reduce_buckets(group.layout, bucket_numel)
+
+    def staging_numel(self, bucket) -> int:
+        return bucket.numel
+
+    def _places(self, bucket, start: int, stop: int):
+        return bucket_pieces(bucket, start, stop)
+
+    def from_flat(self, flat: torch.Tensor, bucket, dtype: torch.dtype) -> torch.Tensor:
+        return flat[bucket.start : bucket.stop].to(dtype)
+
+    def launch(self, buf: torch.Tensor, bucket) -> list:
         works = []
-        if self.world == 1:
-            return works
-        with peer_failure("the gradient reduction"):
-            for r, a, b in owners(start, stop, self.p):
-                works.append(
-                    dist.reduce(buf[a - start : b - start], dst=self._ranks[r], group=self.pg, async_op=True)
-                )
+        if self.world > 1:
+            with peer_failure("the gradient reduction"):
+                for r, a, b in owners(bucket.start, bucket.stop, self.p):
+                    dst = self._ranks[r]
+                    works.append(dist.reduce(buf[a - bucket.start : b - bucket.start], dst=dst, group=self.pg, async_op=True))
         return works
 
-    def finish(self, works: list, buf: torch.Tensor, start: int, stop: int) -> None:
-        """Wait for the reductions of ``buf`` and add this rank's part into the gradient shard."""
+    def finish(self, works: list, buf: torch.Tensor, bucket) -> None:
         with peer_failure("the gradient reduction"):
             for w in works:
                 w.wait()
-        g = self.group
-        a, b = max(start, g.lo), min(stop, g.hi)
-        if a < b:
-            part = buf[a - start : b - start]
-            g.grad[a - g.lo : b - g.lo].add_(part.to(torch.float32), alpha=1.0 / self.world)
+        self._add_to_shard(buf, bucket.start, bucket.stop)
+
+
+class ScatterReducer(_Reducer):
+    """Buckets are windows of every partition; each is one ``reduce_scatter``."""
+
+    def __init__(self, group: FlatGroup, bucket_numel: int):
+        super().__init__(group)
+        self.buckets = plan_scatter_buckets(group.layout, bucket_numel)
+
+    def staging_numel(self, bucket) -> int:
+        return self.world * bucket.width
+
+    def _places(self, bucket, start: int, stop: int):
+        return scatter_pieces(bucket, start, stop, self.p)
+
+    def from_flat(self, flat: torch.Tensor, bucket, dtype: torch.dtype) -> torch.Tensor:
+        rows = flat.view(self.world, self.p)[:, bucket.lo : bucket.hi]
+        return rows.to(dtype).reshape(-1)  # always a copy: the rows are strided
+
+    def launch(self, buf: torch.Tensor, bucket) -> tuple:
+        if self.world == 1:
+            return None, buf
+        out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
+        with peer_failure("the gradient reduction"):
+            work = dist.reduce_scatter_tensor(out, buf, group=self.pg, async_op=True)
+        return work, out
+
+    def finish(self, works: tuple, buf: torch.Tensor, bucket) -> None:
+        work, out = works
+        if work is not None:
+            with peer_failure("the gradient reduction"):
+                work.wait()
+        lo = self.group.rank * self.p + bucket.lo
+        self._add_to_shard(out, lo, lo + bucket.width)
 
 
 class Stage1Grads:
@@ -75,9 +143,8 @@ class Stage1Grads:
 
     def __init__(self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int):
         self.group = group
-        self.reducer = OwnerReducer(group)
+        self.reducer = make_reducer(group, bucket_numel)
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.buckets = plan_reduce_buckets(group.layout, bucket_numel)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -95,17 +162,13 @@ class Stage1Grads:
 
     def before_step(self) -> None:
         pending: deque = deque()
-        for bucket in self.buckets:
-            buf = self.flat_grad[bucket.start : bucket.stop]
-            if self.dtype != buf.dtype:
-                buf = buf.to(self.dtype)
-            pending.append((self.reducer.launch(buf, bucket.start, bucket.stop), buf, bucket))
+        for bucket in self.reducer.buckets:
+            buf = self.reducer.from_flat(self.flat_grad, bucket, self.dtype)
+            pending.append((self.reducer.launch(buf, bucket), buf, bucket))
             if len(pending) > MAX_IN_FLIGHT:
-                works, b, bk = pending.popleft()
-                self.reducer.finish(works, b, bk.start, bk.stop)
+                self.reducer.finish(*pending.popleft())
         while pending:
-            works, b, bk = pending.popleft()
-            self.reducer.finish(works, b, bk.start, bk.stop)
+            self.reducer.finish(*pending.popleft())
 
     def zero(self) -> None:
         self.flat_grad.zero_()
@@ -122,14 +185,16 @@ class Stage2Grads:
 
     def __init__(self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool):
         self.group = group
-        self.reducer = OwnerReducer(group)
+        self.reducer = make_reducer(group, bucket_numel)
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.overlap = overlap
-        self.buckets: tuple[ReduceBucket, ...] = plan_reduce_buckets(group.layout, bucket_numel)
-        self._buckets_of: dict[int, list[ReduceBucket]] = {}
-        for b in self.buckets:
-            for i in b.slots:
-                self._buckets_of.setdefault(i, []).append(b)
+        self.buckets = self.reducer.buckets
+        # slot index -> [(bucket, [(a, b, offset), ...])]: where its gradient is staged
+        self._targets: dict[int, list] = {}
+        slots = group.layout.slots
+        for bucket in self.buckets:
+            for i in bucket.slots:
+                self._targets.setdefault(i, []).append((bucket, self.reducer.pieces_of(bucket, slots[i])))
         self._reset()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(group.params)
@@ -147,35 +212,34 @@ class Stage2Grads:
 
         return hook
 
-    def _staging_for(self, bucket: ReduceBucket) -> torch.Tensor:
+    def _staging_for(self, bucket) -> torch.Tensor:
         buf = self._staging.get(bucket.index)
-        if buf is None:
-            buf = torch.zeros(bucket.numel, dtype=self.dtype, device=self.group.device)
+        if buf is None:  # zeros: padding and parameters without a gradient count as zero
+            buf = torch.zeros(self.reducer.staging_numel(bucket), dtype=self.dtype, device=self.group.device)
             self._staging[bucket.index] = buf
         return buf
 
     def _on_grad(self, slot_index: int, param: torch.Tensor) -> None:
-        slot = self.group.layout.slots[slot_index]
         grad = param.grad.detach().reshape(-1)
-        for bucket in self._buckets_of.get(slot_index, ()):
-            a, b = max(slot.start, bucket.start), min(slot.stop, bucket.stop)
-            self._staging_for(bucket)[a - bucket.start : b - bucket.start].add_(grad[a - slot.start : b - slot.start])
+        for bucket, pieces in self._targets.get(slot_index, ()):
+            buf = self._staging_for(bucket)
+            for a, b, off in pieces:
+                buf[off : off + b - a].add_(grad[a:b])
             self._missing[bucket.index] -= 1
             if self._missing[bucket.index] == 0 and self.overlap:
                 self._launch(bucket)
         param.grad = None
 
-    def _launch(self, bucket: ReduceBucket) -> None:
+    def _launch(self, bucket) -> None:
         buf = self._staging_for(bucket)
-        self._pending.append((self.reducer.launch(buf, bucket.start, bucket.stop), bucket))
+        self._pending.append((self.reducer.launch(buf, bucket), bucket))
         self._launched.add(bucket.index)
         while len(self._pending) > MAX_IN_FLIGHT:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         works, bucket = self._pending.popleft()
-        buf = self._staging.pop(bucket.index)
-        self.reducer.finish(works, buf, bucket.start, bucket.stop)
+        self.reducer.finish(works, self._staging.pop(bucket.index), bucket)
 
     def after_backward(self) -> None:
         """Reduce what backward left (buckets of unused parameters count as zeros), in a
