@@ -1,0 +1,190 @@
+"""bench/convergence.py: end to end on the CPU at tiny size, its table arithmetic, and the two
+facts its design rests on (qzero quantizes at world size 1, with the groups of DP2)."""
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "convergence.py")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("convergence", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["convergence"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "conv"
+    steps = 6
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    res = subprocess.run(
+        [sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(steps), "--seq-len", "32", "--micro-batch", "2",
+         "--arms", "bf16,int8-g64", "--device", "cpu", "--last", "4", "--smooth", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    # progress lines while running, the table printed last
+    assert "bf16 " in res.stdout and f"/{steps}" in res.stdout
+    tail = res.stdout.strip().splitlines()
+    assert tail[-4].startswith("| arm |") and tail[-1].startswith("| INT8 g64 |")
+
+    study = json.loads((out / "convergence.json").read_text())
+    assert study["complete"] and study["preset"] == "tiny" and study["params"] > 0
+    assert study["world_size"] == 1 and "date" in study and study["environment"]["torch"] == torch.__version__
+    assert set(study["arms"]) == {"bf16", "int8-g64"}
+    for name, arm in study["arms"].items():
+        assert len(arm["losses"]) == steps and all(math.isfinite(x) for x in arm["losses"])
+        assert arm["exit_code"] == 0 and len(arm["grad_norms"]) == steps
+        assert len(arm["step_seconds"]) == steps  # streamed while running (the progress lines)
+    assert study["settings"]["bf16"]["quantized"] is False
+    assert study["settings"]["int8-g64"]["quantized"] is True and study["settings"]["int8-g64"]["group_size"] == 64
+    assert study["settings"]["bf16"]["world_size"] == 1
+    # same seed and data: step 1 sees the same initial weights and batch in both arms
+    assert study["arms"]["bf16"]["losses"][0] == study["arms"]["int8-g64"]["losses"][0]
+    q = study["arms"]["int8-g64"]
+    assert q["bytes_sent_per_step"] < 0.6 * q["plain_bytes_per_step"]
+    assert study["arms"]["bf16"]["bytes_sent_per_step"] == study["arms"]["bf16"]["plain_bytes_per_step"]
+    assert study["summary"]["reference"] == "bf16" and study["summary"]["window"] == [2, 6]
+
+    md = (out / "convergence.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| arm |") and len(rows) == 3
+    assert rows[1].startswith("| bf16 (plain gather) |") and rows[2].startswith("| INT8 g64 |")
+    assert "INT8 g64 vs bf16" in md and "standard-library" in md
+    assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+
+    # --render rewrites the Markdown and the plot from the JSON alone
+    (out / "convergence.md").unlink()
+    (out / "convergence.png").unlink()
+    res = subprocess.run([sys.executable, SCRIPT, "--render", str(out / "convergence.json")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "convergence.md").read_text() == md
+    assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    assert res.stdout.strip().splitlines()[-1].startswith("| INT8 g64 |")
+
+
+def test_final_loss_table_on_synthetic_losses():
+    conv = load_script()
+    n = 300
+    base = [3.0 - i / n for i in range(n)]
+    losses = {
+        "bf16": base,
+        "int8-g64": [x * 1.004 for x in base],  # +0.4%
+        "int4-g64": [x + 0.05 for x in base[:250]],  # stopped early: the arms are compared over 250 steps
+    }
+    s = conv.final_losses(losses, "bf16", last=100)
+    assert s["steps_compared"] == 250 and s["window"] == [150, 250]
+    ref = sum(base[150:250]) / 100
+    assert s["arms"]["bf16"]["final_loss"] == pytest.approx(ref)
+    assert s["arms"]["bf16"]["diff"] == 0 and s["arms"]["bf16"]["diff_pct"] == 0
+    assert s["arms"]["int8-g64"]["diff"] == pytest.approx(0.004 * ref)
+    assert s["arms"]["int8-g64"]["diff_pct"] == pytest.approx(0.4)
+    assert s["arms"]["int4-g64"]["diff"] == pytest.approx(0.05)
+    assert s["arms"]["int4-g64"]["diff_pct"] == pytest.approx(100 * 0.05 / ref)
+    assert s["arms"]["int4-g64"]["diff_se"] == pytest.approx(0.0, abs=1e-12)  # a constant offset
+    assert conv.verdict(s).startswith("INT8 g64 vs bf16: +0.40% — within the 0.5% target")
+
+    arms = conv.parse_arms("bf16,int8-g64,int4-g64")
+    table = conv.markdown_table(s, arms).splitlines()
+    assert table[0].startswith("| arm | final loss (mean of steps 151–250) | Δ vs bf16 | Δ % |")
+    assert table[2] == f"| bf16 (plain gather) | {ref:.4f} | — | — | — |"
+    assert table[3].startswith(f"| INT8 g64 | {1.004 * ref:.4f} | +{0.004 * ref:.4f} | +0.40% |")
+    assert table[4].startswith(f"| INT4 g64 | {ref + 0.05:.4f} | +0.0500 |")
+    with_payload = conv.markdown_table(s, arms, {"bf16": 1.0, "int8-g64": 0.53}).splitlines()
+    assert with_payload[0].endswith("| gather bytes vs plain |") and with_payload[1].count("---") == 6
+    assert with_payload[2].endswith("| — | 1.000 |") and with_payload[3].endswith(" 0.530 |")
+    assert with_payload[4].endswith(" — |")
+
+    worse = conv.final_losses({"bf16": [2.0] * 10, "int8-g64": [2.02] * 10}, "bf16")
+    assert worse["arms"]["int8-g64"]["diff_pct"] == pytest.approx(1.0)
+    assert "OUTSIDE" in conv.verdict(worse)
+    assert conv.smooth([1, 2, 3, 4, 5], 2) == [1, 1.5, 2.5, 3.5, 4.5]
+
+
+def test_arm_names():
+    conv = load_script()
+    assert conv.parse_arm("bf16") == conv.Arm("bf16", quantized=False)
+    assert conv.parse_arm("fp8-g64") == conv.Arm("fp8-g64", quantized=True, fmt="fp8", group_size=64)
+    assert conv.parse_arm("int8-g8192").group_size == 8192
+    assert [a.name for a in conv.parse_arms(conv.DEFAULT_ARMS)] == ["bf16", "int8-g64", "int8-g8192", "fp8-g64",
+                                                                    "int4-g64"]
+    for bad in ("int3-g64", "int8-g60", "int8", "bf16,bf16", ""):
+        with pytest.raises(ValueError):
+            conv.parse_arms(bad)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 64), ("int8", 8192), ("fp8", 64), ("int4", 64)])
+def test_world_size_1_quantizes_the_weights(fmt, group):
+    """A ZeroOptimizer at world size 1 (no process group) runs the quantized gather on its own
+    partition: after a step the weights are the dequantized bf16 masters (small parameters exact),
+    not the plain bf16 rounding of the masters that quantized=false gives."""
+    import qzero
+    from qzero.quant.reference import dequantize, quantize
+    from qzero.workload import build_model, model_config
+
+    config = model_config("tiny")
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+
+    def one_step(quantized):
+        model = build_model(config, torch.bfloat16, torch.device("cpu"), 0)
+        cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, zero_quantized_weights_format=fmt,
+                               zero_quantized_weights_group_size=group, small_param_numel=1024)
+        opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=cfg)
+        assert opt.world_size == 1
+        logits = model(input_ids=tokens[:, :-1]).logits.float()
+        opt.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)))
+        opt.step()
+        return opt
+
+    plain, quant = one_step(False).groups[0], one_step(True).groups[0]
+    assert torch.equal(plain.master, quant.master)  # the same update; only the gathered weights differ
+    masters = quant.master.to(torch.bfloat16)
+    assert torch.equal(plain.flat, masters)
+    exact = torch.cat([torch.arange(a, b) for a, b in quant.layout.exact_ranges])
+    values, scales = quantize(masters, group, fmt, exact)
+    expected = dequantize(values, scales, masters.numel(), group, fmt, torch.bfloat16)
+    expected[exact] = masters[exact]
+    assert torch.equal(quant.flat, expected)
+    differ = (quant.flat != plain.flat).sum().item()
+    assert differ > 0.5 * (masters.numel() - exact.numel())
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 64), ("int8", 8192), ("int4", 64)])
+def test_quantization_groups_are_those_of_dp2(fmt, group):
+    """Every parameter sits at the same flat offset at world sizes 1 and 2 and groups start at
+    multiples of the group size from flat index 0 in both (a DP2 partition holds whole groups):
+    each weight is quantized with the same neighbours in a world-1 arm as at DP2."""
+    from transformers import AutoModelForCausalLM
+
+    from qzero.layout import plan_flat_layout
+    from qzero.workload import PRESETS, model_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config("qwen3-125m-byte"))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert 120e6 < sum(math.prod(s) for s in shapes) < 130e6
+    layouts = {
+        world: plan_flat_layout(shapes, world, elem_size=2, group_size=group,
+                                small_param_numel=PRESETS["qwen3-125m-byte"].small_param_numel,
+                                bucket_numel=500_000_000, fmt=fmt, order="contiguous")
+        for world in (1, 2)
+    }
+    assert [(s.start, s.stop) for s in layouts[1].slots] == [(s.start, s.stop) for s in layouts[2].slots]
+    assert layouts[1].exact_ranges == layouts[2].exact_ranges
+    assert layouts[2].gather.partition_numel % group == 0
+    assert all(c.offset % group == 0 for c in layouts[2].gather.chunks + layouts[1].gather.chunks)
