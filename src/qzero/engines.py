@@ -146,8 +146,13 @@ class FSDP2Engine:
         loss.backward()
 
     def step(self) -> bool:
-        norms = [p.grad.full_tensor().float().pow(2).sum() for p in self.model.parameters() if p.grad is not None]
-        self._norm = torch.stack(norms).sum().sqrt().item() if norms else None
+        # The norm from the local gradient shards and one scalar all-reduce (gathering full
+        # gradients would add a whole extra collective to the peer's step); read after timing.
+        local = [p.grad.to_local().float().pow(2).sum() for p in self.model.parameters() if p.grad is not None]
+        if local:
+            sq = torch.stack(local).sum()
+            dist.all_reduce(sq)
+            self._norm = sq.sqrt()
         self.opt.step()
         return True
 
@@ -155,7 +160,7 @@ class FSDP2Engine:
         self.opt.zero_grad(set_to_none=True)
 
     def grad_norm(self):
-        return self._norm
+        return None if self._norm is None else float(self._norm)
 
     def gathered_bytes(self):
         plain = sum(p.numel() for p in self.model.parameters()) * 2 // dist.get_world_size()
