@@ -14,11 +14,15 @@ spread round-robin over the visible GPUs: 3 on GPU 0 and 2 on GPU 1 with two GPU
 quantizes at world size 1 exactly as at DP2: the optimizer runs the same reduce / update /
 gather phases, and the gather quantizes the rank's own partition and dequantizes it into the
 flat buffer (``tests/test_convergence.py`` checks that the weights after a step are the
-dequantized masters). The quantization groups are the same too: the flat layout places every
-parameter at the same offset at world sizes 1 and 2, and groups start at multiples of the
-group size from flat index 0 either way (partitions hold whole groups), so every weight is
-quantized with the same neighbours as at DP2. A world-1 arm with micro-batch 16 sees the
-global batch of a DP2 run with micro-batch 8.
+dequantized masters). The quantization groups match DP2's. Partitions hold whole groups, so
+groups start at multiples of the group size from flat index 0 at any world size. With group
+64 every quantized parameter of this model starts at a multiple of 64 and holds a multiple of
+64 elements in either flat order, so its groups are its own aligned 64-element blocks, at world
+size 1 and at DP2 alike. With group 8192 the 768-element norms between the matrices shift the
+alignment: the groups equal those of DP2 in the contiguous flat order (every parameter at the
+same offset), while DP2's interleaved order (``flat_order="auto"``'s usual choice at DP2)
+cuts the 8192-element groups at other places (same size, other neighbours). A world-1 arm
+with micro-batch 16 sees the global batch of a DP2 run with micro-batch 8.
 
 Outputs in ``--out``: ``convergence.png`` (raw and smoothed loss of every arm, and the
 smoothed difference from bf16), ``convergence.md`` (final loss = mean of the last 100 steps,
@@ -55,6 +59,12 @@ DEFAULT_ARMS = "bf16,int8-g64,int8-g8192,fp8-g64,int4-g64"
 FORMATS = ("int8", "fp8", "int4")
 TARGET_ARM, TARGET_PCT = "int8-g64", 0.5  # INT8 g64 must finish within 0.5% of bf16
 MARK = "@@conv"  # progress lines a worker prints on stdout
+GROUPS_NOTE = (
+    "qzero quantizes the rank's own partition at world size 1 exactly as each rank does at DP2, with DP2's "
+    "groups (preset qwen3-125m-byte): the g64 arms' groups are each matrix's aligned 64-element blocks in either flat order; the g8192 "
+    "arm's groups are those of DP2 in the contiguous flat order (DP2's interleaved order cuts the 8192-element "
+    "groups at other places)."
+)
 # Throughput assumed for the wall-time estimate: training costs ~6 * params FLOPs per token.
 # The default study: 125.5M parameters x 16 x 512 = 8192 tokens per step = 6.17 TFLOP per step,
 # ~31 ms at 200 TFLOP/s effective; 2000 steps = ~62 s per arm on a GPU of its own, ~185 s for the
@@ -476,8 +486,7 @@ def main(argv=None) -> int:
         "last": args.last,
         "smooth": args.smooth,
         "world_size": 1,
-        "world_size_note": "each arm is an independent world-size-1 run; qzero quantizes the rank's own "
-                           "partition at world size 1 with the same groups as at DP2",
+        "world_size_note": GROUPS_NOTE,
         "arm_devices": {r.arm.name: r.device_label for r in running},
         "estimate_s": est if device == "cuda" else None,
         "estimate_basis": f"6 * params * tokens/step FLOPs at {EFFECTIVE_FLOPS:.3g} FLOP/s per GPU, "
@@ -542,8 +551,7 @@ def render(study: dict, out: str) -> None:
         f"{study['data']}; {study['steps']} steps of {study['micro_batch']} x {study['seq_len']} tokens, bf16, "
         f"ZeRO-2, AdamW lr {study['lr']:g} (constant, no weight decay), gradient clipping {study['clip']:g}, "
         f"seed {study['seed']} — the same model, batches and seed in every arm. Each arm is an independent "
-        f"world-size-1 run: qzero quantizes the rank's own partition at world size 1 with the same groups as "
-        f"at DP2, so every weight sees the quantization it would at DP2. Devices: "
+        f"world-size-1 run: {study['world_size_note']} Devices: "
         + ", ".join(f"{name} {dev}" for name, dev in study["arm_devices"].items()) + ".",
         "",
         f"Environment: {env_info.get('device')}, torch {env_info.get('torch')}, qzero {env_info.get('qzero')}, "
