@@ -1,0 +1,125 @@
+"""Where a whole training step's time goes, per arm, on 2 GPUs (torchrun --nproc_per_node=2).
+
+For each arm (plain / int8 / int8 + gather-ahead, deterministic kernels on and off) the
+same Qwen3-shaped model trains a few steps; CUDA events split each step into forward,
+backward and ``step()`` (device time), and the host time spent inside ``step()`` and the
+forward is recorded. One step of each arm is then profiled with torch.profiler and the
+top operations by host and by device time are printed (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from qzero.engines import make_engine
+from qzero.train import TrainSettings, make_deterministic
+from qzero.workload import build_model, global_batch, load_corpus, model_config
+
+ARMS = {
+    "plain": {},
+    "int8": {"quantized": True},
+    "int8_ahead": {"quantized": True, "overlap": True},
+    "plain_ahead": {"overlap": True},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-1.7b")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--arms", default="plain,int8,int8_ahead")
+    ap.add_argument("--deterministic", default="1", help="1, 0 or 1,0 (both)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    cfg = model_config(a.preset, None, max_positions=max(4096, a.seq_len))
+    corpus = load_corpus(None)
+    rows = []
+    for det in a.deterministic.split(","):
+        if det == "1":
+            make_deterministic()
+        else:
+            torch.use_deterministic_algorithms(False)
+        for name in a.arms.split(","):
+            s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
+                              micro_batch=a.micro_batch, allgather_bucket=50_000_000, reduce_bucket=50_000_000,
+                              lr=1e-4, **ARMS[name])
+            engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
+            t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": []}
+            for step in range(a.steps + (1 if a.profile else 0)):
+                batch = global_batch(corpus, step, world * a.micro_batch, a.seq_len, 0)
+                tokens = batch.view(world, a.micro_batch, -1)[rank].to(dev)
+                torch.cuda.synchronize()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                prof = None
+                if a.profile and step == a.steps:
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                    prof.__enter__()
+                h0 = time.perf_counter()
+                ev[0].record()
+                logits = engine.model(input_ids=tokens[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                         tokens[:, 1:].reshape(-1))
+                h1 = time.perf_counter()
+                ev[1].record()
+                engine.backward(loss)
+                ev[2].record()
+                h2 = time.perf_counter()
+                engine.step()
+                h3 = time.perf_counter()
+                engine.zero_grad()
+                ev[3].record()
+                torch.cuda.synchronize()
+                if prof is not None:
+                    prof.__exit__(None, None, None)
+                    if rank == 0:
+                        ka = prof.key_averages()
+                        print(f"--- {name} det={det}: top host time")
+                        print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+                        print(f"--- {name} det={det}: top device time")
+                        print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+                    continue
+                if step < 2:
+                    continue
+                t["fwd"].append(ev[0].elapsed_time(ev[1]))
+                t["bwd"].append(ev[1].elapsed_time(ev[2]))
+                t["step"].append(ev[2].elapsed_time(ev[3]))
+                t["total"].append(ev[0].elapsed_time(ev[3]))
+                t["host_fwd"].append(1e3 * (h1 - h0))
+                t["host_step"].append(1e3 * (h3 - h2))
+            engine.finish()
+            row = {"arm": name, "deterministic": det, **{k: statistics.median(v) for k, v in t.items()}}
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            del engine, logits, loss
+            gc.collect()
+            torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"{'arm':12s} {'det':>3s} {'fwd':>7s} {'bwd':>7s} {'step':>7s} {'total':>7s} {'host fwd':>9s} {'host step':>9s}  (ms, medians)")
+        for r in rows:
+            print(f"{r['arm']:12s} {r['deterministic']:>3s} {r['fwd']:7.1f} {r['bwd']:7.1f} {r['step']:7.1f} {r['total']:7.1f}"
+                  f" {r['host_fwd']:9.1f} {r['host_step']:9.1f}")
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
