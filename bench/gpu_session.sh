@@ -33,6 +33,9 @@ case $phase in
         ;;
     pcie)
         install
+        NCCL_P2P_DISABLE=1 timeout 120 python3 -m torch.distributed.run --nproc_per_node=2 bench/step_profile.py \
+            --arms plain,int8,int8_ahead --steps 5 --out "$out/profile_pcie.json" >"$out/profile_pcie.log" 2>&1
+        grep -E "^arm|^plain|^int8" "$out/profile_pcie.log"
         ARMS="plain: int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed int8:quantized=true plain_ahead:overlap=true zero1_int8_ahead:stage=1,quantized=true,overlap=true fp16_int8_ahead:precision=fp16,quantized=true,overlap=true" \
             STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(left) bash bench/run_matrix.sh "$out" pcie 2>&1 | tail -n 12
         ;;

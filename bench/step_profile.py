@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--arms", default="plain,int8,int8_ahead")
     ap.add_argument("--deterministic", default="1", help="1, 0 or 1,0 (both)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--allgather-bucket", type=float, default=5e8)
+    ap.add_argument("--reduce-bucket", type=float, default=5e7)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dist.init_process_group("nccl")
@@ -56,7 +58,7 @@ def main() -> None:
             torch.use_deterministic_algorithms(False)
         for name in a.arms.split(","):
             s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
-                              micro_batch=a.micro_batch, allgather_bucket=50_000_000, reduce_bucket=50_000_000,
+                              micro_batch=a.micro_batch, allgather_bucket=int(a.allgather_bucket), reduce_bucket=int(a.reduce_bucket),
                               lr=1e-4, **ARMS[name])
             engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": []}

@@ -307,3 +307,20 @@ def test_gpu_soft_e4m3_matches_hardware(monkeypatch):
             outs.append(dst.view(torch.int16).cpu())
         bad = (outs[0] != outs[1]).nonzero().flatten()
         assert bad.numel() == 0, f"{dtype}: codes {codes.cpu()[bad[:8]].tolist()} hw {outs[0][bad[:8]].tolist()} soft {outs[1][bad[:8]].tolist()}"
+
+
+def test_exact_tables_are_reused_and_follow_in_place_changes():
+    """The per-program tables of an exact index are built once per index, and rebuilt when
+    the index changes in place (a stale table would mask the wrong elements)."""
+    from qzero.quant import triton as tk
+
+    shape = tk._launch_shape(4096, 64, True)
+    idx = torch.tensor([3, 4, 5, 2000, 2001], dtype=torch.int64)
+    a = tk._exact_tables(idx, shape, idx.device)
+    b = tk._exact_tables(idx, shape, idx.device)
+    assert a[1] is b[1], "tables rebuilt for an unchanged index"
+    idx.copy_(torch.tensor([3, 4, 5, 6, 7]))  # all in the first program now
+    c = tk._exact_tables(idx, shape, idx.device)
+    starts = torch.arange(shape.programs + 1, dtype=torch.int64) * shape.span
+    assert torch.equal(c[1], torch.searchsorted(idx, starts))
+    assert c[1] is not a[1]

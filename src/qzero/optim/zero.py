@@ -213,13 +213,16 @@ class ZeroOptimizer:
 
     def _check_finite_masters(self) -> None:
         """Raise on every rank, naming the parameters, if any master shard holds NaN/Inf."""
+        # One pass per shard with no temporaries (min/max propagate NaN; Inf shows as an
+        # extreme) and one host sync for all groups; names are looked up only on failure.
+        extremes = torch.stack([torch.stack(torch.aminmax(g.master)) for g in self.groups])
+        if not self._any_rank(~torch.isfinite(extremes).all()):
+            return
         first_bad = []
         for g in self.groups:
             bad = (~torch.isfinite(g.master)).nonzero()
             first_bad.append(g.lo + bad[0, 0] if bad.numel() else torch.tensor(-1, device=g.master.device))
         mine = torch.stack([torch.as_tensor(b, device=self.groups[0].master.device) for b in first_bad])
-        if not self._any_rank((mine >= 0).any()):
-            return
         rows = [mine.clone() for _ in range(self.world_size)]
         if self.world_size > 1:
             dist.all_gather(rows, mine, group=self.process_group)
@@ -239,7 +242,7 @@ class ZeroOptimizer:
 
     def _global_norm(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the whole gradient: every element lives in exactly one shard."""
-        sq = torch.stack([s.pow(2).sum() for s in shards]).sum().reshape(1)
+        sq = torch.stack(torch._foreach_norm(shards)).pow(2).sum().reshape(1)  # no full-size temporaries
         if self.world_size > 1:
             dist.all_reduce(sq, group=self.process_group)
         return sq.sqrt()[0]

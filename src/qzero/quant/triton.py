@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -372,13 +373,28 @@ def _sections(buf: torch.Tensor, layout, n: int, group_size: int, fmt, exact_cou
     return values, scales.view(torch.float32), side.view(torch.int16)
 
 
+#: ``id(exact_index) -> (weakref to it, launch shape, device, version, idx, blk)``: the per-program
+#: tables of an index the caller keeps (the gather plans cache theirs), built once
+#: instead of two launches and an allocation per chunk.
+_TABLES: dict = {}
+
+
 def _exact_tables(exact_index: torch.Tensor | None, shape: _Launch, device: torch.device):
     """``(idx, blk)``: the index, and for every program where its tile starts in it."""
     if exact_index is None or exact_index.numel() == 0:
         return None, None
+    hit = _TABLES.get(id(exact_index))
+    fresh = not exact_index.is_inference()
+    if fresh and hit is not None and hit[0]() is exact_index and hit[1:4] == (shape, device, exact_index._version):
+        return hit[4], hit[5]
     idx = exact_index.to(device=device, dtype=torch.int64)
     starts = torch.arange(shape.programs + 1, device=device, dtype=torch.int64) * shape.span
-    return idx, torch.searchsorted(idx, starts)
+    blk = torch.searchsorted(idx, starts)
+    if fresh:
+        if len(_TABLES) > 4096:  # entries of freed indices: drop them all, rebuild on demand
+            _TABLES.clear()
+        _TABLES[id(exact_index)] = (weakref.ref(exact_index), shape, device, exact_index._version, idx, blk)
+    return idx, blk
 
 
 def pack_payload(
