@@ -31,9 +31,17 @@ gradient norm and step time, the settings, versions, date) and per-arm logs. The
 printed last. With ``--time-limit`` the arms still running when it expires are stopped and
 the report compares all arms over the steps every arm completed.
 
+``--from-arms DIR`` rebuilds ``convergence.json`` (in ``--out``) from the per-arm records
+``DIR/arm_<name>.json`` of a run whose combined output was lost, and renders it: the settings,
+losses, gradient norms, bytes and memory come from the records; what only the parent process
+knew (the run's wall time, environment, per-arm GPUs, exit codes and streamed step times) comes
+from ``--wall-s``, ``--env KEY=VALUE`` and ``--gpus`` or is left null; ``--note`` says why.
+
     python bench/convergence.py                      # the GPU study (defaults)
     python bench/convergence.py --preset tiny --steps 20 --seq-len 64 --micro-batch 4 \\
         --arms bf16,int8-g64 --device cpu --out /tmp/conv   # a CPU smoke run
+    python bench/convergence.py --from-arms OUT --gpus 0,1 --wall-s 188 --env torch=2.11.0+cu130 \\
+        --note "..." --out OUT                             # rebuild OUT/convergence.json from OUT/arm_*.json
 """
 
 from __future__ import annotations
@@ -351,6 +359,13 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="bench/results/convergence")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="only rewrite convergence.md/.png (next to JSON) from a saved convergence.json")
+    ap.add_argument("--from-arms", default=None, metavar="DIR",
+                    help="rebuild convergence.json in --out from the arm_<name>.json records in DIR (the arms of "
+                         "--arms that have one, in that order), then render it")
+    ap.add_argument("--wall-s", type=float, default=None, help="with --from-arms: the run's wall time (seconds)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --from-arms: an environment field of the run (repeatable; date= also sets the date)")
+    ap.add_argument("--note", default=None, help="with --from-arms: a note stored in the JSON and shown in the .md")
     ap.add_argument("--worker", nargs=3, metavar=("SETTINGS", "OUT", "THREADS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is None and args.render is None:
@@ -361,6 +376,12 @@ def parse_args(argv=None):
             args.arm_list = parse_arms(args.arms)
         except ValueError as e:
             ap.error(str(e))
+    args.env_fields = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--env expects KEY=VALUE, got {item!r}")
+        args.env_fields[key.strip()] = value
     return args
 
 
@@ -372,6 +393,25 @@ def main(argv=None) -> int:
     if args.render is not None:
         with open(args.render) as f:
             render(json.load(f), os.path.dirname(os.path.abspath(args.render)))
+        return 0
+    if args.from_arms is not None:
+        records = {}
+        for arm in args.arm_list:
+            path = os.path.join(args.from_arms, f"arm_{arm.name}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    records[arm.name] = json.load(f)
+        if not records:
+            print(f"no arm_<name>.json record in {args.from_arms} for the arms {args.arms}", file=sys.stderr)
+            return 1
+        study = study_from_records(
+            records, args.arm_list, gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
+            last=args.last, smooth_window=args.smooth, wall_s=args.wall_s, environment=args.env_fields,
+            note=args.note, source=args.from_arms)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "convergence.json"), "w") as f:  # compact: it sits next to the records
+            json.dump(study, f, separators=(",", ":"))
+        render(study, args.out)
         return 0
 
     import torch
@@ -386,7 +426,7 @@ def main(argv=None) -> int:
     validate(dataclasses.replace(first, device=device))
     if device == "cuda":
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
-        slots = [f"cuda:{gpus[i % len(gpus)]}" for i in range(len(arms))]  # 5 arms on 2 GPUs: 3 + 2
+        slots = arm_slots(len(arms), "cuda", gpus)  # 5 arms on 2 GPUs: 3 + 2
         visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     else:
         slots, visible = ["cpu"] * len(arms), []
@@ -521,6 +561,104 @@ def main(argv=None) -> int:
     return 0 if not failed else 1
 
 
+def arm_slots(n_arms: int, device: str, gpus: list[int] | None) -> list[str | None]:
+    """The device of each arm as the study assigns them: round-robin over ``gpus`` (5 arms on 2 GPUs: 3 + 2)."""
+    if device != "cuda":
+        return [device] * n_arms
+    if not gpus:
+        return [None] * n_arms
+    return [f"cuda:{gpus[i % len(gpus)]}" for i in range(n_arms)]
+
+
+def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: list[int] | None = None,
+                       last: int = 100, smooth_window: int = 50, wall_s: float | None = None,
+                       environment: dict | None = None, note: str | None = None, source: str | None = None) -> dict:
+    """A study record (the schema ``main`` writes) rebuilt from per-arm records (``qzero.train.launch``'s
+    output, ``arm_<name>.json``) of a run whose ``convergence.json`` was lost. ``arm_order`` is the run's
+    ``--arms`` (it fixes the arms' GPUs, given the run's ``gpus``); arms without a record are left out and
+    listed under ``rebuilt_from``. What the records do not hold is null: exit codes, the streamed per-step
+    seconds (the records' ``step_times`` give ``median_step_s``), and whatever ``environment`` / ``wall_s``
+    leave out."""
+    present = [a for a in arm_order if a.name in records]
+    if not present:
+        raise ValueError("no arm has a record")
+    first = records[present[0].name]
+    common = ("preset", "data", "steps", "seq_len", "micro_batch", "lr", "seed", "device", "extra_config", "precision",
+              "stage", "world_size")
+    for arm in present:
+        s = records[arm.name]["settings"]
+        diff = [k for k in common if s.get(k) != first["settings"].get(k)]
+        if diff or records[arm.name].get("params") != first.get("params"):
+            raise ValueError(f"arm {arm.name}: its record differs from {present[0].name}'s in {diff or ['params']}")
+        if bool(s["quantized"]) != arm.quantized or (arm.quantized and (s["fmt"], s["group_size"]) !=
+                                                      (arm.fmt, arm.group_size)):
+            raise ValueError(f"arm {arm.name}: its record's settings are quantized={s['quantized']} fmt={s['fmt']} "
+                             f"group_size={s['group_size']}")
+    st = first["settings"]
+    device = st["device"]
+    slots = dict(zip([a.name for a in arm_order], arm_slots(len(arm_order), device, gpus)))
+    known = [s for s in slots.values() if s]
+    per_device = max(known.count(s) for s in set(known)) if known else None
+    params = first["params"]
+    est = (estimate_seconds(params, st["micro_batch"] * st["seq_len"], st["steps"], per_device)
+           if device == "cuda" and per_device else None)
+    env_info = dict(environment or {})
+    clip = (st.get("extra_config") or {}).get("gradient_clipping", 0.0)
+    study = {
+        "date": env_info.get("date"),
+        "complete": all(len(records[a.name]["losses"]) == st["steps"] for a in present),
+        "wall_s": wall_s,
+        "preset": st["preset"],
+        "params": params,
+        "data": st["data"] or DEFAULT_DATA,
+        "steps": st["steps"],
+        "seq_len": st["seq_len"],
+        "micro_batch": st["micro_batch"],
+        "lr": st["lr"],
+        "clip": clip,
+        "seed": st["seed"],
+        "last": last,
+        "smooth": smooth_window,
+        "world_size": 1,
+        "world_size_note": GROUPS_NOTE,
+        "arm_devices": {a.name: slots[a.name] for a in present},
+        "estimate_s": est,
+        "estimate_basis": f"6 * params * tokens/step FLOPs at {EFFECTIVE_FLOPS:.3g} FLOP/s per GPU, "
+                          f"{per_device} arms sharing the busiest device",
+        "settings": {a.name: records[a.name]["settings"] for a in present},
+        "target": {"arm": TARGET_ARM, "max_abs_diff_pct": TARGET_PCT},
+        "arms": {
+            a.name: {
+                "label": a.label,
+                "steps_completed": len(records[a.name]["losses"]),
+                "exit_code": None,
+                "losses": records[a.name]["losses"],
+                "step_seconds": None,
+                "grad_norms": records[a.name].get("grad_norms"),
+                "peak_allocated_bytes": records[a.name].get("peak_allocated_bytes"),
+                "bytes_sent_per_step": records[a.name].get("bytes_sent_per_step"),
+                "plain_bytes_per_step": records[a.name].get("plain_bytes_per_step"),
+                "median_step_s": _median(records[a.name].get("step_times")),
+            }
+            for a in present
+        },
+        "environment": env_info,
+        "rebuilt_from": {
+            "records": [f"arm_{a.name}.json" for a in present],
+            "source": source,
+            "missing_arms": [a.name for a in arm_order if a.name not in records],
+            "not_in_records": "exit_code and step_seconds (null); median_step_s is the median of the record's "
+                              "step_times (warm-up steps left out); arm_devices follow --arms and --gpus",
+        },
+    }
+    if note:
+        study["note"] = note
+    losses = {a.name: study["arms"][a.name]["losses"] for a in present}
+    study["summary"] = final_losses(losses, "bf16" if "bf16" in losses else present[0].name, last)
+    study["target"]["verdict"] = verdict(study["summary"])
+    return study
+
+
 DEFAULT_DATA = "the standard-library *.py sources of this Python (qzero.workload.load_corpus default), byte level"
 
 
@@ -535,6 +673,7 @@ def render(study: dict, out: str) -> None:
     table = markdown_table(summary, arms, payload)
     line = verdict(summary)
     env_info = study["environment"]
+    wall = f"{study['wall_s']:.0f} s" if study.get("wall_s") is not None else "not recorded"
     steps_done = ", ".join(f"{name} {a['steps_completed']}" for name, a in study["arms"].items())
     try:
         title = (f"{study['preset']} ({study['params'] / 1e6:.1f}M params), {study['micro_batch']}x{study['seq_len']} "
@@ -552,12 +691,15 @@ def render(study: dict, out: str) -> None:
         f"ZeRO-2, AdamW lr {study['lr']:g} (constant, no weight decay), gradient clipping {study['clip']:g}, "
         f"seed {study['seed']} — the same model, batches and seed in every arm. Each arm is an independent "
         f"world-size-1 run: {study['world_size_note']} Devices: "
-        + ", ".join(f"{name} {dev}" for name, dev in study["arm_devices"].items()) + ".",
+        + ", ".join(f"{name} {dev or 'not recorded'}" for name, dev in study["arm_devices"].items()) + ".",
         "",
-        f"Environment: {env_info.get('device')}, torch {env_info.get('torch')}, qzero {env_info.get('qzero')}, "
-        f"transformers {env_info.get('transformers')}. Wall time {study['wall_s']:.0f} s.",
+        f"Environment: {env_info.get('device', 'not recorded')}, torch {env_info.get('torch', 'not recorded')}, "
+        f"qzero {env_info.get('qzero', 'not recorded')}, transformers {env_info.get('transformers', 'not recorded')}. "
+        f"Wall time {wall}.",
         "",
     ]
+    if study.get("note"):
+        md += [f"**Note:** {study['note']}", ""]
     if not study["complete"]:
         md += [f"**Incomplete:** steps completed per arm: {steps_done}; the arms are compared over the first "
                f"{summary['steps_compared']} steps.", ""]
@@ -571,7 +713,7 @@ def render(study: dict, out: str) -> None:
            f"{plotted}; every per-step loss: `convergence.json`.", ""]
     with open(os.path.join(out, "convergence.md"), "w") as f:
         f.write("\n".join(md))
-    print(f"wrote {out}/convergence.json, convergence.md, convergence.png (wall {study['wall_s']:.0f} s)")
+    print(f"wrote {out}/convergence.json, convergence.md, convergence.png (wall {wall})")
     if not study["complete"]:
         print(f"INCOMPLETE: steps completed per arm: {steps_done}; compared over the first "
               f"{summary['steps_compared']} steps")

@@ -201,3 +201,67 @@ def test_quantization_groups_are_those_of_dp2(group):
         assert layouts[(1, "auto")].exact_ranges == layouts[(2, "contiguous")].exact_ranges
         starts = lambda lay: [start % group for start, _ in quantized(lay)]  # noqa: E731
         assert starts(layouts[(1, "auto")]) != starts(layouts[(2, "interleaved")])
+
+
+def test_from_arms_rebuilds_the_study_from_per_arm_records(tmp_path):
+    """--from-arms: a run whose convergence.json was lost is rebuilt from its arm_<name>.json records
+    (the arms of --arms that have one; their GPUs from --arms' order and --gpus), with the same
+    summary the run computes, the note in the JSON and the .md, and null where the records hold nothing."""
+    import dataclasses
+
+    conv = load_script()
+    steps = 40
+    run_args = conv.parse_args(["--steps", str(steps), "--micro-batch", "8"])
+    base = [3.0 - i / steps for i in range(steps)]
+    losses = {"bf16": base, "int8-g64": [x * 1.002 for x in base], "fp8-g64": [x * 0.99 for x in base]}
+    src = tmp_path / "records"
+    src.mkdir()
+    for name, vals in losses.items():
+        settings = dataclasses.asdict(dataclasses.replace(conv.arm_settings(conv.parse_arm(name), run_args),
+                                                          device="cuda"))
+        plain = 1000
+        record = {"settings": settings, "world_size": 1, "losses": vals, "grad_norms": [1.0] * steps,
+                  "step_times": [0.1, 0.3, 0.2], "peak_allocated_bytes": 5, "params": 125_456_640,
+                  "bytes_sent_per_step": plain if name == "bf16" else 531, "plain_bytes_per_step": plain}
+        (src / f"arm_{name}.json").write_text(json.dumps(record))
+    out = tmp_path / "rebuilt"
+    rc = conv.main(["--from-arms", str(src), "--gpus", "0,1", "--wall-s", "188", "--last", "10", "--smooth", "5",
+                    "--env", "torch=2.11.0+cu130", "--env", "date=2026-11-30T14:08+00:00",
+                    "--note", "INT8 g8192's record was lost", "--out", str(out)])  # default arms: 5, 2 missing
+    assert rc == 0
+    study = json.loads((out / "convergence.json").read_text())
+    assert list(study["arms"]) == ["bf16", "int8-g64", "fp8-g64"]
+    # the run's round-robin over GPUs 0,1 in --arms order (bf16 int8-g64 int8-g8192 fp8-g64 int4-g64)
+    assert study["arm_devices"] == {"bf16": "cuda:0", "int8-g64": "cuda:1", "fp8-g64": "cuda:1"}
+    assert study["rebuilt_from"]["missing_arms"] == ["int8-g8192", "int4-g64"]
+    assert study["note"] == "INT8 g8192's record was lost" and study["wall_s"] == 188
+    assert study["date"] == "2026-11-30T14:08+00:00" and study["environment"]["torch"] == "2.11.0+cu130"
+    assert study["complete"] and study["steps"] == steps and study["micro_batch"] == 8 and study["clip"] == 1.0
+    assert study["params"] == 125_456_640 and study["settings"]["fp8-g64"]["fmt"] == "fp8"
+    assert study["summary"] == json.loads(json.dumps(conv.final_losses(losses, "bf16", last=10)))
+    assert study["target"]["verdict"].startswith("INT8 g64 vs bf16: +0.20% — within")
+    for arm in study["arms"].values():
+        assert arm["exit_code"] is None and arm["step_seconds"] is None and arm["median_step_s"] == 0.2
+    md = (out / "convergence.md").read_text()
+    assert "**Note:** INT8 g8192's record was lost" in md and "Wall time 188 s" in md
+    assert "qzero not recorded" in md and "fp8-g64 cuda:1" in md
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| bf16 (plain gather)", "| INT8 g64", "| FP8 g64"]
+    assert rows[1].endswith(" 1.000 |") and rows[2].endswith(" 0.531 |")
+    assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    # --render reproduces the .md from the rebuilt JSON
+    (out / "convergence.md").unlink()
+    assert conv.main(["--render", str(out / "convergence.json")]) == 0
+    assert (out / "convergence.md").read_text() == md
+
+    # records of different runs are refused; so is a record whose settings do not match its name
+    other = json.loads((src / "arm_fp8-g64.json").read_text())
+    other["settings"]["lr"] = 1e-3
+    (src / "arm_fp8-g64.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="lr"):
+        conv.main(["--from-arms", str(src), "--out", str(out)])
+    other["settings"].update(lr=3e-4, fmt="int4")
+    (src / "arm_fp8-g64.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="fmt=int4"):
+        conv.main(["--from-arms", str(src), "--out", str(out)])
+    assert conv.main(["--from-arms", str(tmp_path / "nothing"), "--out", str(out)]) == 1
