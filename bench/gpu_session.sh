@@ -5,6 +5,8 @@
 #   bash bench/gpu_session.sh pcie OUT       # whole-step matrix, PCIe-class (+ ZeRO-1 and FP16 rows)
 #   bash bench/gpu_session.sh ethernet OUT   # whole-step matrix, Ethernet-class
 #   bash bench/gpu_session.sh convergence OUT
+#   bash bench/gpu_session.sh nvlink OUT     # (next session) all six arms incl. the peers, NVLink
+#   bash bench/gpu_session.sh profile OUT    # (next session) per-phase times in all three regimes
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
 phase=${1:?phase}
@@ -43,6 +45,21 @@ case $phase in
         install
         ARMS="plain: int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed int8:quantized=true plain_ahead:overlap=true" \
             STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(left) bash bench/run_matrix.sh "$out" ethernet 2>&1 | tail -n 10
+        ;;
+    nvlink)
+        install
+        ARMS="plain: int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed int8:quantized=true plain_ahead:overlap=true" \
+            STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(left) bash bench/run_matrix.sh "$out" nvlink 2>&1 | tail -n 10
+        ;;
+    profile)
+        install
+        for regime in nvlink pcie ethernet; do
+            case $regime in nvlink) envs=() ;; pcie) envs=(NCCL_P2P_DISABLE=1) ;;
+                ethernet) envs=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;; esac
+            env "${envs[@]}" timeout 170 python3 -m torch.distributed.run --nproc_per_node=2 bench/step_profile.py \
+                --arms plain,plain_ahead,int8,int8_ahead --steps 6 --out "$out/profile_$regime.json" >"$out/profile_$regime.log" 2>&1
+            echo "== $regime"; grep -E "^arm|^plain|^int8" "$out/profile_$regime.log"
+        done
         ;;
     convergence)
         install

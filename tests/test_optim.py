@@ -196,7 +196,7 @@ def assert_replicas_identical(results):
 
 @pytest.mark.parametrize("order", ["contiguous", "interleaved"])
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_matches_single_process_reference(stage, world, order):
     steps = 4
     kwargs = dict(stage=stage, reduce_dtype="fp32", reduce_bucket_size=300, allgather_bucket_size=world * 64 * 3,
