@@ -97,6 +97,12 @@ def main():
         check(f"stage {stage}: replicas bit-identical (plain, int8, int8+ahead)", plain[2] and quant[2] and ahead[2])
         check(f"stage {stage}: int8 gather-ahead == int8 synchronous (losses, weights)",
               torch.equal(quant[0], ahead[0]) and torch.equal(quant[1].view(torch.int16), ahead[1].view(torch.int16)))
+        os.environ["QZERO_AHEAD_STREAMS"] = "1"  # the whole gather queued at step end on side streams
+        streamed = run(dict(stage=stage, zero_quantized_weights=True, overlap_param_gather=True))
+        os.environ.pop("QZERO_AHEAD_STREAMS")
+        check(f"stage {stage}: int8 gather-ahead on side streams == int8 synchronous (losses, weights)",
+              streamed[2] and torch.equal(quant[0], streamed[0])
+              and torch.equal(quant[1].view(torch.int16), streamed[1].view(torch.int16)))
         check(f"stage {stage}: plain gather-ahead == plain synchronous",
               torch.equal(plain[0], plain_ahead[0]) and torch.equal(plain[1], plain_ahead[1]))
         diff = (plain[0] - quant[0]).abs().max().item()
@@ -108,6 +114,16 @@ def main():
             stressed = run(dict(stage=2, zero_quantized_weights=True, **cfg))
             check(f"race stress {cfg or 'synchronous/pipelined'}: bitwise equal to the undelayed run",
                   torch.equal(clean[0], stressed[0]) and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
+        from qzero import pipeline
+
+        os.environ["QZERO_AHEAD_STREAMS"] = "1"
+        for stage_name in pipeline.STAGES:  # each side stream late in turn
+            pipeline.DELAY_CYCLES[stage_name] = 2_000_000
+            stressed = run(dict(stage=2, zero_quantized_weights=True, overlap_param_gather=True))
+            pipeline.DELAY_CYCLES[stage_name] = 0
+            check(f"race stress side-stream gather-ahead, {stage_name} delayed: bitwise equal to the undelayed run",
+                  torch.equal(clean[0], stressed[0]) and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
+        os.environ.pop("QZERO_AHEAD_STREAMS")
     os.environ["QZERO_KERNELS"] = "reference"
     ref = run(dict(stage=2, zero_quantized_weights=True))
     os.environ.pop("QZERO_KERNELS")

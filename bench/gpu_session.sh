@@ -57,7 +57,7 @@ case $phase in
             case $regime in nvlink) envs=() ;; pcie) envs=(NCCL_P2P_DISABLE=1) ;;
                 ethernet) envs=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;; esac
             env "${envs[@]}" timeout 170 python3 -m torch.distributed.run --nproc_per_node=2 bench/step_profile.py \
-                --arms plain,plain_ahead,int8,int8_ahead --steps 6 --out "$out/profile_$regime.json" >"$out/profile_$regime.log" 2>&1
+                --arms plain,plain_ahead,int8,int8_ahead,int8_ahead_streams --steps 6 --out "$out/profile_$regime.json" >"$out/profile_$regime.log" 2>&1
             echo "== $regime"; grep -E "^arm|^plain|^int8" "$out/profile_$regime.log"
         done
         ;;

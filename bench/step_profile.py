@@ -28,6 +28,7 @@ ARMS = {
     "int8": {"quantized": True},
     "int8_ahead": {"quantized": True, "overlap": True},
     "plain_ahead": {"overlap": True},
+    "int8_ahead_streams": {"quantized": True, "overlap": True},  # with QZERO_AHEAD_STREAMS=1
 }
 
 
@@ -57,6 +58,7 @@ def main() -> None:
         else:
             torch.use_deterministic_algorithms(False)
         for name in a.arms.split(","):
+            os.environ["QZERO_AHEAD_STREAMS"] = "1" if name.endswith("_streams") else "0"
             s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                               micro_batch=a.micro_batch, allgather_bucket=int(a.allgather_bucket), reduce_bucket=int(a.reduce_bucket),
                               lr=1e-4, **ARMS[name])

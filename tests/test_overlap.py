@@ -153,3 +153,15 @@ def test_overlap_needs_room_for_two_chunks():
     with pytest.raises(ValueError, match="each of the 2 chunks"):
         cfg = qzero.ZeroConfig(overlap_param_gather=True, allgather_bucket_size=64)
         qzero.ZeroOptimizer(Net().bfloat16(), torch.optim.AdamW, config=cfg)
+
+
+def test_side_stream_switch_falls_back_off_cuda(monkeypatch):
+    """``QZERO_AHEAD_STREAMS=1`` asks for the CUDA side-stream variant; elsewhere the
+    hook-driven gather runs, with the same bits (the CUDA variant: bench/gpu_check.py)."""
+    monkeypatch.setenv("QZERO_AHEAD_STREAMS", "1")
+    cfg = CASES[0]
+    sync = run_distributed(run, 2, cfg, 3)
+    ahead = run_distributed(run, 2, {**cfg, "overlap_param_gather": True}, 3)
+    for (l0, f0, _, _), (l1, f1, pending, _) in zip(sync, ahead):
+        assert l0 == l1 and pending
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(f0, f1))

@@ -18,6 +18,7 @@ unpacked by the same functions, only the moment of waiting differs.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import deque
 
@@ -89,6 +90,42 @@ class PendingGather:
     def wait_all(self) -> None:
         self.wait_until(len(self.plan.chunks) - 1)
         self._buffers = []
+
+
+def streamed_enabled() -> bool:
+    """``QZERO_AHEAD_STREAMS=1`` (experimental, CUDA and quantized gathers only): enqueue the
+    whole gather at the end of ``step()`` on the chunk pipeline's side streams, so no
+    collective waits for the forward's kernels; hooks only make the compute stream wait
+    for their chunks' events. Off by default until measured against the hook-driven path."""
+    return os.environ.get("QZERO_AHEAD_STREAMS", "0") == "1"
+
+
+class StreamedGather:
+    """A gather queued whole on the pipeline's side streams (see :func:`streamed_enabled`);
+    the same interface as :class:`PendingGather`."""
+
+    def __init__(self, flat: torch.Tensor, queued, stats):
+        self.flat = flat
+        self.plan = queued.plan
+        self.stats = stats
+        self._queued = queued
+        self.finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.plan.chunks)
+
+    def wait_until(self, chunk_index: int) -> None:
+        """Make the current stream wait until chunks ``[0, chunk_index]`` are in the flat
+        buffer (the unpack stream runs in order, so one event covers them all)."""
+        k = min(chunk_index, len(self.plan.chunks) - 1)
+        if k >= self.finished:
+            torch.cuda.current_stream(self.flat.device).wait_event(self._queued.unpacked[k])
+            self.finished = k + 1
+
+    def wait_all(self) -> None:
+        self.wait_until(len(self.plan.chunks) - 1)
+        self._queued = None  # the receive buffers may be reused once the wait above is queued
 
 
 class GatherAhead:

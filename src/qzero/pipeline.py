@@ -37,6 +37,7 @@ alignment per extra chunk, the bytes sent). If even one-group chunks do not fit
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -104,17 +105,43 @@ def _delay(stage: str) -> None:
         torch.cuda._sleep(DELAY_CYCLES[stage])
 
 
+@dataclass
+class Enqueued:
+    """A pipelined gather that has been queued but not waited for."""
+
+    plan: GatherPlan
+    """The chunks it runs (the caller's plan, or the same gather re-cut to fit the budget)."""
+    unpacked: list
+    """Per chunk, the event after which its slices of every partition are in ``flat``."""
+    buffers: list
+    """The receive buffers: keep them alive until the caller's stream has waited on the
+    last event (the caching allocator would otherwise hand them out again)."""
+
+
 def run_pipelined(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int) -> bool:
     """Run the quantized ``plan`` on CUDA ``flat`` with overlapped stages.
 
     Returns False, having done nothing, when pipelining is off or no chunking fits
     the memory budget; the caller then runs its unpipelined loop.
     """
-    if not enabled() or not plan.quantized or flat.device.type != "cuda":
+    queued = enqueue(flat, plan, group, world, rank)
+    if queued is None:
         return False
+    # The unpack stream runs in order and each unpack waited for its gather and pack,
+    # so the last unpack's event covers every stage of every chunk.
+    torch.cuda.current_stream(flat.device).wait_event(queued.unpacked[-1])
+    return True
+
+
+def enqueue(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int) -> Enqueued | None:
+    """Queue every stage of every chunk on the side streams and return without making the
+    caller's stream wait (``None``, having done nothing, where :func:`run_pipelined` would
+    return False)."""
+    if not enabled() or not plan.quantized or flat.device.type != "cuda":
+        return None
     work = pipeline_plan(plan)
     if work is None or not work.chunks:
-        return False
+        return None
     device = flat.device
     kernels = kernels_for(device)
     p = work.partition_numel
@@ -173,7 +200,4 @@ def run_pipelined(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank:
         if k + 1 < n:
             pack(k + 1)
         unpack(k)
-    # The unpack stream runs in order and each unpack waited for its gather and pack,
-    # so the last unpack's event covers every stage of every chunk.
-    caller.wait_event(unpacked[-1])
-    return True
+    return Enqueued(work, unpacked, recv)

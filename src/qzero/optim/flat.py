@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import GatherStats, run_gather
+from .. import pipeline
+from ..comm import GatherStats, peer_failure, run_gather, stats_of
 from ..config import ZeroConfig
 from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
 from ..overlap import DEPTH as OVERLAP_DEPTH
-from ..overlap import PendingGather
+from ..overlap import PendingGather, StreamedGather, streamed_enabled
 
 
 class FlatGroup:
@@ -96,9 +97,14 @@ class FlatGroup:
         self.own.copy_(self.master)
         return run_gather(self.flat, self.gather_plan, self.process_group)
 
-    def start_gather(self) -> PendingGather:
+    def start_gather(self) -> PendingGather | StreamedGather:
         """Copy the master shard into the partition and start the gather without waiting."""
         self.own.copy_(self.master)
+        if streamed_enabled() and self.gather_plan.quantized and self.flat.is_cuda:
+            with peer_failure("the weight gather (gather-ahead)"):
+                queued = pipeline.enqueue(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank)
+            if queued is not None:
+                return StreamedGather(self.flat, queued, stats_of(self.gather_plan))
         return PendingGather(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank)
 
     def gather_exact(self) -> GatherStats:
