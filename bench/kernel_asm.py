@@ -1,0 +1,77 @@
+"""Compile the fused pack/unpack kernels for an NVIDIA target without a GPU and print their
+instruction mix (PTX and SASS), as the device sees them at run time.
+
+Runs on any machine with Triton's bundled ptxas/nvdisasm (``TRITON_INTERPRET`` must be
+unset): pointers and ``n`` are declared 16-divisible, as Triton specializes them at launch
+for chunk slices (multiples of the group size). Usage::
+
+    python bench/kernel_asm.py [--arch 90] [--group-size 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from qzero.quant import triton as qt  # noqa: E402
+from qzero.quant.reference import FLT_MIN  # noqa: E402
+
+
+def compile_kernel(fn, sig, const, arch, warps):
+    pointers = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [list(sig).index("n")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def mix(kernel, out_dir, name):
+    ptx = kernel.asm["ptx"]
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    cubin = os.path.join(out_dir, f"{name}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    for ext, text in (("ptx", ptx), ("sass", sass)):
+        with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
+            f.write(text)
+    memory = collections.Counter(re.findall(r"\b((?:ld|st)\.global[.a-z0-9]*)", ptx))
+    ops = collections.Counter(i.split(".")[0] for i in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    print(f"{name}: shared {kernel.metadata.shared} B; global accesses {dict(memory)}; "
+          f"div.rn {ptx.count('div.rn.f32')}; SASS {sum(ops.values())} static: {ops.most_common(12)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--out", default="/tmp/qzero_asm")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    block, warps = qt.TUNING.shape(False)
+    gs_pad = qt._next_pow2(a.group_size)
+    common = {"IS_BF16": True, "SOFT": False, "GS": a.group_size, "GS_PAD": gs_pad, "G": max(1, block // gs_pad)}
+    pack_sig = {"src_ptr": "*i16", "values_ptr": "*u8", "scales_ptr": "*fp32", "side_ptr": "*i16", "idx_ptr": "*i64",
+                "blk_ptr": "*i64", "n": "i64"}
+    unpack_sig = {"values_ptr": "*u8", "scales_ptr": "*fp32", "dst_ptr": "*i16", "n": "i64"}
+    for fmt, code in qt._FMT_CODES.items():
+        f = qt.get_format(fmt)
+        pack_const = {**common, "PAIRS": True, "FMT": code, "QMAX": float(f.qmax), "FLOOR": FLT_MIN,
+                      "HAS_EXACT": False, "STEPS": 12}
+        sig = {**pack_sig, **{k: "constexpr" for k in pack_const}}
+        mix(compile_kernel(qt._pack_kernel, sig, pack_const, a.arch, warps), a.out, f"pack_{fmt}")
+        unpack_const = {**common, "FMT": code}
+        sig = {**unpack_sig, **{k: "constexpr" for k in unpack_const}}
+        mix(compile_kernel(qt._unpack_kernel, sig, unpack_const, a.arch, warps), a.out, f"unpack_{fmt}")
+
+
+if __name__ == "__main__":
+    main()
