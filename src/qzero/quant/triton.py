@@ -270,32 +270,16 @@ if triton is not None:
     ):
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         if FMT == 2:
-            # INT4: each thread handles whole (even, odd) pairs, so a byte's two nibbles
-            # never cross threads. With a 4-byte aligned source (PAIRS) a pair is one
-            # 32-bit load, even element in the low half; else two strided loads.
-            jb = tl.arange(0, GS_PAD // 2)
-            pair = g[:, None] * (GS // 2) + jb[None, :]  # byte (and pair) index in the tile
-            even = 2 * pair
-            valid_e = (jb[None, :] < GS // 2) & (even < rem)
-            valid_o = valid_e & (even + 1 < rem)
-            if PAIRS:
-                words = (src_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True)
-                w = tl.load(words + pair, mask=valid_o, other=0)
-                # A short tail leaves a lone even element: load it on its own.
-                lone = tl.load(src_ptr + base + even, mask=valid_e & (even + 1 >= rem), other=0)
-                bits_e = tl.where(valid_o, w.to(tl.int16), lone)
-                bits_o = (w >> 16).to(tl.int16)
+            if GS == GS_PAD:
+                if rem == G * GS:
+                    _pack_int4_full(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, g,
+                                    IS_BF16, QMAX, FLOOR, GS, G, HAS_EXACT, STEPS)
+                else:
+                    _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, rem, g,
+                                      IS_BF16, PAIRS, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS)
             else:
-                bits_e = tl.load(src_ptr + base + even, mask=valid_e, other=0)
-                bits_o = tl.load(src_ptr + base + even + 1, mask=valid_o, other=0)
-            xe = _mask_exact(bits_e, side_ptr, idx_ptr, blk_ptr, pid, base, even, valid_e, IS_BF16, HAS_EXACT, STEPS)
-            xo = _mask_exact(bits_o, side_ptr, idx_ptr, blk_ptr, pid, base, even + 1, valid_o, IS_BF16, HAS_EXACT, STEPS)
-            absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
-            scale = _scale_of(absmax, QMAX, FLOOR)
-            qe = _round_half_even(_divide(xe, scale[:, None], QMAX)).to(tl.int32)
-            qo = _round_half_even(_divide(xo, scale[:, None], QMAX)).to(tl.int32)
-            byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
-            tl.store(values_ptr + base // 2 + pair, byte, mask=valid_e)
+                _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, rem, g,
+                                  IS_BF16, PAIRS, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS)
         else:
             j = tl.arange(0, GS_PAD)
             offs = g[:, None] * GS + j[None, :]
@@ -309,6 +293,58 @@ if triton is not None:
             else:
                 v = _round_half_even(y).to(tl.int8).to(tl.uint8, bitcast=True)
             tl.store(values_ptr + base + offs, v, mask=valid)
+            tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
+
+    @triton.jit
+    def _pack_int4_full(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, g,
+                        IS_BF16: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, GS: tl.constexpr,
+                        G: tl.constexpr, HAS_EXACT: tl.constexpr, STEPS: tl.constexpr):
+        """INT4 pack of a whole tile (every program but the last, power-of-two groups): the tile
+        is loaded and stored without bounds masks, as 16-byte vectors, and split into
+        (even, odd) pairs in registers."""
+        j = tl.arange(0, GS)
+        offs = g[:, None] * GS + j[None, :]
+        bits = tl.load(src_ptr + base + offs)
+        x = _mask_exact(bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, offs >= 0, IS_BF16, HAS_EXACT, STEPS)
+        scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX, FLOOR)
+        q = _round_half_even(_divide(x, scale[:, None], QMAX)).to(tl.int32)
+        qe, qo = tl.split(tl.reshape(q, [G, GS // 2, 2]))
+        byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
+        jb = tl.arange(0, GS // 2)
+        tl.store(values_ptr + pid * (G * GS // 2) + g[:, None] * (GS // 2) + jb[None, :], byte)
+        tl.store(scales_ptr + pid * G + g, scale)
+
+    @triton.jit
+    def _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, rem, g,
+                          IS_BF16: tl.constexpr, PAIRS: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                          GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr, HAS_EXACT: tl.constexpr,
+                          STEPS: tl.constexpr):
+        # INT4: each thread handles whole (even, odd) pairs, so a byte's two nibbles
+        # never cross threads. With a 4-byte aligned source (PAIRS) a pair is one
+        # 32-bit load, even element in the low half; else two strided loads.
+        jb = tl.arange(0, GS_PAD // 2)
+        pair = g[:, None] * (GS // 2) + jb[None, :]  # byte (and pair) index in the tile
+        even = 2 * pair
+        valid_e = (jb[None, :] < GS // 2) & (even < rem)
+        valid_o = valid_e & (even + 1 < rem)
+        if PAIRS:
+            words = (src_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True)
+            w = tl.load(words + pair, mask=valid_o, other=0)
+            # A short tail leaves a lone even element: load it on its own.
+            lone = tl.load(src_ptr + base + even, mask=valid_e & (even + 1 >= rem), other=0)
+            bits_e = tl.where(valid_o, w.to(tl.int16), lone)
+            bits_o = (w >> 16).to(tl.int16)
+        else:
+            bits_e = tl.load(src_ptr + base + even, mask=valid_e, other=0)
+            bits_o = tl.load(src_ptr + base + even + 1, mask=valid_o, other=0)
+        xe = _mask_exact(bits_e, side_ptr, idx_ptr, blk_ptr, pid, base, even, valid_e, IS_BF16, HAS_EXACT, STEPS)
+        xo = _mask_exact(bits_o, side_ptr, idx_ptr, blk_ptr, pid, base, even + 1, valid_o, IS_BF16, HAS_EXACT, STEPS)
+        absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+        scale = _scale_of(absmax, QMAX, FLOOR)
+        qe = _round_half_even(_divide(xe, scale[:, None], QMAX)).to(tl.int32)
+        qo = _round_half_even(_divide(xo, scale[:, None], QMAX)).to(tl.int32)
+        byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
+        tl.store(values_ptr + base // 2 + pair, byte, mask=valid_e)
         tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
 
     @triton.jit
@@ -334,7 +370,13 @@ if triton is not None:
             jb = tl.arange(0, GS_PAD // 2)
             boffs = g[:, None] * (GS // 2) + jb[None, :]
             bmask = (jb[None, :] < GS // 2) & (2 * boffs < rem)
-            b = tl.load(values_ptr + base // 2 + boffs, mask=bmask, other=0).to(tl.int32)
+            if GS == GS_PAD:
+                if rem == G * GS:  # a whole tile: unmasked, so the bytes load as vectors
+                    b = tl.load(values_ptr + pid * (G * GS // 2) + boffs).to(tl.int32)
+                else:
+                    b = tl.load(values_ptr + base // 2 + boffs, mask=bmask, other=0).to(tl.int32)
+            else:
+                b = tl.load(values_ptr + base // 2 + boffs, mask=bmask, other=0).to(tl.int32)
             lo_q = (b << 28) >> 28  # arithmetic shifts sign-extend each nibble
             hi_q = (b << 24) >> 28
             q = tl.reshape(tl.join(lo_q, hi_q), [G, GS_PAD]).to(tl.float32)
