@@ -451,3 +451,36 @@ def test_gradients_are_reduce_scattered_in_the_interleaved_order(stage):
         assert res["order"] == order
         assert res["calls"][unused] == 0
         assert res["calls"][used] >= res["buckets"] > 1
+
+
+def subgroup_run(rank, world, steps, cfg_kwargs):
+    """Two data-parallel groups of two, strided as under tensor parallelism ({0, 2}, {1, 3})."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pg, dp_rank = groups[rank % 2], rank // 2
+    model = make_model(seed=dp_rank)  # each DP group starts from its DP rank 0's weights
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(**cfg_kwargs), process_group=pg)
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step, 0)
+        loss = model(rank_slice(tokens, dp_rank, 2), rank_slice(targets, dp_rank, 2))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "flats": [g.flat.clone() for g in opt.groups]}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("order", ["contiguous", "interleaved"])
+def test_data_parallel_subgroups_match_a_plain_world_of_two(stage, order):
+    """ZeroOptimizer over a DP subgroup of a larger world (global ranks != group ranks): every
+    collective (reduce-scatter, reduce to owners, gathers) stays inside the subgroup, and each
+    group trains exactly as a world of two would."""
+    kwargs = dict(stage=stage, zero_quantized_weights=True, small_param_numel=40, reduce_bucket_size=300,
+                  allgather_bucket_size=2 * 64 * 3, flat_order=order)
+    sub = run_distributed(subgroup_run, 4, 3, kwargs)
+    plain = run_distributed(zero_run, 2, 3, kwargs)
+    for rank, res in enumerate(sub):
+        want = plain[rank // 2]
+        for a, b in zip(res["flats"], want["flats"]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"rank {rank} differs from a world of two"
