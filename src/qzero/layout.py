@@ -549,16 +549,33 @@ def scatter_window_numel(partition_numel: int, world_size: int, bucket_numel: in
     return min(max(bucket_numel // world_size, 1), max(partition_numel, 1))
 
 
-def plan_scatter_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ScatterBucket, ...]:
+def solo_slots(layout: FlatLayout, bucket_numel: int) -> tuple[int, ...]:
+    """Parameters whose gradient is reduced to its owner on its own instead of in windows:
+    those that start a partition and span more than one window (the embedding, typically).
+
+    In the interleaved order such a parameter shares its windows with several layers of
+    every other partition. Its gradient comes last in backward (it is used first, and a
+    tied embedding accumulates a second gradient at the very end), so those windows, with
+    ``world`` rows each, would be staged from the first of those layers' gradients until
+    the end of backward: ``world x`` its size. Reduced alone, from its own gradient, it
+    needs no staging and does not hold the windows back."""
+    p = layout.partition_numel
+    width = scatter_window_numel(p, layout.world_size, bucket_numel)
+    return tuple(s.index for s in layout.slots if s.numel > width and s.start % p == 0 and s.stop <= s.start + p)
+
+
+def plan_scatter_buckets(layout: FlatLayout, bucket_numel: int, exclude: Sequence[int] = ()) -> tuple[ScatterBucket, ...]:
     """Cut the partitions into windows for reduce-scatter, last window first (backward
     produces the last parameters' gradients first; in the interleaved order a window is
-    one stretch of the model). Windows no parameter touches on any rank are left out."""
+    one stretch of the model). Windows no parameter touches on any rank are left out, and
+    so are the parameters in ``exclude`` (reduced on their own: :func:`solo_slots`)."""
     p, world = layout.partition_numel, layout.world_size
     width = scatter_window_numel(p, world, bucket_numel)
     n = -(-p // width)
     touching: list[list[int]] = [[] for _ in range(n)]
+    skip = set(exclude)
     for s in layout.slots:
-        if not s.numel:
+        if not s.numel or s.index in skip:
             continue
         for _, a, b in owners(s.start, s.stop, p):
             local = a % p

@@ -4,7 +4,9 @@ A *reducer* says what a gradient bucket is and which collective moves it:
 
 * :class:`ScatterReducer` (interleaved flat order): a bucket is the same window of every
   partition, staged as ``[world, width]`` and reduce-scattered, so every rank sends and
-  receives at once and both directions of the link carry data.
+  receives at once and both directions of the link carry data. A parameter that starts a
+  partition and spans several windows (the embedding) is reduced to its owner on its own:
+  its gradient comes last, and in windows it would keep ``world x`` its size staged.
 * :class:`OwnerReducer` (contiguous flat order): a bucket is a contiguous flat range,
   reduced to the rank(s) whose partitions it overlaps, one ``reduce`` per owner. In this
   order a window of every partition spans far-apart parts of the model, so windows would
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import peer_failure
-from ..layout import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces
+from ..layout import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -75,6 +77,8 @@ class _Reducer:
 class OwnerReducer(_Reducer):
     """Buckets are contiguous flat ranges; each reaches its owners by ``reduce``."""
 
+    solo: tuple[int, ...] = ()
+
     def __init__(self, group: FlatGroup, bucket_numel: int):
         super().__init__(group)
         self.buckets = plan_reduce_buckets(group.layout, bucket_numel)
@@ -105,11 +109,28 @@ class OwnerReducer(_Reducer):
 
 
 class ScatterReducer(_Reducer):
-    """Buckets are windows of every partition; each is one ``reduce_scatter``."""
+    """Buckets are windows of every partition; each is one ``reduce_scatter``. Parameters
+    that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are
+    reduced to their owner on their own, straight from their gradient."""
 
     def __init__(self, group: FlatGroup, bucket_numel: int):
         super().__init__(group)
-        self.buckets = plan_scatter_buckets(group.layout, bucket_numel)
+        self.solo = solo_slots(group.layout, bucket_numel)
+        self.buckets = plan_scatter_buckets(group.layout, bucket_numel, exclude=self.solo)
+
+    def launch_solo(self, buf: torch.Tensor, slot) -> list:
+        """Start reducing one parameter's whole gradient ``buf`` to the rank that owns it."""
+        if self.world == 1:
+            return []
+        with peer_failure("the gradient reduction"):
+            dst = self._ranks[slot.start // self.p]
+            return [dist.reduce(buf, dst=dst, group=self.pg, async_op=True)]
+
+    def finish_solo(self, works: list, buf: torch.Tensor, slot) -> None:
+        with peer_failure("the gradient reduction"):
+            for w in works:
+                w.wait()
+        self._add_to_shard(buf, slot.start, slot.stop)
 
     def staging_numel(self, bucket) -> int:
         return self.world * bucket.width
@@ -119,7 +140,12 @@ class ScatterReducer(_Reducer):
 
     def from_flat(self, flat: torch.Tensor, bucket, dtype: torch.dtype) -> torch.Tensor:
         rows = flat.view(self.world, self.p)[:, bucket.lo : bucket.hi]
-        return rows.to(dtype).reshape(-1)  # always a copy: the rows are strided
+        buf = rows.to(dtype).reshape(-1)  # always a copy: the rows are strided
+        for i in self.solo:  # solo parameters travel on their own, never in a window
+            s = self.group.layout.slots[i]
+            for a, b, off in scatter_pieces(bucket, s.start, s.stop, self.p):
+                buf[off : off + b - a].zero_()
+        return buf
 
     def launch(self, buf: torch.Tensor, bucket) -> tuple:
         if self.world == 1:
@@ -161,14 +187,21 @@ class Stage1Grads:
                 p.grad = self.flat_grad[slot.start : slot.stop].view(slot.shape)
 
     def before_step(self) -> None:
+        r = self.reducer
         pending: deque = deque()
-        for bucket in self.reducer.buckets:
-            buf = self.reducer.from_flat(self.flat_grad, bucket, self.dtype)
-            pending.append((self.reducer.launch(buf, bucket), buf, bucket))
+        slots = self.group.layout.slots
+        jobs = [(r.launch_solo, r.finish_solo, slots[i], lambda s=slots[i]: self.flat_grad[s.start : s.stop])
+                for i in r.solo]
+        jobs += [(r.launch, r.finish, b, lambda b=b: r.from_flat(self.flat_grad, b, self.dtype)) for b in r.buckets]
+        for launch, finish, unit, source in jobs:
+            buf = source().to(self.dtype)
+            pending.append((finish, launch(buf, unit), buf, unit))
             if len(pending) > MAX_IN_FLIGHT:
-                self.reducer.finish(*pending.popleft())
+                finish_, *rest = pending.popleft()
+                finish_(*rest)
         while pending:
-            self.reducer.finish(*pending.popleft())
+            finish_, *rest = pending.popleft()
+            finish_(*rest)
 
     def zero(self) -> None:
         self.flat_grad.zero_()
@@ -189,6 +222,7 @@ class Stage2Grads:
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.overlap = overlap
         self.buckets = self.reducer.buckets
+        self._solo = set(self.reducer.solo)
         # slot index -> [(bucket, [(a, b, offset), ...])]: where its gradient is staged
         self._targets: dict[int, list] = {}
         slots = group.layout.slots
@@ -204,7 +238,8 @@ class Stage2Grads:
         self._missing = {b.index: len(b.slots) for b in self.buckets}
         self._staging: dict[int, torch.Tensor] = {}
         self._launched: set[int] = set()
-        self._pending: deque = deque()
+        self._solo_sent: set[int] = set()
+        self._pending: deque = deque()  # (finish, works, buffer, bucket or slot)
 
     def _make_hook(self, slot_index: int):
         def hook(param: torch.Tensor) -> None:
@@ -221,6 +256,8 @@ class Stage2Grads:
 
     def _on_grad(self, slot_index: int, param: torch.Tensor) -> None:
         grad = param.grad.detach().reshape(-1)
+        if slot_index in self._solo:
+            self._launch_solo(slot_index, grad.to(self.dtype))
         for bucket, pieces in self._targets.get(slot_index, ()):
             buf = self._staging_for(bucket)
             for a, b, off in pieces:
@@ -231,22 +268,37 @@ class Stage2Grads:
         param.grad = None
 
     def _launch(self, bucket) -> None:
-        buf = self._staging_for(bucket)
-        self._pending.append((self.reducer.launch(buf, bucket), bucket))
+        buf = self._staging.pop(bucket.index, None)
+        if buf is None:
+            buf = torch.zeros(self.reducer.staging_numel(bucket), dtype=self.dtype, device=self.group.device)
+        self._pending.append((self.reducer.finish, self.reducer.launch(buf, bucket), buf, bucket))
         self._launched.add(bucket.index)
+        self._bound_in_flight()
+
+    def _launch_solo(self, slot_index: int, buf: torch.Tensor) -> None:
+        slot = self.group.layout.slots[slot_index]
+        self._pending.append((self.reducer.finish_solo, self.reducer.launch_solo(buf, slot), buf, slot))
+        self._solo_sent.add(slot_index)
+        self._bound_in_flight()
+
+    def _bound_in_flight(self) -> None:
         while len(self._pending) > MAX_IN_FLIGHT:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        works, bucket = self._pending.popleft()
-        self.reducer.finish(works, self._staging.pop(bucket.index), bucket)
+        finish, works, buf, unit = self._pending.popleft()
+        finish(works, buf, unit)
 
     def after_backward(self) -> None:
-        """Reduce what backward left (buckets of unused parameters count as zeros), in a
-        fixed order so every rank issues the same collectives, then wait for all."""
+        """Reduce what backward left (buckets and solo parameters without a gradient count
+        as zeros), in a fixed order so every rank issues the same collectives, then wait."""
         for bucket in self.buckets:
             if bucket.index not in self._launched:
                 self._launch(bucket)
+        for i in self._solo:
+            if i not in self._solo_sent:
+                n = self.group.layout.slots[i].numel
+                self._launch_solo(i, torch.zeros(n, dtype=self.dtype, device=self.group.device))
         while self._pending:
             self._finish_oldest()
         self._reset()
