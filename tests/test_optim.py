@@ -441,6 +441,19 @@ def collectives_run(rank, world, order, stage):
             "buckets": len(opt.grads[0].reducer.buckets), "solo": len(opt.grads[0].reducer.solo)}
 
 
+@pytest.mark.parametrize("order", ["contiguous", "interleaved"])
+def test_stage2_without_overlap_comm_matches_the_reference(order):
+    """``overlap_comm=False``: every bucket (and every solo parameter) is reduced after backward
+    instead of during it; the result is the same."""
+    kwargs = dict(stage=2, overlap_comm=False, reduce_dtype="fp32", reduce_bucket_size=300,
+                  allgather_bucket_size=3 * 64 * 3, flat_order=order)
+    results = run_distributed(zero_run, 3, 3, kwargs)
+    _, ref_masters, _ = reference_run(3, 3, stage=2)
+    assert_replicas_identical(results)
+    want = torch.cat([m.reshape(-1) for m in ref_masters])
+    torch.testing.assert_close(assemble_masters(results), want, rtol=2e-6, atol=2e-7)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradients_are_reduce_scattered_in_the_interleaved_order(stage):
     """Interleaved order: one reduce-scatter per window, and a reduce to its owner only for a

@@ -239,6 +239,7 @@ class Stage2Grads:
         self._staging: dict[int, torch.Tensor] = {}
         self._launched: set[int] = set()
         self._solo_sent: set[int] = set()
+        self._solo_held: dict[int, torch.Tensor] = {}
         self._pending: deque = deque()  # (finish, works, buffer, bucket or slot)
 
     def _make_hook(self, slot_index: int):
@@ -257,7 +258,10 @@ class Stage2Grads:
     def _on_grad(self, slot_index: int, param: torch.Tensor) -> None:
         grad = param.grad.detach().reshape(-1)
         if slot_index in self._solo:
-            self._launch_solo(slot_index, grad.to(self.dtype))
+            if self.overlap:
+                self._launch_solo(slot_index, grad.to(self.dtype))
+            else:  # overlap_comm off: nothing is reduced before backward ends
+                self._solo_held[slot_index] = grad.to(self.dtype)
         for bucket, pieces in self._targets.get(slot_index, ()):
             buf = self._staging_for(bucket)
             for a, b, off in pieces:
@@ -295,10 +299,12 @@ class Stage2Grads:
         for bucket in self.buckets:
             if bucket.index not in self._launched:
                 self._launch(bucket)
-        for i in self._solo:
+        for i in sorted(self._solo):
             if i not in self._solo_sent:
-                n = self.group.layout.slots[i].numel
-                self._launch_solo(i, torch.zeros(n, dtype=self.dtype, device=self.group.device))
+                held = self._solo_held.pop(i, None)
+                if held is None:
+                    held = torch.zeros(self.group.layout.slots[i].numel, dtype=self.dtype, device=self.group.device)
+                self._launch_solo(i, held)
         while self._pending:
             self._finish_oldest()
         self._reset()
