@@ -117,6 +117,12 @@ class ScatterReducer(_Reducer):
         super().__init__(group)
         self.solo = solo_slots(group.layout, bucket_numel)
         self.buckets = plan_scatter_buckets(group.layout, bucket_numel, exclude=self.solo)
+        # where solo parameters fall inside windows copied from a full gradient (stage 1)
+        slots = group.layout.slots
+        self._solo_in = {
+            b.index: [piece for i in self.solo for piece in scatter_pieces(b, slots[i].start, slots[i].stop, self.p)]
+            for b in self.buckets
+        }
 
     def launch_solo(self, buf: torch.Tensor, slot) -> list:
         """Start reducing one parameter's whole gradient ``buf`` to the rank that owns it."""
@@ -141,10 +147,8 @@ class ScatterReducer(_Reducer):
     def from_flat(self, flat: torch.Tensor, bucket, dtype: torch.dtype) -> torch.Tensor:
         rows = flat.view(self.world, self.p)[:, bucket.lo : bucket.hi]
         buf = rows.to(dtype).reshape(-1)  # always a copy: the rows are strided
-        for i in self.solo:  # solo parameters travel on their own, never in a window
-            s = self.group.layout.slots[i]
-            for a, b, off in scatter_pieces(bucket, s.start, s.stop, self.p):
-                buf[off : off + b - a].zero_()
+        for a, b, off in self._solo_in[bucket.index]:  # solo parameters travel on their own
+            buf[off : off + b - a].zero_()
         return buf
 
     def launch(self, buf: torch.Tensor, bucket) -> tuple:
@@ -186,22 +190,26 @@ class Stage1Grads:
                     self.flat_grad[slot.start : slot.stop].add_(p.grad.reshape(-1))
                 p.grad = self.flat_grad[slot.start : slot.stop].view(slot.shape)
 
-    def before_step(self) -> None:
+    def _units(self):
+        """``(launch, finish, unit, buffer)`` per collective, in a fixed order; buffers are made
+        one at a time as the loop asks for them."""
         r = self.reducer
+        for i in r.solo:
+            slot = self.group.layout.slots[i]
+            yield r.launch_solo, r.finish_solo, slot, self.flat_grad[slot.start : slot.stop].to(self.dtype)
+        for b in r.buckets:
+            yield r.launch, r.finish, b, r.from_flat(self.flat_grad, b, self.dtype)
+
+    def before_step(self) -> None:
         pending: deque = deque()
-        slots = self.group.layout.slots
-        jobs = [(r.launch_solo, r.finish_solo, slots[i], lambda s=slots[i]: self.flat_grad[s.start : s.stop])
-                for i in r.solo]
-        jobs += [(r.launch, r.finish, b, lambda b=b: r.from_flat(self.flat_grad, b, self.dtype)) for b in r.buckets]
-        for launch, finish, unit, source in jobs:
-            buf = source().to(self.dtype)
+        for launch, finish, unit, buf in self._units():
             pending.append((finish, launch(buf, unit), buf, unit))
             if len(pending) > MAX_IN_FLIGHT:
-                finish_, *rest = pending.popleft()
-                finish_(*rest)
+                done, works, b, u = pending.popleft()
+                done(works, b, u)
         while pending:
-            finish_, *rest = pending.popleft()
-            finish_(*rest)
+            done, works, b, u = pending.popleft()
+            done(works, b, u)
 
     def zero(self) -> None:
         self.flat_grad.zero_()
@@ -272,9 +280,8 @@ class Stage2Grads:
         param.grad = None
 
     def _launch(self, bucket) -> None:
-        buf = self._staging.pop(bucket.index, None)
-        if buf is None:
-            buf = torch.zeros(self.reducer.staging_numel(bucket), dtype=self.dtype, device=self.group.device)
+        buf = self._staging_for(bucket)  # zeros if backward delivered nothing to it
+        del self._staging[bucket.index]
         self._pending.append((self.reducer.finish, self.reducer.launch(buf, bucket), buf, bucket))
         self._launched.add(bucket.index)
         self._bound_in_flight()
