@@ -47,7 +47,8 @@ from qzero.qualify.run import ArmFailed, run_arm
 from qzero.train import TrainSettings, resolve_device, validate
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-KEY_RE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_-]*\s*=")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+KEY_RE = re.compile(r"^\s*(env\.)?[A-Za-z_][A-Za-z0-9_-]*\s*=")
 FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
 
 
@@ -121,7 +122,10 @@ def _typed(key: str, raw: str):
 
 
 def parse_arm(spec: str) -> tuple[str, dict]:
-    """``NAME:key=value,key=value`` (or ``NAME:`` / ``NAME``) -> (name, overrides)."""
+    """``NAME:key=value,key=value`` (or ``NAME:`` / ``NAME``) -> (name, overrides).
+
+    ``env.VAR=value`` sets an environment variable for this arm's processes only (under
+    ``overrides["env"]``), e.g. an experimental switch such as ``env.QZERO_AHEAD_STREAMS=1``."""
     name, _, rest = spec.partition(":")
     name = name.strip()
     if not NAME_RE.match(name):
@@ -129,9 +133,16 @@ def parse_arm(spec: str) -> tuple[str, dict]:
     overrides: dict = {}
     for pair in _split_pairs(rest):
         key, sep, raw = pair.partition("=")
-        key = key.strip().replace("-", "_")
+        key = key.strip()
         if not sep:
             raise SpecError(f"--arm {spec!r}: expected key=value, got {pair!r}")
+        if key.startswith("env."):  # an environment variable of this arm's processes only
+            var = key[4:]
+            if not ENV_RE.match(var):
+                raise SpecError(f"--arm {name}: {key!r} does not name an environment variable")
+            overrides.setdefault("env", {})[var] = raw.strip()
+            continue
+        key = key.replace("-", "_")
         if key not in FIELDS:
             raise SpecError(
                 f"--arm {name}: unknown setting {key!r}; TrainSettings has {', '.join(sorted(FIELDS))}"
@@ -458,6 +469,7 @@ def plan(args: argparse.Namespace) -> tuple[TrainSettings, dict[str, TrainSettin
         name, overrides = parse_arm(spec)
         if name in arms:
             raise SpecError(f"--arm {name} given twice")
+        arm_env = overrides.pop("env", {})
         s = dataclasses.replace(base, **overrides)
         try:
             validate(s)
@@ -465,6 +477,8 @@ def plan(args: argparse.Namespace) -> tuple[TrainSettings, dict[str, TrainSettin
             raise SpecError(f"--arm {name}: {str(e).splitlines()[0]}") from None
         arms[name] = s
         diffs[name] = settings_diff(base, s)
+        if arm_env:
+            diffs[name]["env"] = arm_env
     reference = args.reference or next(iter(arms))
     if reference not in arms:
         raise SpecError(f"--reference {reference!r} is not one of the arms ({', '.join(arms)})")
@@ -510,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(tmp, f"r{r}_{name}.json")
             log = os.path.join(args.out, "logs", f"r{r}_{name}.log")
             try:
-                result = run_arm(arms[name], out, log)
+                result = run_arm(arms[name], out, log, env=diffs[name].get("env"))
                 result["round"], result["index"] = r, i
                 runs[name].append(result)
                 times = result.get("step_times") or []

@@ -212,6 +212,9 @@ def test_parse_arm_values_like_json_and_typed_like_trainsettings():
     assert isinstance(o["allgather_bucket"], int)
     assert sm.parse_arm("r:reduce_dtype=null,group-size=128")[1] == {"reduce_dtype": None, "group_size": 128}
     assert sm.parse_arm("lr:lr=1")[1] == {"lr": 1.0}
+    assert sm.parse_arm("s:overlap=true,env.QZERO_AHEAD_STREAMS=1")[1] == {"overlap": True, "env": {"QZERO_AHEAD_STREAMS": "1"}}
+    with pytest.raises(sm.SpecError, match="environment variable"):
+        sm.parse_arm("x:env.1BAD=1")
     with pytest.raises(sm.SpecError, match="'colour'"):
         sm.parse_arm("x:colour=blue")
     with pytest.raises(sm.SpecError, match="quantized"):
@@ -259,19 +262,24 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     calls = []
     times = {"plain": REF, "int8": FAST}
 
-    def fake_run_arm(settings, out_path, log_path):
+    envs = {}
+
+    def fake_run_arm(settings, out_path, log_path, env=None):
         name = os.path.basename(log_path).split("_", 1)[1][:-4]
         calls.append(name)
+        envs[name] = env
         if settings.engine == "deepspeed":
             raise sm.ArmFailed("arm exited with code 1; last output:\nImportError: deepspeed is not installed")
         return run(times[name])
 
     monkeypatch.setattr(sm, "run_arm", fake_run_arm)
     out = tmp_path / "m"
-    rc = sm.main([*TINY, "--arm", "plain:", "--arm", "int8:quantized=true", "--arm", "deepspeed:engine=deepspeed",
+    rc = sm.main([*TINY, "--arm", "plain:", "--arm", "int8:quantized=true,env.QZERO_AHEAD_STREAMS=1",
+                  "--arm", "deepspeed:engine=deepspeed",
                   "--rounds", "2", "--peers", "deepspeed", "--regime-label", "fake", "--out", str(out)])
     assert rc == 0
     assert calls == ["plain", "int8", "deepspeed", "deepspeed", "int8", "plain"]
+    assert envs == {"plain": None, "int8": {"QZERO_AHEAD_STREAMS": "1"}, "deepspeed": None}
     stdout = capsys.readouterr().out
     assert stdout.count("steps_matrix: [") == 6
     m = json.loads((out / "matrix.json").read_text())
@@ -285,7 +293,25 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "matrix.md").read_text()
     assert stdout.rstrip().endswith(md.rstrip().splitlines()[-1])  # the table is printed last
-    assert "| int8 | quantized=true | 500.0 | 2.000 [" in md
+    assert '| int8 | quantized=true, env={"QZERO_AHEAD_STREAMS": "1"} | 500.0 | 2.000 [' in md
+
+
+def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeypatch):
+    from qzero.qualify import run as qrun
+    from qzero.train import TrainSettings
+
+    seen = {}
+
+    def fake_subprocess_run(cmd, stdout, stderr, env):
+        seen.update(env)
+        (tmp_path / "out.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(qrun.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setenv("RANK", "3")
+    assert qrun.run_arm(TrainSettings(), str(tmp_path / "out.json"), str(tmp_path / "log"), env={"QZERO_X": "1"}) == {}
+    assert seen["QZERO_X"] == "1" and "RANK" not in seen
+    assert "QZERO_X" not in os.environ
 
 
 # ---------------------------------------------------------------------- the real thing

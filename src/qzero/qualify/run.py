@@ -42,10 +42,12 @@ class ArmFailed(RuntimeError):
     pass
 
 
-def run_arm(settings: TrainSettings, out_path: str, log_path: str) -> dict:
-    """Run one arm in a fresh Python process (which starts its own ranks)."""
+def run_arm(settings: TrainSettings, out_path: str, log_path: str, env: dict[str, str] | None = None) -> dict:
+    """Run one arm in a fresh Python process (which starts its own ranks); ``env`` adds
+    environment variables for that process only."""
     cmd = [sys.executable, "-m", "qzero.cli", "_arm", json.dumps(dataclasses.asdict(settings)), out_path]
-    env = dict(os.environ)
+    extra, env = env or {}, dict(os.environ)
+    env.update(extra)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     with open(log_path, "w") as log:
