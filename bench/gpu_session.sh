@@ -7,6 +7,10 @@
 #   bash bench/gpu_session.sh convergence OUT
 #   bash bench/gpu_session.sh nvlink OUT     # (next session) all six arms incl. the peers, NVLink
 #   bash bench/gpu_session.sh profile OUT    # (next session) per-phase times in all three regimes
+# Session 3 (one tarball per call, OUT/s3*.tgz, plus the key tables beside it):
+#   bash bench/gpu_session.sh s3a OUT  # GPU tests, kernels (1 GPU), gpu_check --delays, profiles PCIe + Ethernet, DP2 gathers
+#   bash bench/gpu_session.sh s3b OUT  # whole-step matrix on NVLink, all arms incl. both peers and side-stream gather-ahead
+#   bash bench/gpu_session.sh s3c OUT  # the same matrix, PCIe-class
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
 phase=${1:?phase}
@@ -15,6 +19,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1
 start=$(date +%s)
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - start) )); }
+t() { local l=$(( $(left) - 20 )); [ "$l" -gt 5 ] || l=5; echo $(( $1 < l ? $1 : l )); }  # a step's timeout within what is left
 install() {
     [ -d .whl ] && bash bench/install_wheels.sh .whl >"$out/install.log" 2>&1
     python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 || tail "$out/install.log"
@@ -64,6 +69,41 @@ case $phase in
     convergence)
         install
         TIME_LIMIT=$(( $(left) - 30 )) bash bench/run_convergence.sh "$out/convergence" 2>&1 | tail -n 14
+        ;;
+    s3a)
+        w="$out/s3a"; mkdir -p "$w"
+        install
+        nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader | tee "$w/nvidia-smi.txt"
+        timeout $(t 150) python3 -m pytest -q -x -p no:cacheprovider tests/test_triton.py tests/test_overlap.py >"$w/pytest_gpu.log" 2>&1
+        echo "pytest (GPU) rc=$? after $(( $(date +%s) - start )) s: $(tail -n 1 "$w/pytest_gpu.log")"
+        timeout $(t 100) python3 bench/gather_bench.py --sizes 2048Mi,256Mi --formats int8,fp8,int4 --tune 2048x4 \
+            --out "$w" --tag kernels_single >"$w/kernels.log" 2>&1
+        echo "kernels rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\| 2 Gi|equal to" "$w/kernels.log"
+        timeout $(t 130) python3 -m torch.distributed.run --nproc_per_node=2 bench/gpu_check.py --delays >"$w/gpu_check.log" 2>&1
+        echo "gpu_check rc=$? after $(( $(date +%s) - start )) s"; grep -cE "^PASS" "$w/gpu_check.log"; grep -E "FAIL|Error" "$w/gpu_check.log" | head
+        for regime in pcie ethernet; do
+            case $regime in pcie) envs=(NCCL_P2P_DISABLE=1) ;; ethernet) envs=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;; esac
+            env "${envs[@]}" timeout $(t 115) python3 -m torch.distributed.run --nproc_per_node=2 bench/step_profile.py \
+                --arms plain,plain_ahead,int8,int8_ahead,int8_ahead_streams --steps 5 \
+                --out "$w/profile_$regime.json" >"$w/profile_$regime.log" 2>&1
+            echo "== profile $regime rc=$? after $(( $(date +%s) - start )) s"; grep -E "^arm|^plain|^int8" "$w/profile_$regime.log"
+        done
+        for regime in pcie ethernet; do
+            [ "$(left)" -gt 60 ] || break
+            case $regime in pcie) envs=(NCCL_P2P_DISABLE=1) ;; ethernet) envs=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;; esac
+            env "${envs[@]}" timeout $(t 100) python3 -m torch.distributed.run --nproc_per_node=2 bench/gather_bench.py \
+                --sizes 2048Mi --formats int8,int4 --rounds 8 --out "$w" --tag "gather_dp2_$regime" >"$w/gather_$regime.log" 2>&1
+            echo "== gather $regime rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\|" "$w/gather_$regime.log" | tail -n 4
+        done
+        tar czf "$out/s3a.tgz" -C "$w" . && rm -rf "$w"
+        ;;
+    s3b|s3c)
+        regime=$([ "$phase" = s3b ] && echo nvlink || echo pcie)
+        install
+        ARMS="plain: int8:quantized=true plain_ahead:overlap=true int8_ahead:quantized=true,overlap=true int8_ahead_streams:quantized=true,overlap=true,env.QZERO_AHEAD_STREAMS=1 fsdp2:engine=fsdp2 deepspeed:engine=deepspeed" \
+            STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(( $(left) - 15 )) bash bench/run_matrix.sh "$out" "$regime" 2>&1 | tail -n 12
+        d="$out/matrix_dp2_$regime"
+        [ -d "$d/logs" ] && tar czf "$out/logs_$regime.tgz" -C "$d" logs && rm -rf "$d/logs"
         ;;
     *) echo "unknown phase $phase"; exit 2 ;;
 esac

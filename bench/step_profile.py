@@ -1,9 +1,11 @@
 """Where a whole training step's time goes, per arm, on 2 GPUs (torchrun --nproc_per_node=2).
 
 For each arm (plain / int8 / int8 + gather-ahead, deterministic kernels on and off) the
-same Qwen3-shaped model trains a few steps; CUDA events split each step into forward,
-backward and ``step()`` (device time), and the host time spent inside ``step()`` and the
-forward is recorded. One step of each arm is then profiled with torch.profiler and the
+same Qwen3-shaped model trains a few steps back to back (no synchronisation between
+them, so a gather that runs ahead lands in the next forward, as in training); CUDA
+events on the compute stream split each step into forward, backward and ``step()``,
+"total" runs from one forward's start to the next, and the host time spent inside
+``step()`` and the forward is recorded. One step of each arm is then profiled with torch.profiler and the
 top operations by host and by device time are printed (rank 0).
 """
 
@@ -64,16 +66,22 @@ def main() -> None:
                               lr=1e-4, **ARMS[name])
             engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": []}
-            for step in range(a.steps + (1 if a.profile else 0)):
+            # No synchronisation between measured steps: a gather that runs ahead (on the
+            # compute stream's NCCL side or on the side streams) must show up in the next
+            # forward, as in training. A step's "total" runs from its forward's start to the
+            # next forward's start on the compute stream.
+            marks = []
+            torch.cuda.synchronize()
+            for step in range(a.steps + 1 + (1 if a.profile else 0)):
                 batch = global_batch(corpus, step, world * a.micro_batch, a.seq_len, 0)
                 tokens = batch.view(world, a.micro_batch, -1)[rank].to(dev)
-                torch.cuda.synchronize()
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 prof = None
-                if a.profile and step == a.steps:
+                if a.profile and step == a.steps + 1:
+                    torch.cuda.synchronize()
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                               torch.profiler.ProfilerActivity.CUDA])
                     prof.__enter__()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 h0 = time.perf_counter()
                 ev[0].record()
                 logits = engine.model(input_ids=tokens[:, :-1]).logits
@@ -88,8 +96,8 @@ def main() -> None:
                 h3 = time.perf_counter()
                 engine.zero_grad()
                 ev[3].record()
-                torch.cuda.synchronize()
                 if prof is not None:
+                    torch.cuda.synchronize()
                     prof.__exit__(None, None, None)
                     if rank == 0:
                         ka = prof.key_averages()
@@ -98,14 +106,16 @@ def main() -> None:
                         print(f"--- {name} det={det}: top device time")
                         print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
                     continue
-                if step < 2:
-                    continue
+                marks.append((ev, 1e3 * (h1 - h0), 1e3 * (h3 - h2)))
+            torch.cuda.synchronize()
+            # steps 0-1 warm up; the last mark only closes the step before it
+            for (ev, host_fwd, host_step), (nxt, _, _) in list(zip(marks, marks[1:]))[2:]:
                 t["fwd"].append(ev[0].elapsed_time(ev[1]))
                 t["bwd"].append(ev[1].elapsed_time(ev[2]))
                 t["step"].append(ev[2].elapsed_time(ev[3]))
-                t["total"].append(ev[0].elapsed_time(ev[3]))
-                t["host_fwd"].append(1e3 * (h1 - h0))
-                t["host_step"].append(1e3 * (h3 - h2))
+                t["total"].append(ev[0].elapsed_time(nxt[0]))
+                t["host_fwd"].append(host_fwd)
+                t["host_step"].append(host_step)
             engine.finish()
             row = {"arm": name, "deterministic": det, **{k: statistics.median(v) for k, v in t.items()}}
             rows.append(row)
