@@ -5,7 +5,13 @@ Runs on any machine with Triton's bundled ptxas/nvdisasm (``TRITON_INTERPRET`` m
 unset): pointers and ``n`` are declared 16-divisible, as Triton specializes them at launch
 for chunk slices (multiples of the group size). Usage::
 
-    python bench/kernel_asm.py [--arch 90] [--group-size 64] [--out DIR]
+    python bench/kernel_asm.py [--arch 90] [--group-size 64] [--out DIR] [--pack-fp-fusion on]
+
+The pack is compiled with the options it is launched with (``qzero.quant.triton.PACK_OPTIONS``,
+fp contraction off); ``--pack-fp-fusion on`` compiles it with contraction on instead, to see
+what the launch option prevents. Besides the static counts it prints the *fast path* per
+element: the kernel body without the division slow-path subroutine and without the call
+blocks that only run when ``FCHK`` fails, divided by the elements each thread handles.
 """
 
 from __future__ import annotations
@@ -26,14 +32,45 @@ from qzero.quant import triton as qt  # noqa: E402
 from qzero.quant.reference import FLT_MIN  # noqa: E402
 
 
-def compile_kernel(fn, sig, const, arch, warps):
+def compile_kernel(fn, sig, const, arch, warps, **options):
     pointers = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [list(sig).index("n")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, **options})
 
 
-def mix(kernel, out_dir, name):
+_INSN = re.compile(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
+
+
+def fast_path(sass):
+    """Opcodes of the kernel body that run when no division takes its slow path: the body
+    up to the first subroutine, less each ``@P BRA L`` block that reaches a ``CALL`` before L."""
+    parts = sass.split(".type", 2)  # [header, the kernel, subroutines...]
+    lines = parts[1].splitlines() if len(parts) > 1 else sass.splitlines()
+    ops, skip_to, pending = [], None, []
+    for line in lines:
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label and skip_to == label.group(1):
+            # the skipped block: drop it only if it is a slow-path call site
+            if not any(op.startswith("CALL") for op in pending):
+                ops.extend(pending)
+            skip_to, pending = None, []
+            continue
+        m = _INSN.search(line)
+        if not m:
+            continue
+        op = m.group(2)
+        if skip_to is not None:
+            pending.append(op)
+            continue
+        ops.append(op)
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m.group(1) and op == "BRA" and target:
+            skip_to = target.group(1)
+    return ops + pending
+
+
+def mix(kernel, out_dir, name, per_thread):
     ptx = kernel.asm["ptx"]
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cubin = os.path.join(out_dir, f"{name}.cubin")
@@ -47,6 +84,14 @@ def mix(kernel, out_dir, name):
     ops = collections.Counter(i.split(".")[0] for i in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
     print(f"{name}: shared {kernel.metadata.shared} B; global accesses {dict(memory)}; "
           f"div.rn {ptx.count('div.rn.f32')}; SASS {sum(ops.values())} static: {ops.most_common(12)}")
+    ptx_ops = collections.Counter(re.findall(r"^\s+((?:mul|fma|add)(?:\.rn)?(?:\.ftz)?\.f32)\s", ptx, re.M))
+    fused_round = len(re.findall(r"fma\.rn(?:\.ftz)?\.f32[^;]*0f4B400000", ptx))
+    fast = collections.Counter(op.split(".")[0] for op in fast_path(sass))
+    each = {k: round(fast[k] / per_thread, 2) for k in ("FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "FCHK", "F2I", "BRA")
+            if fast[k]}
+    print(f"    PTX fp32 {dict(ptx_ops)}; fma into the rounding add (0f4B400000): {fused_round}; "
+          f"fast path {sum(fast.values())} SASS = {sum(fast.values()) / per_thread:.1f} per element "
+          f"({per_thread} per thread): {each}")
 
 
 def main() -> None:
@@ -54,7 +99,12 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", default="/tmp/qzero_asm")
+    ap.add_argument("--pack-fp-fusion", choices=["launch", "on"], default="launch",
+                    help="launch: the pack's own launch options (PACK_OPTIONS); on: fp contraction forced on")
     a = ap.parse_args()
+    pack_options = dict(getattr(qt, "PACK_OPTIONS", {}))
+    if a.pack_fp_fusion == "on":
+        pack_options["enable_fp_fusion"] = True
     os.makedirs(a.out, exist_ok=True)
     block, warps = qt.TUNING.shape(False)
     gs_pad = qt._next_pow2(a.group_size)
@@ -67,10 +117,12 @@ def main() -> None:
         pack_const = {**common, "PAIRS": True, "FMT": code, "QMAX": float(f.qmax), "FLOOR": FLT_MIN,
                       "HAS_EXACT": False, "STEPS": 12}
         sig = {**pack_sig, **{k: "constexpr" for k in pack_const}}
-        mix(compile_kernel(qt._pack_kernel, sig, pack_const, a.arch, warps), a.out, f"pack_{fmt}")
+        per_thread = block // (warps * 32)
+        mix(compile_kernel(qt._pack_kernel, sig, pack_const, a.arch, warps, **pack_options), a.out, f"pack_{fmt}",
+            per_thread)
         unpack_const = {**common, "FMT": code}
         sig = {**unpack_sig, **{k: "constexpr" for k in unpack_const}}
-        mix(compile_kernel(qt._unpack_kernel, sig, unpack_const, a.arch, warps), a.out, f"unpack_{fmt}")
+        mix(compile_kernel(qt._unpack_kernel, sig, unpack_const, a.arch, warps), a.out, f"unpack_{fmt}", per_thread)
 
 
 if __name__ == "__main__":

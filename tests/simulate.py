@@ -73,7 +73,7 @@ def expected_gather(truth: torch.Tensor, world: int, group_size: int, exact_rang
                 g1 = min(g0 + group_size, (r + 1) * p)
                 grp = masked[g0:g1]
                 scale = np.float32(max(np.float32(np.abs(grp).max()) / qmax, np.float32(FLT_MIN)))
-                y = (grp / scale).astype(np.float32)
+                y = (grp * (np.float32(1) / scale)).astype(np.float32)
                 if fmt == "fp8":
                     q = _e4m3(np.clip(y, -qmax, qmax))
                 else:

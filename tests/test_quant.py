@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import fp64_model
 from qzero.quant import check_group_size, dequantize, get_format, quantize
 from qzero.quant.reference import FLT_MIN
 
@@ -22,7 +23,8 @@ def numpy_int8_roundtrip(x: torch.Tensor, group_size: int, exact: np.ndarray | N
         g = v[g0 : g0 + group_size]
         scale = max(np.float32(np.abs(g).max()) / np.float32(127), np.float32(FLT_MIN))
         scale = np.float32(scale)
-        q = np.clip(np.rint(g / scale), -127, 127).astype(np.int8)  # via int8: no -0.0
+        inv = np.float32(1) / scale  # the group's reciprocal, then one multiplication per element
+        q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)  # via int8: no -0.0
         out[g0 : g0 + group_size] = (q.astype(np.float32) * scale).astype(np.float32)
         scales.append(scale)
     return torch.from_numpy(out).to(x.dtype), np.array(scales, np.float32)
@@ -101,7 +103,8 @@ def test_int4_packs_two_per_byte():
     values, scales = quantize(x, 64, "int4")
     assert values.numel() == (x.numel() + 1) // 2
     # independent unpack: low nibble is the even element
-    q = torch.round(x.float() / scales.repeat_interleave(64)[: x.numel()]).clamp(-7, 7).to(torch.int64)
+    inv = (torch.ones_like(scales) / scales).repeat_interleave(64)[: x.numel()]
+    q = torch.round(x.float() * inv).clamp(-7, 7).to(torch.int64)
     lo = values.to(torch.int64) & 0xF
     assert torch.equal(lo, q[0::2] & 0xF)
 
@@ -113,3 +116,52 @@ def test_group_size_rules():
             check_group_size(bad)
     with pytest.raises(ValueError, match="'int3'"):
         get_format("int3")
+
+
+# --------------------------------------------------------------------------- the definition, pinned
+
+def _fresh_rng():
+    """A new seed every run (reported on failure, to replay it)."""
+    seed = int(np.random.SeedSequence().entropy) % 2**63
+    return seed, np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group_size", [64, 136])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantize_is_multiply_by_correctly_rounded_reciprocal(fmt, group_size, dtype):
+    """Fresh random groups at many magnitudes (absmax near FLT_MIN included), exact elements
+    masked, against the float64 model with every fp32 rounding written out:
+    inv = f32(1 / scale), y = f32(x * inv), round half to even, clamp. Byte for byte."""
+    seed, rng = _fresh_rng()
+    n_groups = (1 << 21) // group_size
+    x = fp64_model.random_groups(rng, n_groups, group_size, dtype, tail=group_size // 2 + 3)
+    exact = fp64_model.random_exact(rng, x.numel())
+    values, scales = quantize(x, group_size, fmt, exact)
+    codes, want_scales = fp64_model.quantize_fp64(x, group_size, fmt, exact.numpy())
+    assert np.array_equal(scales.numpy().view(np.uint32), want_scales.view(np.uint32)), f"seed {seed}"
+    want = fp64_model.value_bytes(codes, fmt)
+    bad = np.flatnonzero(values.numpy() != want)
+    assert bad.size == 0, f"seed {seed}: {bad.size} bytes differ, first at {bad[:8].tolist()}"
+    # The data tells the definition apart from a correctly rounded x / scale.
+    divided, _ = fp64_model.quantize_fp64(x, group_size, fmt, exact.numpy(), divide=True)
+    assert np.count_nonzero(divided != codes) > 0, f"seed {seed}: no input where x * inv and x / scale differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_error_bound_of_multiply_by_reciprocal(fmt, dtype):
+    """Dequantized in fp32: |x - deq| <= scale/2 + |x| * 2**-21, so <= scale/2 * (1 + 2**-12).
+
+    y = x * inv is within |x/scale| * 2**-23 of x / scale (two fp32 roundings), so rounding
+    it is off by at most 1/2 + that; times scale, plus the fp32 rounding of value * scale."""
+    seed, rng = _fresh_rng()
+    n = 64 * 4096
+    x = fp64_model.random_groups(rng, 4096, 64, dtype)
+    values, scales = quantize(x, 64, fmt)
+    deq = dequantize(values, scales, n, 64, fmt, torch.float32).numpy().astype(np.float64)
+    xf = x.float().numpy().astype(np.float64)
+    s = np.repeat(scales.numpy().astype(np.float64), 64)
+    err = np.abs(deq - xf)
+    assert np.all(err <= 0.5 * s + np.abs(xf) * 2.0**-21), f"seed {seed}"
+    assert np.all(err <= 0.5 * s * (1 + 2.0**-12)), f"seed {seed}"

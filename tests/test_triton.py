@@ -9,7 +9,9 @@ The whole module is skipped when Triton is not installed.
 from __future__ import annotations
 
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ if not CUDA:
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
+import fp64_model  # noqa: E402
 from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
 from qzero.layout import plan_gather  # noqa: E402
 from qzero.quant import reference  # noqa: E402
@@ -184,6 +187,66 @@ def test_subnormal_bf16_inputs():
     for fmt in FORMATS:
         payload, layout = check_pack(x, fmt, 64, None, gen)
         check_unpack(payload, layout, 256, torch.bfloat16, fmt, 64, None, gen)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pack_multiplies_by_the_reciprocal(fmt, dtype, tile):
+    """Groups where ``x * inv`` and a correctly rounded ``x / scale`` store different values,
+    mined from fresh random data, plus random groups (bf16: absmax near FLT_MIN among them)
+    with exact elements: the kernel writes the reference's bytes, which are the float64 model's."""
+    seed = int(np.random.SeedSequence().entropy) % 2**63
+    rng = np.random.default_rng(seed)
+    gs = 64
+    pool = fp64_model.random_groups(rng, 1 << 14, gs, dtype)
+    codes, _ = fp64_model.quantize_fp64(pool, gs, fmt)
+    divided, _ = fp64_model.quantize_fp64(pool, gs, fmt, divide=True)
+    differ = (codes != divided).reshape(-1, gs).any(axis=1)
+    hits, others = np.flatnonzero(differ)[:24], np.flatnonzero(~differ)[:8]
+    assert hits.size, f"seed {seed}: no group where the definitions differ"
+    x = pool.view(-1, gs)[torch.from_numpy(np.concatenate([hits, others]))].flatten()
+    n = x.numel()
+    # exact elements only in the last (non-mined) groups, so the mined ones keep their values
+    exact = torch.from_numpy(np.unique(rng.integers(n - others.size * gs, n, 40)))
+    want, layout = check_pack(x, fmt, gs, exact, torch.Generator().manual_seed(seed))
+    codes, scales = fp64_model.quantize_fp64(x, gs, fmt, exact.numpy())
+    model = fp64_model.value_bytes(codes, fmt)
+    values = want[layout.values_offset : layout.values_offset + model.size].numpy()
+    assert np.array_equal(values, model), f"seed {seed}: reference differs from the float64 model"
+    got_scales = want[layout.scales_offset : layout.scales_offset + 4 * scales.size].view(torch.float32).numpy()
+    assert np.array_equal(got_scales.view(np.uint32), scales.view(np.uint32)), f"seed {seed}"
+    divided, _ = fp64_model.quantize_fp64(x, gs, fmt, exact.numpy(), divide=True)
+    assert np.count_nonzero(divided != codes), f"seed {seed}"
+
+
+def _nvidia_tools() -> bool:
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.path.exists(os.path.join(bin_dir, t)) for t in ("ptxas", "nvdisasm"))
+
+
+@pytest.mark.skipif(not _nvidia_tools(), reason="Triton's bundled ptxas/nvdisasm are not installed")
+def test_pack_compiles_to_a_plain_multiply(tmp_path):
+    """The pack as compiled for sm_90 (offline, no GPU; bench/kernel_asm.py): no division per
+    element any more, and the multiply is not fused into the rounding add (``+ 1.5 * 2**23``,
+    ``0f4B400000``), which would round once where the reference rounds twice."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, os.path.join(root, "bench", "kernel_asm.py"), "--out", str(tmp_path)],
+                   env=env, check=True, capture_output=True, timeout=600)
+    per_thread = kernels.TUNING.block_elems // (kernels.TUNING.num_warps * 32)
+    for fmt in FORMATS:
+        ptx = (tmp_path / f"pack_{fmt}.ptx").read_text()
+        assert ptx.count("div.rn.f32") < per_thread, fmt  # was one per element (17 for int8)
+        assert re.search(r"\bmul\.rn\.f32", ptx), fmt  # contraction off: the multiply is explicit
+        assert not re.search(r"\bfma\.rn(\.ftz)?\.f32[^;]*0f4B400000", ptx), fmt
+        assert not re.search(r"\bmul(\.rn)?\.ftz\.f32", ptx), fmt  # subnormal inputs are not flushed
 
 
 @cpu_only

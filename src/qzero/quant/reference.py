@@ -5,10 +5,15 @@ The arithmetic, step by step, for one group of ``group_size`` consecutive elemen
 
 1. Widen to fp32. Exact elements (small parameters) are set to 0 *before* the
    scale is computed, so they never widen their group's scale.
-2. ``scale = max(absmax / qmax, FLT_MIN)`` with a correctly rounded fp32 division.
-   The floor keeps the scale a normal fp32 number: an all-zero group gets the
-   harmless scale ``2**-126`` and no subnormal ever enters the arithmetic.
-3. ``y = x / scale`` (correctly rounded), then per format:
+2. ``scale = max(absmax / qmax, FLT_MIN)`` with a correctly rounded fp32 division,
+   then the group's reciprocal ``inv = 1 / scale``, also a correctly rounded fp32
+   division, once per group. The floor keeps the scale a normal fp32 number (an
+   all-zero group gets the harmless scale ``2**-126``) and the reciprocal finite
+   (at most ``2**126``).
+3. ``y = x * inv`` (one correctly rounded fp32 multiplication, nothing fused into it;
+   this is the definition, not an approximation of ``x / scale``: the two differ in
+   the last bit of ``y`` for some inputs, and that can change a stored value), then
+   per format:
    int8: round half to even, clamp to [-127, 127];
    int4: the same with [-7, 7], two values per byte, element ``2i`` in the low nibble;
    fp8:  clamp to [-448, 448], cast to e4m3 (round to nearest even).
@@ -62,7 +67,10 @@ def quantize(
     scales = group_scales(x32, group_size, f)
     groups = scales.numel()
     y = torch.nn.functional.pad(x32, (0, groups * group_size - n)).view(groups, group_size)
-    y = (y / scales[:, None]).flatten()[:n]
+    # A tensor divisor again (see group_scales), then a plain multiplication per element.
+    inv = torch.ones_like(scales) / scales
+    y = (y * inv[:, None]).flatten()[:n]
+    # |y| may exceed qmax by a few ulps: clamp (for the integers, after rounding).
     if f.name == "fp8":
         values = y.clamp(-f.qmax, f.qmax).to(torch.float8_e4m3fn).view(torch.uint8)
     else:

@@ -5,8 +5,12 @@ Same contract and the same bytes as :func:`qzero.quant.reference.pack_payload` a
 
 * ``pack``: read the bf16/fp16 slice once; zero its exact elements (copying their
   raw bits into the side channel); per group take the absmax, the scale
-  ``max(absmax / qmax, FLT_MIN)`` and ``y = x / scale`` (both divisions correctly
-  rounded, like torch's); round and store values and scales.
+  ``max(absmax / qmax, FLT_MIN)`` and its reciprocal ``inv = 1 / scale`` (both
+  divisions correctly rounded, like torch's tensor division; Triton's ``/`` is not),
+  then per element ``y = x * inv``; round and store values and scales. The pack is
+  compiled without fp contraction (:data:`PACK_OPTIONS`), so ``x * inv`` stays a
+  multiplication of its own, as in the reference, and is never fused into an fma with
+  the rounding's add.
 * ``unpack``: read values and scales, write ``q * scale`` (fp32, one rounding)
   straight into the bf16/fp16 destination; exact elements are then put back from
   the side channel by a scatter on the same stream (see :func:`unpack_payload`).
@@ -70,6 +74,11 @@ class Tuning:
 
 #: Module-wide launch shape; the benchmark sweeps it, users normally leave it alone.
 TUNING = Tuning()
+
+#: Compile options of the pack kernel. No fp contraction (LLVM's and ptxas's ``--fmad``):
+#: ``x * inv`` followed by the round-half-even add would otherwise be fused into one fma,
+#: which rounds once where the reference rounds twice and stores different values.
+PACK_OPTIONS = {"enable_fp_fusion": False}
 
 #: Convert fp32 -> bf16 and fp32 <-> e4m3 with integer and fp32-add arithmetic instead
 #: of the hardware conversions. Same results; needed under the CPU interpreter, whose
@@ -227,16 +236,25 @@ if triton is not None:
         return tl.maximum(tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32)), FLOOR)
 
     @triton.jit
-    def _divide(x, scale, QMAX: tl.constexpr):
-        """``x / scale`` correctly rounded (like torch's; Triton's ``/`` is not), then
-        clamped to [-QMAX, QMAX]. Clamping before rounding to the stored value gives the
-        same result as after (rounding is monotone, QMAX representable) and keeps |y| small.
+    def _reciprocal(scale):
+        """``1 / scale`` correctly rounded, once per group (like torch's tensor division)."""
+        return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
-        A cheaper multiply by the group's reciprocal plus one fma correction was tried:
-        an exhaustive check over all bf16 (absmax, x) pairs found pairs where it stores a
-        different value, so the full division stays.
+    @triton.jit
+    def _times_reciprocal(x, inv, QMAX: tl.constexpr):
+        """``x * inv`` (one correctly rounded fp32 multiplication), clamped to [-QMAX, QMAX].
+
+        This is the format's definition (see :mod:`qzero.quant.reference`), not an
+        approximation of ``x / scale`` to be corrected: there is no correction step, and
+        the result may differ from a correctly rounded ``x / scale`` in its last bit.
+        Bit-identity with the reference needs the multiplication to round on its own, so
+        the pack is compiled without fp contraction (:data:`PACK_OPTIONS`).
+
+        ``|x * inv|`` can exceed QMAX by ulps, hence the clamp. Clamping before rounding to
+        the stored value gives the same result as after (rounding is monotone, QMAX
+        representable) and keeps |y| small for the round-half-even trick.
         """
-        return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+        return tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
 
     @triton.jit
     def _tile(n, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr):
@@ -287,7 +305,7 @@ if triton is not None:
             x = _load_masked(src_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, IS_BF16, HAS_EXACT, STEPS)
             absmax = tl.max(tl.abs(x), axis=1)
             scale = _scale_of(absmax, QMAX, FLOOR)
-            y = _divide(x, scale[:, None], QMAX)
+            y = _times_reciprocal(x, _reciprocal(scale)[:, None], QMAX)
             if FMT == 1:
                 v = _e4m3_bits(y, SOFT)
             else:
@@ -307,7 +325,7 @@ if triton is not None:
         bits = tl.load(src_ptr + base + offs)
         x = _mask_exact(bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, offs >= 0, IS_BF16, HAS_EXACT, STEPS)
         scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX, FLOOR)
-        q = _round_half_even(_divide(x, scale[:, None], QMAX)).to(tl.int32)
+        q = _round_half_even(_times_reciprocal(x, _reciprocal(scale)[:, None], QMAX)).to(tl.int32)
         qe, qo = tl.split(tl.reshape(q, [G, GS // 2, 2]))
         byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
         jb = tl.arange(0, GS // 2)
@@ -341,8 +359,9 @@ if triton is not None:
         xo = _mask_exact(bits_o, side_ptr, idx_ptr, blk_ptr, pid, base, even + 1, valid_o, IS_BF16, HAS_EXACT, STEPS)
         absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
         scale = _scale_of(absmax, QMAX, FLOOR)
-        qe = _round_half_even(_divide(xe, scale[:, None], QMAX)).to(tl.int32)
-        qo = _round_half_even(_divide(xo, scale[:, None], QMAX)).to(tl.int32)
+        inv = _reciprocal(scale)[:, None]
+        qe = _round_half_even(_times_reciprocal(xe, inv, QMAX)).to(tl.int32)
+        qo = _round_half_even(_times_reciprocal(xo, inv, QMAX)).to(tl.int32)
         byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
         tl.store(values_ptr + base // 2 + pair, byte, mask=valid_e)
         tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
@@ -478,6 +497,7 @@ def pack_payload(
         HAS_EXACT=has_exact,
         STEPS=shape.search_steps,
         num_warps=shape.num_warps,
+        **PACK_OPTIONS,
     )
 
 
