@@ -44,6 +44,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, start_me
 
     ``start_method="spawn"`` gives each rank a fresh interpreter (slower to start; for code
     that must not inherit the test process's state; ``fn`` must then be importable)."""
+    if start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # A forked child cannot use CUDA once this process has (and torch's optimizers ask
+        # CUDA whether a graph is being captured), so on a GPU machine fresh interpreters it is.
+        start_method = "spawn"
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -125,12 +125,6 @@ def _launch_shape(numel: int, group_size: int, has_exact: bool) -> _Launch:
 if triton is not None:
 
     @triton.jit
-    def _round_half_even(y):
-        # For |y| < 2**22, adding 1.5 * 2**23 leaves no fraction bits, and fp32
-        # addition rounds ties to even; subtracting it back is exact.
-        return (y + 12582912.0) - 12582912.0
-
-    @triton.jit
     def _widen(bits, IS_BF16: tl.constexpr):
         """fp32 value of bf16/fp16 bit patterns (int16)."""
         if IS_BF16:
@@ -257,6 +251,19 @@ if triton is not None:
         return tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
 
     @triton.jit
+    def _quantized_int(x, inv):
+        """INT8/INT4 value of ``x`` as int32: ``x * inv`` rounded half to even.
+
+        No clamp, unlike the reference, and the same bits: ``|x| <= absmax`` and
+        ``scale = max(RN(absmax / qmax), FLT_MIN)``, ``inv = RN(1 / scale)``, so
+        ``|x * inv| <= qmax * (1 + 2**-24)**3 / (1 - 2**-24) < qmax + 0.5`` (or, with the
+        floor, ``< qmax``): the rounding lands in [-qmax, qmax] and the clamp never acts.
+        The integer is read straight from the bits of ``y + 1.5 * 2**23`` (for |y| < 2**22
+        its mantissa holds ``2**22 + round(y)``), with no float-to-int conversion.
+        """
+        return (x * inv + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+    @triton.jit
     def _tile(n, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr):
         """This program's groups: 64-bit start, then 32-bit offsets relative to it."""
         pid = tl.program_id(0).to(tl.int64)
@@ -305,11 +312,11 @@ if triton is not None:
             x = _load_masked(src_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, IS_BF16, HAS_EXACT, STEPS)
             absmax = tl.max(tl.abs(x), axis=1)
             scale = _scale_of(absmax, QMAX, FLOOR)
-            y = _times_reciprocal(x, _reciprocal(scale)[:, None], QMAX)
+            inv = _reciprocal(scale)[:, None]
             if FMT == 1:
-                v = _e4m3_bits(y, SOFT)
+                v = _e4m3_bits(_times_reciprocal(x, inv, QMAX), SOFT)
             else:
-                v = _round_half_even(y).to(tl.int8).to(tl.uint8, bitcast=True)
+                v = _quantized_int(x, inv).to(tl.int8).to(tl.uint8, bitcast=True)
             tl.store(values_ptr + base + offs, v, mask=valid)
             tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
 
@@ -325,7 +332,7 @@ if triton is not None:
         bits = tl.load(src_ptr + base + offs)
         x = _mask_exact(bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, offs >= 0, IS_BF16, HAS_EXACT, STEPS)
         scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX, FLOOR)
-        q = _round_half_even(_times_reciprocal(x, _reciprocal(scale)[:, None], QMAX)).to(tl.int32)
+        q = _quantized_int(x, _reciprocal(scale)[:, None])
         qe, qo = tl.split(tl.reshape(q, [G, GS // 2, 2]))
         byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
         jb = tl.arange(0, GS // 2)
@@ -360,8 +367,8 @@ if triton is not None:
         absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
         scale = _scale_of(absmax, QMAX, FLOOR)
         inv = _reciprocal(scale)[:, None]
-        qe = _round_half_even(_times_reciprocal(xe, inv, QMAX)).to(tl.int32)
-        qo = _round_half_even(_times_reciprocal(xo, inv, QMAX)).to(tl.int32)
+        qe = _quantized_int(xe, inv)
+        qo = _quantized_int(xo, inv)
         byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
         tl.store(values_ptr + base // 2 + pair, byte, mask=valid_e)
         tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
