@@ -100,6 +100,10 @@ case $phase in
     s3b|s3c)
         regime=$([ "$phase" = s3b ] && echo nvlink || echo pcie)
         install
+        if [ "$phase" = s3b ]; then  # the pack after its second change (no clamp, no F2I), one GPU
+            timeout 60 python3 bench/gather_bench.py --sizes 2048Mi --formats int8,int4 --tune 2048x4 --no-reference \
+                --out "$out" --tag kernels_single_v2 >"$out/kernels_v2.log" 2>&1; grep -E "^\| 2 Gi|equal to" "$out/kernels_v2.log"
+        fi
         ARMS="plain: int8:quantized=true plain_ahead:overlap=true int8_ahead:quantized=true,overlap=true int8_ahead_streams:quantized=true,overlap=true,env.QZERO_AHEAD_STREAMS=1 fsdp2:engine=fsdp2 deepspeed:engine=deepspeed" \
             STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(( $(left) - 15 )) bash bench/run_matrix.sh "$out" "$regime" 2>&1 | tail -n 12
         d="$out/matrix_dp2_$regime"
