@@ -155,13 +155,29 @@ def test_overlap_needs_room_for_two_chunks():
         qzero.ZeroOptimizer(Net().bfloat16(), torch.optim.AdamW, config=cfg)
 
 
-def test_side_stream_switch_falls_back_off_cuda(monkeypatch):
-    """``QZERO_AHEAD_STREAMS=1`` asks for the CUDA side-stream variant; elsewhere the
-    hook-driven gather runs, with the same bits (the CUDA variant: bench/gpu_check.py)."""
-    monkeypatch.setenv("QZERO_AHEAD_STREAMS", "1")
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_side_stream_switch_falls_back_off_cuda(monkeypatch, switch):
+    """Side streams are the default (and ``QZERO_AHEAD_STREAMS=1`` asks for them) for
+    quantized gathers on CUDA; elsewhere the hook-driven gather runs, with the same bits
+    (the CUDA variant: bench/gpu_check.py)."""
+    if switch is None:
+        monkeypatch.delenv("QZERO_AHEAD_STREAMS", raising=False)
+    else:
+        monkeypatch.setenv("QZERO_AHEAD_STREAMS", switch)
     cfg = CASES[0]
     sync = run_distributed(run, 2, cfg, 3)
     ahead = run_distributed(run, 2, {**cfg, "overlap_param_gather": True}, 3)
     for (l0, f0, _, _), (l1, f1, pending, _) in zip(sync, ahead):
         assert l0 == l1 and pending
         assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(f0, f1))
+
+
+def test_side_stream_switch(monkeypatch):
+    from qzero.overlap import streamed_enabled
+
+    monkeypatch.delenv("QZERO_AHEAD_STREAMS", raising=False)
+    assert streamed_enabled()
+    monkeypatch.setenv("QZERO_AHEAD_STREAMS", "0")
+    assert not streamed_enabled()
+    monkeypatch.setenv("QZERO_AHEAD_STREAMS", "1")
+    assert streamed_enabled()

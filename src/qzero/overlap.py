@@ -1,6 +1,7 @@
 """Gather-ahead: let the post-step weight gather run under the next forward.
 
-``step()`` starts a :class:`PendingGather` per flat group and returns. The gather
+``step()`` starts a :class:`PendingGather` per flat group and returns (a quantized
+gather on CUDA: a :class:`StreamedGather`, queued whole on side streams). The gather
 moves chunk by chunk, at most ``DEPTH`` chunks in flight; chunks finish strictly in
 order (wait for the collective, dequantize every source rank). Forward pre-hooks
 make each module wait only until the chunks holding its own parameters have
@@ -93,11 +94,13 @@ class PendingGather:
 
 
 def streamed_enabled() -> bool:
-    """``QZERO_AHEAD_STREAMS=1`` (experimental, CUDA and quantized gathers only): enqueue the
-    whole gather at the end of ``step()`` on the chunk pipeline's side streams, so no
-    collective waits for the forward's kernels; hooks only make the compute stream wait
-    for their chunks' events. Off by default until measured against the hook-driven path."""
-    return os.environ.get("QZERO_AHEAD_STREAMS", "0") == "1"
+    """Quantized gathers on CUDA run ahead on side streams (the default): the whole gather is
+    enqueued at the end of ``step()`` on the chunk pipeline's streams, so no collective waits
+    behind the forward's kernels, and the hooks only make the compute stream wait for their
+    chunks' events. Measured against the hook-driven pump on 2 x H200 (BENCHMARKS.md): a
+    shorter step on NVLink and PCIe-class links. ``QZERO_AHEAD_STREAMS=0`` goes back to the
+    hook-driven pump (what plain gathers, and every gather off CUDA, always use)."""
+    return os.environ.get("QZERO_AHEAD_STREAMS", "1") != "0"
 
 
 class StreamedGather:
