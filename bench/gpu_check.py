@@ -106,6 +106,17 @@ def main():
               and torch.equal(quant[1].view(torch.int16), streamed[1].view(torch.int16)))
         check(f"stage {stage}: plain gather-ahead == plain synchronous",
               torch.equal(plain[0], plain_ahead[0]) and torch.equal(plain[1], plain_ahead[1]))
+        os.environ["QZERO_SLICED_UPDATE"] = "0"  # the inner optimizer stepped whole, then the gather
+        whole = run(dict(stage=stage, zero_quantized_weights=True))
+        whole_ahead = run(dict(stage=stage, zero_quantized_weights=True, overlap_param_gather=True))
+        os.environ["QZERO_AHEAD_STREAMS"] = "1"
+        whole_streamed = run(dict(stage=stage, zero_quantized_weights=True, overlap_param_gather=True))
+        os.environ["QZERO_AHEAD_STREAMS"] = "0"
+        os.environ.pop("QZERO_SLICED_UPDATE")
+        for label, a, b in (("synchronous (pipelined)", whole, quant), ("gather-ahead", whole_ahead, ahead),
+                            ("gather-ahead on side streams", whole_streamed, streamed)):
+            check(f"stage {stage}: sliced update == whole update, {label} (losses, weights)",
+                  torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.int16), b[1].view(torch.int16)))
         diff = (plain[0] - quant[0]).abs().max().item()
         check(f"stage {stage}: int8 loss within 0.02 of plain (max diff {diff:.5f})", diff < 0.02)
     if "--delays" in sys.argv:

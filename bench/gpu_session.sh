@@ -10,7 +10,7 @@
 # Session 3 (one tarball per call, OUT/s3*.tgz, plus the key tables beside it):
 #   bash bench/gpu_session.sh s3a OUT  # GPU tests, kernels (1 GPU), gpu_check --delays, profiles PCIe + Ethernet, DP2 gathers
 #   bash bench/gpu_session.sh s3b OUT  # whole-step matrix on NVLink, all arms incl. both peers and side-stream gather-ahead
-#   bash bench/gpu_session.sh s3c OUT  # PCIe-class matrix: side streams now the default, the hook-driven pump as its own arm
+#   bash bench/gpu_session.sh s3c OUT  # gpu_check --delays, then the PCIe-class matrix (side streams and sliced update now the defaults)
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
 phase=${1:?phase}
@@ -106,7 +106,11 @@ case $phase in
         fi
         # s3b ran before side streams became the default: there int8_ahead is the hook-driven pump.
         arms="plain: int8:quantized=true plain_ahead:overlap=true int8_ahead:quantized=true,overlap=true int8_ahead_streams:quantized=true,overlap=true,env.QZERO_AHEAD_STREAMS=1 fsdp2:engine=fsdp2 deepspeed:engine=deepspeed"
-        [ "$phase" = s3c ] && arms="plain: int8:quantized=true int8_ahead:quantized=true,overlap=true int8_ahead_hooks:quantized=true,overlap=true,env.QZERO_AHEAD_STREAMS=0 fsdp2:engine=fsdp2 deepspeed:engine=deepspeed"
+        if [ "$phase" = s3c ]; then  # side streams and the sliced update are the defaults now
+            arms="plain: int8:quantized=true int8_ahead:quantized=true,overlap=true int8_ahead_whole:quantized=true,overlap=true,env.QZERO_SLICED_UPDATE=0 fsdp2:engine=fsdp2"
+            timeout $(t 150) python3 -m torch.distributed.run --nproc_per_node=2 bench/gpu_check.py --delays >"$out/gpu_check.log" 2>&1
+            echo "gpu_check rc=$? after $(( $(date +%s) - start )) s"; grep -cE "^PASS" "$out/gpu_check.log"; grep -E "FAIL|Error" "$out/gpu_check.log" | head
+        fi
         ARMS="$arms" STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(( $(left) - 15 )) bash bench/run_matrix.sh "$out" "$regime" 2>&1 | tail -n 12
         d="$out/matrix_dp2_$regime"
         [ -d "$d/logs" ] && tar czf "$out/logs_$regime.tgz" -C "$d" logs && rm -rf "$d/logs"

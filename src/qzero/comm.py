@@ -138,18 +138,23 @@ def peer_failure(what: str):
         ) from e
 
 
-def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None = None) -> GatherStats:
-    """Execute ``plan`` on ``flat`` (no argument checks: the plan was validated when built)."""
-    return _run_gather(flat, plan, group)
+def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None = None, prepare=None) -> GatherStats:
+    """Execute ``plan`` on ``flat`` (no argument checks: the plan was validated when built).
+
+    ``prepare(stop)``, if given, is called before this rank's partition is read up to local
+    offset ``stop``, chunk by chunk in order (the optimizer updates its master shard there)."""
+    return _run_gather(flat, plan, group, prepare)
 
 
-def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None) -> GatherStats:
+def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None, prepare=None) -> GatherStats:
     world, rank = _world_and_rank(group)
     stats = stats_of(plan)
     if not plan.chunks:
         return stats
     p = plan.partition_numel
     if not plan.quantized and len(plan.chunks) == 1:
+        if prepare is not None:
+            prepare(p)
         if world > 1:
             with peer_failure("the weight gather"):
                 all_gather_into(flat, flat[rank * p : (rank + 1) * p], group=group)
@@ -158,11 +163,13 @@ def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup |
         from .pipeline import run_pipelined  # CUDA only: overlapped stages on their own streams
 
         with peer_failure("the weight gather"):
-            if run_pipelined(flat, plan, group, world, rank):
+            if run_pipelined(flat, plan, group, world, rank, prepare):
                 return stats
     kernels = kernels_for(flat.device)
     recv = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device)
     for chunk in plan.chunks:
+        if prepare is not None:
+            prepare(chunk.offset + chunk.numel)
         buf = recv[: world * chunk.payload_bytes]
         mine = pack_chunk(flat, plan, chunk, rank, buf, kernels)
         if world > 1:

@@ -51,8 +51,10 @@ def last_chunk_needed(plan: GatherPlan, start: int, stop: int) -> int:
 class PendingGather:
     """One flat buffer's gather, in progress."""
 
-    def __init__(self, flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None, world: int, rank: int):
+    def __init__(self, flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None, world: int, rank: int,
+                 prepare=None):
         self.flat, self.plan, self.group = flat, plan, group
+        self.prepare = prepare  # prepare(stop): this rank's partition is ready up to local offset stop
         self.world, self.rank = world, rank
         self.kernels = kernels_for(flat.device)
         self.stats = stats_of(plan)
@@ -71,6 +73,8 @@ class PendingGather:
     def _pump(self) -> None:
         while len(self._in_flight) < len(self._buffers) and self._launched < len(self.plan.chunks):
             chunk = self.plan.chunks[self._launched]
+            if self.prepare is not None:
+                self.prepare(chunk.offset + chunk.numel)
             buf = self._buffers[self._launched % len(self._buffers)][: self.world * chunk.payload_bytes]
             mine = pack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
             work = all_gather_into(buf, mine, group=self.group, async_op=True) if self.world > 1 else None

@@ -118,13 +118,13 @@ class Enqueued:
     last event (the caching allocator would otherwise hand them out again)."""
 
 
-def run_pipelined(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int) -> bool:
+def run_pipelined(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int, prepare=None) -> bool:
     """Run the quantized ``plan`` on CUDA ``flat`` with overlapped stages.
 
     Returns False, having done nothing, when pipelining is off or no chunking fits
     the memory budget; the caller then runs its unpipelined loop.
     """
-    queued = enqueue(flat, plan, group, world, rank)
+    queued = enqueue(flat, plan, group, world, rank, prepare)
     if queued is None:
         return False
     # The unpack stream runs in order and each unpack waited for its gather and pack,
@@ -133,10 +133,15 @@ def run_pipelined(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank:
     return True
 
 
-def enqueue(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int) -> Enqueued | None:
+def enqueue(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int, prepare=None) -> Enqueued | None:
     """Queue every stage of every chunk on the side streams and return without making the
     caller's stream wait (``None``, having done nothing, where :func:`run_pipelined` would
-    return False)."""
+    return False).
+
+    ``prepare(stop)`` (optional) runs on the caller's stream before chunk ``k`` is packed,
+    with ``stop`` the chunk's end in the partition (the sliced optimizer update); the pack
+    stream then waits for the caller's stream again, so pack ``k`` sees it, while the
+    chunks before it are already on the wire."""
     if not enabled() or not plan.quantized or flat.device.type != "cuda":
         return None
     work = pipeline_plan(plan)
@@ -164,6 +169,9 @@ def enqueue(flat: torch.Tensor, plan: GatherPlan, group, world: int, rank: int) 
     def pack(k: int) -> None:
         chunk, _, _, mine = buffers(k)
         s = streams["pack"]
+        if prepare is not None:
+            prepare(chunk.offset + chunk.numel)  # on the caller's stream
+            s.wait_stream(caller)
         with torch.cuda.stream(s):
             if k >= 2:
                 s.wait_event(unpacked[k - 2])

@@ -8,6 +8,8 @@ the partition and the flat buffer is gathered (plainly or quantized).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -70,6 +72,8 @@ class FlatGroup:
         self.grad = torch.zeros_like(self.master)
         self.master.grad = self.grad
         self.flat: torch.Tensor | None = None
+        self._update: Callable[[int, int], None] | None = None
+        self._prepared = 0
 
     def flatten(self) -> None:
         """Copy the parameters into one flat buffer and make them views into it."""
@@ -92,20 +96,44 @@ class FlatGroup:
         """This rank's partition of the flat buffer."""
         return self.flat[self.lo : self.hi]
 
-    def gather(self) -> GatherStats:
-        """Copy the master shard into the partition and gather every partition."""
-        self.own.copy_(self.master)
-        return run_gather(self.flat, self.gather_plan, self.process_group)
+    def gather(self, update: Callable[[int, int], None] | None = None) -> GatherStats:
+        """Copy the master shard into the partition and gather every partition.
 
-    def start_gather(self) -> PendingGather | StreamedGather:
-        """Copy the master shard into the partition and start the gather without waiting."""
-        self.own.copy_(self.master)
+        ``update(start, stop)``, if given, steps the master shard's ``[start, stop)`` first;
+        the gather calls it chunk by chunk, just before it needs the chunk (sliced update)."""
+        self._begin(update)
+        stats = run_gather(self.flat, self.gather_plan, self.process_group, prepare=self.prepare)
+        self.prepare(self.hi - self.lo)
+        return stats
+
+    def start_gather(self, update: Callable[[int, int], None] | None = None) -> PendingGather | StreamedGather:
+        """Copy the master shard into the partition and start the gather without waiting
+        (``update`` as in :meth:`gather`; what the gather has not asked for yet is updated
+        by :meth:`prepare` of the whole shard, which the caller runs next)."""
+        self._begin(update)
         if streamed_enabled() and self.gather_plan.quantized and self.flat.is_cuda:
             with peer_failure("the weight gather (gather-ahead)"):
-                queued = pipeline.enqueue(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank)
+                queued = pipeline.enqueue(
+                    self.flat, self.gather_plan, self.process_group, self.world_size, self.rank, prepare=self.prepare
+                )
             if queued is not None:
                 return StreamedGather(self.flat, queued, stats_of(self.gather_plan))
-        return PendingGather(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank)
+        return PendingGather(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank, self.prepare)
+
+    def _begin(self, update: Callable[[int, int], None] | None) -> None:
+        self._update, self._prepared = update, 0
+
+    def prepare(self, stop: int) -> None:
+        """Make the partition's local ``[0, stop)`` hold the updated master shard: update
+        (if a sliced update is running) and copy what has not been yet, in order."""
+        stop = min(stop, self.hi - self.lo)
+        start = self._prepared
+        if stop <= start:
+            return
+        if self._update is not None:
+            self._update(start, stop)
+        self.own[start:stop].copy_(self.master[start:stop])
+        self._prepared = stop
 
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization)."""

@@ -5,13 +5,18 @@ A step has three phases, the same at every world size (1 included)::
     reduce   gradients reach their owners as fp32 gradient shards
              (stage 2: already during backward; stage 1: now)
     update   unscale / overflow skip (fp16), clip by the global norm, inner optimizer
-             steps the fp32 master shards (one call per parameter group)
+             steps the fp32 master shards
     gather   each master shard is written into its partition and the flat buffers
              are gathered, plainly or quantized
+
+From the second step on, Adam and AdamW update *sliced* (:mod:`qzero.optim.update`):
+chunk by chunk, as the gather asks for it, so the gather of the first chunks overlaps
+the update of the rest. The bits are those of one whole update.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 
@@ -25,6 +30,7 @@ from ..overlap import DEPTH as OVERLAP_DEPTH
 from ..overlap import GatherAhead
 from .flat import FlatGroup
 from .grads import Stage1Grads, Stage2Grads
+from . import update as sliced_update
 from .scaler import LossScaler
 
 FLAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -147,16 +153,33 @@ class ZeroOptimizer:
         if self.config.gradient_clipping > 0:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coef)
-        self.optimizer.step()
-        self.steps_taken += 1
-        if self.config.check_finite:
-            self._check_finite_masters()
-        if self.ahead is None:
-            self.last_gather = [g.gather() for g in self.groups]
+        masters = [g.master for g in self.groups]
+        if sliced_update.sliceable(self.optimizer, masters):
+            # Update chunk by chunk as the gather asks for it. The update of Adam-family
+            # optimizers is bounded, so checking the gradients first stands in for checking
+            # the masters after (which would have to wait for the whole update). The global
+            # norm is finite unless a gradient is not (or the sum of squares overflows: then
+            # the check below finds nothing and returns); one sync, on a scalar.
+            if self.config.check_finite and not bool(torch.isfinite(self.grad_norm)):
+                self._check_finite(shards, "gradients", "the update was skipped: the weights are unchanged")
+            sliced = sliced_update.SlicedUpdate(self.optimizer, masters)
+            updates = [functools.partial(sliced.update, i) for i in range(len(self.groups))]
         else:
-            for i, g in enumerate(self.groups):
-                self.ahead.start(i, g.start_gather())
+            self.optimizer.step()
+            if self.config.check_finite:
+                self._check_finite(masters, "weights", "nothing was gathered, so no replica received them")
+            sliced, updates = None, [None] * len(self.groups)
+        self.steps_taken += 1
+        if self.ahead is None:
+            self.last_gather = [g.gather(u) for g, u in zip(self.groups, updates)]
+        else:
+            for i, (g, u) in enumerate(zip(self.groups, updates)):
+                self.ahead.start(i, g.start_gather(u))
+            for g in self.groups:  # what the running gathers have not asked for yet
+                g.prepare(g.hi - g.lo)
             self.last_gather = [p.stats for p in self.ahead.pending if p is not None]
+        if sliced is not None:
+            sliced.finish()
         return True
 
     def wait_for_weights(self) -> None:
@@ -211,18 +234,19 @@ class ZeroOptimizer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
 
-    def _check_finite_masters(self) -> None:
-        """Raise on every rank, naming the parameters, if any master shard holds NaN/Inf."""
+    def _check_finite(self, shards: list[torch.Tensor], what: str, consequence: str) -> None:
+        """Raise on every rank, naming the parameters, if any of ``shards`` (one per group,
+        laid out like the master shards) holds NaN/Inf."""
         # One pass per shard with no temporaries (min/max propagate NaN; Inf shows as an
         # extreme) and one host sync for all groups; names are looked up only on failure.
-        extremes = torch.stack([torch.stack(torch.aminmax(g.master)) for g in self.groups])
+        extremes = torch.stack([torch.stack(torch.aminmax(s)) for s in shards])
         if not self._any_rank(~torch.isfinite(extremes).all()):
             return
         first_bad = []
-        for g in self.groups:
-            bad = (~torch.isfinite(g.master)).nonzero()
-            first_bad.append(g.lo + bad[0, 0] if bad.numel() else torch.tensor(-1, device=g.master.device))
-        mine = torch.stack([torch.as_tensor(b, device=self.groups[0].master.device) for b in first_bad])
+        for g, s in zip(self.groups, shards):
+            bad = (~torch.isfinite(s)).nonzero()
+            first_bad.append(g.lo + bad[0, 0] if bad.numel() else torch.tensor(-1, device=s.device))
+        mine = torch.stack([torch.as_tensor(b, device=shards[0].device) for b in first_bad])
         rows = [mine.clone() for _ in range(self.world_size)]
         if self.world_size > 1:
             dist.all_gather(rows, mine, group=self.process_group)
@@ -235,8 +259,8 @@ class ZeroOptimizer:
                     name = g.names[slot.index] if slot is not None else f"padding at flat index {idx}"
                     culprits.append(f"{name!r} (group {gi}, rank {r}'s shard)")
         raise FloatingPointError(
-            f"qzero: non-finite weights after optimizer step {self.steps_taken} in {', '.join(culprits)}; "
-            "nothing was gathered, so no replica received them. Lower the learning rate, clip gradients "
+            f"qzero: non-finite {what} at optimizer step {self.steps_taken + 1} in {', '.join(culprits)}; "
+            f"{consequence}. Lower the learning rate, clip gradients "
             "(gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
         )
 
