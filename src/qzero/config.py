@@ -96,9 +96,12 @@ class ZeroConfig:
     """fp16 dynamic scaling never goes below this."""
 
     check_finite: bool = True
-    """After each update, check the fp32 masters for NaN/Inf (one read of the shard and
-    one 1-element all-reduce) and raise, naming the parameter, before anything is
-    gathered: non-finite weights never reach the other replicas."""
+    """Refuse NaN/Inf before anything is gathered, raising on every rank and naming the
+    parameter: non-finite weights never reach the other replicas. With Adam/AdamW (whose
+    update is bounded, and which update sliced from the second step) the gradients are
+    checked before the update (the global norm: one scalar sync; the update is skipped);
+    with other optimizers, the fp32 masters after it (one read of the shard and one
+    1-element all-reduce)."""
 
     overlap_param_gather: bool = False
     """Return from ``step()`` before the weight gather finishes and let each module
