@@ -132,7 +132,7 @@ def arm_settings(arm: Arm, args):
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         steps=args.steps,
-        warmup=min(10, args.steps - 1),  # steps left out of the step-time median only
+        warmup=max(0, min(10, args.steps - 2)),  # steps left out of the step-time median only
         lr=args.lr,
         seed=args.seed,
         extra_config={"gradient_clipping": args.clip} if args.clip > 0 else {},

@@ -315,7 +315,7 @@ def markdown(m: dict) -> str:
         f"- model {model}{f' ({params:,} trainable parameters)' if params else ''}, {s['precision']}, "
         f"world size {s['world_size']}, sequence {s['seq_len']}, micro-batch {s['micro_batch']} per rank, "
         f"stage {s['stage']}, buckets {s['allgather_bucket']:.3g}/{s['reduce_bucket']:.3g}",
-        f"- {s['steps']} steps per run, first {s['warmup']} not timed; {m['rounds']} round(s), order-balanced "
+        f"- {s['steps']} steps per run, first {s['warmup']} and the last not timed (a step is timed from its start to the next one's, on the compute stream, no sync between); {m['rounds']} round(s), order-balanced "
         f"(odd rounds reversed), each run a fresh process",
         f"- device {env.get('device')} · link {env.get('link_regime')} · {env.get('date')}"
         + ("" if m.get("complete") else f" · **incomplete: {m['runs_done']}/{m['runs_total']} runs**"),

@@ -43,7 +43,7 @@ class QZeroEngine:
         self.opt.zero_grad()
 
     def grad_norm(self):
-        return None if self.opt.grad_norm is None else self.opt.grad_norm.item()
+        return self.opt.grad_norm  # a device tensor (read after the timed loop), or None
 
     def gathered_bytes(self):
         return sum(s.bytes_sent for s in self.opt.last_gather), sum(s.plain_bytes for s in self.opt.last_gather)
@@ -105,8 +105,7 @@ class DeepSpeedEngine:
         pass  # engine.step() clears the gradients at the accumulation boundary
 
     def grad_norm(self):
-        norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        return self.engine.get_global_grad_norm()  # a tensor or a number (read after the timed loop), or None
 
     def gathered_bytes(self):
         stats = getattr(self.engine, "qzero_gather", None)
@@ -160,7 +159,7 @@ class FSDP2Engine:
         self.opt.zero_grad(set_to_none=True)
 
     def grad_norm(self):
-        return None if self._norm is None else float(self._norm)
+        return self._norm
 
     def gathered_bytes(self):
         plain = sum(p.numel() for p in self.model.parameters()) * 2 // dist.get_world_size()

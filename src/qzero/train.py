@@ -106,8 +106,11 @@ def validate(settings: TrainSettings) -> None:
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
         if getattr(settings, name) < 1:
             raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
-    if settings.warmup < 0 or settings.warmup >= settings.steps:
-        raise WorkloadError(f"warmup must be in [0, steps), got {settings.warmup} with {settings.steps} steps")
+    if settings.warmup < 0 or settings.warmup > settings.steps - 2:
+        raise WorkloadError(
+            f"warmup must be in [0, steps - 1) (a step is timed up to the next one's start, so the last is never "
+            f"timed), got {settings.warmup} with {settings.steps} steps"
+        )
     try:
         settings.zero_config()
     except (TypeError, ValueError) as e:
@@ -135,14 +138,19 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
     engine = make_engine(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
     model = engine.model
-    losses, norms, times, skipped = [], [], [], 0
+    loss_sums, norms, marks, skipped = [], [], [], 0
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
     per_step = world * settings.micro_batch * settings.grad_accum
+    # A step's time runs from its start to the next step's start on the compute stream (CUDA
+    # events; host clock on the CPU), with no synchronisation in between: a gather that runs
+    # ahead into the next forward is then counted where it costs, as in real training (a
+    # device-wide sync per step would serialise it back into its own step). Losses and norms
+    # are read after the loop. The last step is not timed (nothing starts after it).
+    _sync(device)
     for step in range(settings.steps):
         batch = global_batch(corpus, step, per_step, settings.seq_len, settings.seed)
         mine = batch.view(settings.grad_accum, world, settings.micro_batch, -1)[:, rank].to(device)
-        _sync(device)
-        t0 = time.perf_counter()
+        marks.append(_mark(device))
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for m in range(settings.grad_accum):
             tokens = mine[m]
@@ -154,20 +162,21 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             loss_sum += loss.detach()
         took = engine.step()
         engine.zero_grad()
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        dist.all_reduce(loss_sum)
-        losses.append(loss_sum.item() / world)
-        norms.append(engine.grad_norm())
+        loss_sums.append(loss_sum)
+        norm = engine.grad_norm()
+        norms.append(norm.detach().clone() if torch.is_tensor(norm) else norm)
         skipped += not took
-        if step >= settings.warmup:
-            times.append(elapsed)
-        if bar is not None:
+        if bar is not None:  # reading the loss waits for this step (the bar's price; arms run without it)
             sent, plain = engine.gathered_bytes()
-            saved = plain - sent
-            bar.update(losses[-1], elapsed, saved)
+            bar.update(loss_sum.item(), _seconds(marks[-1], _mark(device)), plain - sent)
     if bar is not None:
         bar.close()
+    _sync(device)
+    times = [_seconds(a, b) for a, b in zip(marks, marks[1:])][settings.warmup :]
+    totals = torch.stack(loss_sums)
+    dist.all_reduce(totals)
+    losses = (totals / world).tolist()
+    norms = [None if n is None else float(n) for n in norms]
     engine.finish()  # gather-ahead: the last step's gather may still be in flight
     result = _summary(settings, engine, losses, norms, times, skipped, device)
     if rank == 0 and out_path:
@@ -189,6 +198,23 @@ def make_deterministic() -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _mark(device: torch.device):
+    """A point on the compute stream's timeline (CUDA event) or the host clock (CPU)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(a, b) -> float:
+    """Seconds between two marks (waits for ``b`` on CUDA)."""
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
 
 
 def replicas_identical(flats: list[torch.Tensor], chunk: int = 1 << 26) -> bool:
