@@ -10,6 +10,7 @@
 # Session 3 (one tarball per call, OUT/s3*.tgz, plus the key tables beside it):
 #   bash bench/gpu_session.sh s3a OUT  # GPU tests, kernels (1 GPU), gpu_check --delays, profiles PCIe + Ethernet, DP2 gathers
 #   bash bench/gpu_session.sh s3b OUT  # whole-step matrix on NVLink, all arms incl. both peers and side-stream gather-ahead
+#   bash bench/gpu_session.sh s3d OUT  # the step-timing fix: PCIe-class plain / int8 / int8_ahead / fsdp2
 #   bash bench/gpu_session.sh s3c OUT  # gpu_check --delays, then the PCIe-class matrix (side streams and sliced update now the defaults)
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
@@ -114,6 +115,13 @@ case $phase in
         ARMS="$arms" STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(( $(left) - 15 )) bash bench/run_matrix.sh "$out" "$regime" 2>&1 | tail -n 12
         d="$out/matrix_dp2_$regime"
         [ -d "$d/logs" ] && tar czf "$out/logs_$regime.tgz" -C "$d" logs && rm -rf "$d/logs"
+        ;;
+    s3d)  # after the step-timing fix (no device-wide sync between steps): PCIe-class, the core arms
+        install
+        ARMS="plain: int8:quantized=true int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2" \
+            STEPS=${STEPS:-10} MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" pcie 2>&1 | tail -n 9
+        d="$out/matrix_dp2_pcie"
+        [ -d "$d/logs" ] && tar czf "$out/logs_pcie.tgz" -C "$d" logs && rm -rf "$d/logs"
         ;;
     *) echo "unknown phase $phase"; exit 2 ;;
 esac
