@@ -118,7 +118,7 @@ case $phase in
         ;;
     s3d)  # after the step-timing fix (no device-wide sync between steps): PCIe-class, the core arms
         install
-        ARMS="plain: int8:quantized=true int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2" \
+        ARMS="${ARMS:-plain: int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2}" \
             STEPS=${STEPS:-10} MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" pcie 2>&1 | tail -n 9
         d="$out/matrix_dp2_pcie"
         [ -d "$d/logs" ] && tar czf "$out/logs_pcie.tgz" -C "$d" logs && rm -rf "$d/logs"
