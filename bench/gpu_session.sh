@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh s3a OUT  # GPU tests, kernels (1 GPU), gpu_check --delays, profiles PCIe + Ethernet, DP2 gathers
 #   bash bench/gpu_session.sh s3b OUT  # whole-step matrix on NVLink, all arms incl. both peers and side-stream gather-ahead
 #   bash bench/gpu_session.sh s3d OUT  # the step-timing fix: PCIe-class plain / int8 / int8_ahead / fsdp2
+#   REGIME=ethernet bash bench/gpu_session.sh matrix OUT   # next: any regime, six core arms (ARMS to change)
 #   bash bench/gpu_session.sh s3c OUT  # gpu_check --delays, then the PCIe-class matrix (side streams and sliced update now the defaults)
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
@@ -122,6 +123,13 @@ case $phase in
             STEPS=${STEPS:-10} MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" pcie 2>&1 | tail -n 9
         d="$out/matrix_dp2_pcie"
         [ -d "$d/logs" ] && tar czf "$out/logs_pcie.tgz" -C "$d" logs && rm -rf "$d/logs"
+        ;;
+    matrix)  # any regime, any arms: REGIME=pcie|ethernet|nvlink ARMS="..." (default: the six core arms)
+        install
+        ARMS="${ARMS:-plain: int8:quantized=true plain_ahead:overlap=true int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed}" \
+            STEPS=${STEPS:-10} MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" "${REGIME:-pcie}" 2>&1 | tail -n 12
+        d="$out/matrix_dp2_${REGIME:-pcie}"
+        [ -d "$d/logs" ] && tar czf "$out/logs_${REGIME:-pcie}.tgz" -C "$d" logs && rm -rf "$d/logs"
         ;;
     *) echo "unknown phase $phase"; exit 2 ;;
 esac
