@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh s3b OUT  # whole-step matrix on NVLink, all arms incl. both peers and side-stream gather-ahead
 #   bash bench/gpu_session.sh s3d OUT  # the step-timing fix: PCIe-class plain / int8 / int8_ahead / fsdp2
 #   REGIME=ethernet bash bench/gpu_session.sh matrix OUT   # next: any regime, six core arms (ARMS to change)
+#   bash bench/gpu_session.sh dp4 OUT                      # issue 9 (4-GPU host)
+#   bash bench/gpu_session.sh dp8-gather OUT; REGIME=pcie|ethernet bash bench/gpu_session.sh dp8 OUT   # issue 10 (8-GPU host)
 #   bash bench/gpu_session.sh s3c OUT  # gpu_check --delays, then the PCIe-class matrix (side streams and sliced update now the defaults)
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
@@ -123,6 +125,36 @@ case $phase in
             STEPS=${STEPS:-10} MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" pcie 2>&1 | tail -n 9
         d="$out/matrix_dp2_pcie"
         [ -d "$d/logs" ] && tar czf "$out/logs_pcie.tgz" -C "$d" logs && rm -rf "$d/logs"
+        ;;
+    dp4)  # issue 9, on a 4-GPU host: the public proposal's configuration (Qwen3-4B, PCIe-class, 26M/50M buckets)
+        install
+        nvidia-smi --query-gpu=index,name --format=csv,noheader
+        WORLD=4 PRESET=qwen3-4b RS_BUCKET=26e6 AG_BUCKET=5e7 STEPS=${STEPS:-10} \
+            ARMS="${ARMS:-plain: int8:quantized=true int8_ahead:quantized=true,overlap=true deepspeed:engine=deepspeed}" \
+            MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" pcie 2>&1 | tail -n 10
+        [ -d "$out/matrix_dp4_pcie/logs" ] && tar czf "$out/logs_dp4.tgz" -C "$out/matrix_dp4_pcie" logs && rm -rf "$out/matrix_dp4_pcie/logs"
+        ;;
+    dp8-gather)  # issue 10, on an 8-GPU host: the gather at world 8 and 4 (and 2), then the bandwidth model
+        install
+        mkdir -p "$out/gather"
+        for regime in pcie ethernet; do
+            case $regime in pcie) envs=(NCCL_P2P_DISABLE=1) ;; ethernet) envs=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;; esac
+            for w in 2 4 8; do
+                env "${envs[@]}" timeout $(t 120) python3 -m torch.distributed.run --nproc_per_node=$w bench/gather_bench.py \
+                    --sizes 2048Mi --formats int8,int4 --rounds 6 --out "$out/gather" --tag "gather_dp${w}_$regime" >"$out/gather/dp${w}_$regime.log" 2>&1 \
+                    || echo "gather dp$w $regime failed"
+            done
+            python3 bench/gather_scaling.py "$out"/gather/gather_dp*_"$regime".json --out "$out/scaling_$regime" | tail -n 12
+        done
+        (cd "$out" && tar czf gather.tgz gather && rm -rf gather)
+        ;;
+    dp8)  # issue 10, on an 8-GPU host: whole steps at DP8 (Qwen3-4B), REGIME=pcie|ethernet, against both peers
+        install
+        WORLD=8 PRESET=qwen3-4b STEPS=${STEPS:-10} \
+            ARMS="${ARMS:-plain: int8:quantized=true int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed}" \
+            MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" "${REGIME:-pcie}" 2>&1 | tail -n 11
+        d="$out/matrix_dp8_${REGIME:-pcie}"
+        [ -d "$d/logs" ] && tar czf "$out/logs_dp8.tgz" -C "$d" logs && rm -rf "$d/logs"
         ;;
     matrix)  # any regime, any arms: REGIME=pcie|ethernet|nvlink ARMS="..." (default: the six core arms)
         install

@@ -4,7 +4,7 @@
 # Qwen3-1.7B-shaped model, and tabulates each arm against the first arm and against the peers.
 # qzero must already be installed there (DeepSpeed too, for its arm; a missing peer shows as failed).
 # Usage (repository root, on the GPU machine): bash bench/run_matrix.sh OUTDIR [nvlink] [pcie] [ethernet]
-# Environment: AG_BUCKET (5e8, the default of qzero and DeepSpeed), RS_BUCKET (5e7), STEPS (8), ROUNDS (2), MATRIX_TIMEOUT (560 s per regime), ARMS (space-separated
+# Environment: WORLD (2: ranks, one per GPU), PRESET (qwen3-1.7b), AG_BUCKET (5e8, the default of qzero and DeepSpeed), RS_BUCKET (5e7), STEPS (8), ROUNDS (2), MATRIX_TIMEOUT (560 s per regime), ARMS (space-separated
 # NAME:key=value,... specs; default below), PEERS (deepspeed,fsdp2: those among the arms), REFERENCE.
 set -u
 out=${1:?usage: bash bench/run_matrix.sh OUTDIR [nvlink pcie ethernet]}
@@ -29,7 +29,8 @@ done
 extra=()
 [ -n "$peers" ] && extra+=(--peers "$peers")
 [ -n "${REFERENCE:-}" ] && extra+=(--reference "$REFERENCE")
-common=(--device cuda --world-size 2 --preset qwen3-1.7b --seq-len 2048 --micro-batch 2
+world=${WORLD:-2}
+common=(--device cuda --world-size "$world" --preset "${PRESET:-qwen3-1.7b}" --seq-len 2048 --micro-batch 2
         --steps "${STEPS:-8}" --warmup 2 --allgather-bucket "${AG_BUCKET:-5e8}" --reduce-bucket "${RS_BUCKET:-5e7}" --lr 1e-4
         --rounds "${ROUNDS:-2}")
 status=0
@@ -39,10 +40,10 @@ for regime in "${regimes[@]}"; do
         pcie) envs=(NCCL_P2P_DISABLE=1) ;;
         ethernet) envs=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
     esac
-    dir="$out/matrix_dp2_$regime"
+    dir="$out/matrix_dp${world}_$regime"
     echo "=== $regime: ${envs[*]:-default NCCL} -> $dir"
     env "${envs[@]}" timeout "${MATRIX_TIMEOUT:-560}" python3 "$here/steps_matrix.py" "${common[@]}" \
-        "${arm_args[@]}" "${extra[@]}" --regime-label "dp2 $regime" --out "$dir"
+        "${arm_args[@]}" "${extra[@]}" --regime-label "dp$world $regime" --out "$dir"
     rc=$?
     if [ $rc -ne 0 ]; then
         status=1
