@@ -101,8 +101,9 @@ def streamed_enabled() -> bool:
     """Quantized gathers on CUDA run ahead on side streams (the default): the whole gather is
     enqueued at the end of ``step()`` on the chunk pipeline's streams, so no collective waits
     behind the forward's kernels, and the hooks only make the compute stream wait for their
-    chunks' events. Measured against the hook-driven pump on 2 x H200 (BENCHMARKS.md): a
-    shorter step on NVLink and PCIe-class links. ``QZERO_AHEAD_STREAMS=0`` goes back to the
+    chunks' events. Against the hook-driven pump on 2 x H200 (BENCHMARKS.md): 269.7 vs
+    282.4 ms per step in a back-to-back profile on a PCIe-class link (one process, not yet
+    a side-by-side matrix with the corrected step timing). ``QZERO_AHEAD_STREAMS=0`` goes back to the
     hook-driven pump (what plain gathers, and every gather off CUDA, always use)."""
     return os.environ.get("QZERO_AHEAD_STREAMS", "1") != "0"
 
