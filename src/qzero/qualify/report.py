@@ -65,7 +65,10 @@ def markdown(r: dict) -> str:
     t = r["thresholds"]
     lines += [
         "",
-        f"Memory figures are the {r['memory_kind']}.",
+        f"Memory figures are the {r['memory_kind']}. Each step is timed from its start to the next "
+        "step's start on the compute stream, with no synchronisation between steps (the warm-up "
+        "steps and the last step are not timed), so a weight gather that runs ahead into the next "
+        "forward is counted where it costs, as in training.",
         "",
         "## Gates",
         "",
