@@ -3,7 +3,9 @@
 The parameters become views into one padded bf16/fp16 flat buffer (see
 :mod:`qzero.layout`); this rank keeps the fp32 master shard of its partition and an
 fp32 gradient shard of the same size. After a step the master shard is copied into
-the partition and the flat buffer is gathered (plainly or quantized).
+the partition and the flat buffer is gathered (plainly or quantized); the copy runs
+chunk by chunk as the gather asks for it (:meth:`FlatGroup.prepare`), together with
+the sliced optimizer update when there is one.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class FlatGroup:
             self._update(start, stop)
         self.own[start:stop].copy_(self.master[start:stop])
         self._prepared = stop
+        if stop == self.hi - self.lo:
+            self._update = None  # this step's update is complete
 
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization)."""
