@@ -2,7 +2,6 @@
 facts its design rests on (qzero quantizes at world size 1, with the groups of DP2)."""
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -15,16 +14,13 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "convergence.py")
+import bench_scripts  # noqa: E402
+
+SCRIPT = bench_scripts.path("convergence")
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("convergence", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["convergence"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("convergence")
 
 
 def test_end_to_end_on_the_cpu(tmp_path):

@@ -1,16 +1,15 @@
 """bench/gather_scaling.py: the bandwidth model against world size."""
 
 import copy
-import importlib.util
 import json
 import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("gather_scaling", os.path.join(ROOT, "bench", "gather_scaling.py"))
-gs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gs)
+import bench_scripts
+
+ROOT = bench_scripts.ROOT
+gs = bench_scripts.load("gather_scaling")
 DP2 = os.path.join(ROOT, "bench", "results", "session3_2026-11-30", "s3a_checks_kernels_profiles", "gather_dp2_pcie.json")
 
 

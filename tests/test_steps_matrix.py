@@ -1,7 +1,6 @@
 """bench/steps_matrix.py: the analysis on synthetic runs with known answers, its command
 line (refusals before anything runs, failed arms, order balancing) and one real run on the CPU."""
 
-import importlib.util
 import json
 import os
 import statistics
@@ -15,18 +14,10 @@ pytest.importorskip("matplotlib")
 
 import qzero  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "steps_matrix.py")
+import bench_scripts  # noqa: E402
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("steps_matrix", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sm = _load()
+SCRIPT = bench_scripts.path("steps_matrix")
+sm = bench_scripts.load("steps_matrix")
 
 
 def run(times, losses=(5.0, 4.0, 3.0), sample=(1.0, 2.0, 3.0), *, replicas=True, round=0, **extra):
