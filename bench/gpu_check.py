@@ -29,7 +29,7 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2):
     # one flat order for every arm, so that synchronous and gather-ahead runs compare bit for bit
     cfg_kwargs = {"flat_order": "interleaved", **cfg_kwargs}
     cfg = qzero.ZeroConfig(small_param_numel=4096, allgather_bucket_size=world * 64 * 1024,
-                           reduce_bucket_size=60_000, **cfg_kwargs)  # small windows: the embedding is reduced solo
+                           reduce_bucket_size=60_000, **cfg_kwargs)  # small windows: the embedding spans many
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3, fused=True), config=cfg)
     corpus = load_corpus()
     losses = []

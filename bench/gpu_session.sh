@@ -163,6 +163,18 @@ case $phase in
         d="$out/matrix_dp2_${REGIME:-pcie}"
         [ -d "$d/logs" ] && tar czf "$out/logs_${REGIME:-pcie}.tgz" -C "$d" logs && rm -rf "$d/logs"
         ;;
+    memory)  # what is live at the memory peak, per engine (ENGINES="qzero fsdp2 deepspeed"), NVLink, DP2
+        install
+        mkdir -p "$out/memory"
+        for e in ${ENGINES:-qzero fsdp2}; do
+            timeout $(t 150) python3 -m torch.distributed.run --nproc_per_node=2 bench/memory_peak.py --engine "$e" \
+                --steps ${MEM_STEPS:-3} --out "$out/memory" >"$out/memory/$e.log" 2>&1 || { echo "memory $e failed"; tail -n 5 "$out/memory/$e.log"; }
+            grep -m1 -i "peak" "$out/memory/$e.log"
+        done
+        [ -f "$out/memory/memory_qzero.json" ] && [ -f "$out/memory/memory_fsdp2.json" ] && \
+            python3 bench/memory_peak.py --compare "$out/memory/memory_qzero.json" "$out/memory/memory_fsdp2.json" | tee "$out/memory/compare.md" | head -n 40
+        (cd "$out" && tar czf memory.tgz memory && rm -rf memory)
+        ;;
     *) echo "unknown phase $phase"; exit 2 ;;
 esac
 echo "phase $phase done in $(( $(date +%s) - start )) s"

@@ -81,6 +81,7 @@ CONFIG_CASES = [
     ("quantized 'yes'", {"zero_quantized_weights": "yes"}, r"zero_quantized_weights.*'yes'"),
     ("overlap_comm 1", {"overlap_comm": 1}, r"overlap_comm.*1"),
     ("check_finite 'no'", {"check_finite": "no"}, r"check_finite.*'no'"),
+    ("solo_reduce 1", {"solo_reduce": 1}, r"solo_reduce.*1"),
     ("reduce_scatter false", {"reduce_scatter": False}, r"reduce_scatter=False"),
     ("allgather_partitions false", {"allgather_partitions": False}, r"allgather_partitions=False"),
     ("small threshold -1", {"small_param_numel": -1}, r"small_param_numel.*-1"),

@@ -421,7 +421,7 @@ def test_rejected_at_construction_on_every_rank(case, match):
         assert unchanged
 
 
-def collectives_run(rank, world, order, stage):
+def collectives_run(rank, world, order, stage, solo=False):
     calls = {"reduce_scatter_tensor": 0, "reduce": 0}
     for name in calls:
         real = getattr(dist, name)
@@ -432,7 +432,7 @@ def collectives_run(rank, world, order, stage):
 
         setattr(dist, name, counted)
     model = make_model()
-    cfg = qzero.ZeroConfig(stage=stage, reduce_bucket_size=world * 200, flat_order=order)
+    cfg = qzero.ZeroConfig(stage=stage, reduce_bucket_size=world * 200, flat_order=order, solo_reduce=solo)
     opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
     tokens, targets = batch(0, 0)
     opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
@@ -441,12 +441,12 @@ def collectives_run(rank, world, order, stage):
             "buckets": len(opt.grads[0].reducer.buckets), "solo": len(opt.grads[0].reducer.solo)}
 
 
-@pytest.mark.parametrize("order", ["contiguous", "interleaved"])
-def test_stage2_without_overlap_comm_matches_the_reference(order):
+@pytest.mark.parametrize("order,solo", [("contiguous", False), ("interleaved", False), ("interleaved", True)])
+def test_stage2_without_overlap_comm_matches_the_reference(order, solo):
     """``overlap_comm=False``: every bucket (and every solo parameter) is reduced after backward
     instead of during it; the result is the same."""
     kwargs = dict(stage=2, overlap_comm=False, reduce_dtype="fp32", reduce_bucket_size=300,
-                  allgather_bucket_size=3 * 64 * 3, flat_order=order)
+                  allgather_bucket_size=3 * 64 * 3, flat_order=order, solo_reduce=solo)
     results = run_distributed(zero_run, 3, 3, kwargs)
     _, ref_masters, _ = reference_run(3, 3, stage=2)
     assert_replicas_identical(results)
@@ -456,11 +456,16 @@ def test_stage2_without_overlap_comm_matches_the_reference(order):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradients_are_reduce_scattered_in_the_interleaved_order(stage):
-    """Interleaved order: one reduce-scatter per window, and a reduce to its owner only for a
-    parameter that starts a partition and spans several windows (the embedding and, in this
-    small model, the first parameter of another partition); the contiguous order reduces flat
-    ranges to their owners (values: the reference tests above)."""
+    """Interleaved order: one reduce-scatter per window and nothing else by default; with
+    ``solo_reduce``, a reduce to its owner for each parameter that starts a partition and spans
+    several windows (the embedding and, in this small model, the first parameter of another
+    partition); the contiguous order reduces flat ranges to their owners (values: the
+    reference tests)."""
     res = run_distributed(collectives_run, 3, "interleaved", stage)[0]
+    assert res["order"] == "interleaved" and res["solo"] == 0
+    assert res["calls"]["reduce"] == 0
+    assert res["calls"]["reduce_scatter_tensor"] == res["buckets"] > 1
+    res = run_distributed(collectives_run, 3, "interleaved", stage, True)[0]
     assert res["order"] == "interleaved" and res["solo"] >= 1
     assert res["calls"]["reduce"] == res["solo"]
     assert res["calls"]["reduce_scatter_tensor"] == res["buckets"] > 1
@@ -468,6 +473,18 @@ def test_gradients_are_reduce_scattered_in_the_interleaved_order(stage):
     assert res["order"] == "contiguous" and res["solo"] == 0
     assert res["calls"]["reduce_scatter_tensor"] == 0
     assert res["calls"]["reduce"] >= res["buckets"] > 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_solo_reduce_matches_the_reference(stage):
+    """``solo_reduce``: the embedding reduced on its own gives the single-process reference."""
+    kwargs = dict(stage=stage, reduce_dtype="fp32", reduce_bucket_size=300, allgather_bucket_size=3 * 64 * 3,
+                  flat_order="interleaved", solo_reduce=True)
+    results = run_distributed(zero_run, 3, 3, kwargs)
+    _, ref_masters, _ = reference_run(3, 3, stage=stage)
+    assert_replicas_identical(results)
+    want = torch.cat([m.reshape(-1) for m in ref_masters])
+    torch.testing.assert_close(assemble_masters(results), want, rtol=2e-6, atol=2e-7)
 
 
 def subgroup_run(rank, world, steps, cfg_kwargs):

@@ -4,9 +4,9 @@ A *reducer* says what a gradient bucket is and which collective moves it:
 
 * :class:`ScatterReducer` (interleaved flat order): a bucket is the same window of every
   partition, staged as ``[world, width]`` and reduce-scattered, so every rank sends and
-  receives at once and both directions of the link carry data. A parameter that starts a
-  partition and spans several windows (the embedding) is reduced to its owner on its own:
-  its gradient comes last, and in windows it would keep ``world x`` its size staged.
+  receives at once and both directions of the link carry data. With ``solo_reduce``, a
+  parameter that starts a partition and spans several windows (the embedding) is reduced
+  to its owner on its own instead (see :attr:`qzero.ZeroConfig.solo_reduce` for the cost).
 * :class:`OwnerReducer` (contiguous flat order): a bucket is a contiguous flat range,
   reduced to the rank(s) whose partitions it overlaps, one ``reduce`` per owner. In this
   order a window of every partition spans far-apart parts of the model, so windows would
@@ -42,10 +42,10 @@ def reduce_dtype_of(name: str | None, param_dtype: torch.dtype) -> torch.dtype:
     return param_dtype if name is None else _DTYPES[name]
 
 
-def make_reducer(group: FlatGroup, bucket_numel: int):
-    """The reducer that fits the group's flat order."""
+def make_reducer(group: FlatGroup, bucket_numel: int, solo: bool = False):
+    """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`)."""
     if group.layout.order == "interleaved":
-        return ScatterReducer(group, bucket_numel)
+        return ScatterReducer(group, bucket_numel, solo)
     return OwnerReducer(group, bucket_numel)
 
 
@@ -110,12 +110,12 @@ class OwnerReducer(_Reducer):
 
 class ScatterReducer(_Reducer):
     """Buckets are windows of every partition; each is one ``reduce_scatter``. Parameters
-    that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are
-    reduced to their owner on their own, straight from their gradient."""
+    that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are,
+    with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
-    def __init__(self, group: FlatGroup, bucket_numel: int):
+    def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False):
         super().__init__(group)
-        self.solo = solo_slots(group.layout, bucket_numel)
+        self.solo = solo_slots(group.layout, bucket_numel) if solo else ()
         self.buckets = plan_scatter_buckets(group.layout, bucket_numel, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
         slots = group.layout.slots
@@ -171,9 +171,9 @@ class ScatterReducer(_Reducer):
 class Stage1Grads:
     """Full gradient buffer; one bucketed reduction per step."""
 
-    def __init__(self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int):
+    def __init__(self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, solo: bool = False):
         self.group = group
-        self.reducer = make_reducer(group, bucket_numel)
+        self.reducer = make_reducer(group, bucket_numel, solo)
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
@@ -224,9 +224,11 @@ class Stage1Grads:
 class Stage2Grads:
     """Bucketed reduction during backward; only the fp32 gradient shard persists."""
 
-    def __init__(self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool):
+    def __init__(
+        self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool, solo: bool = False
+    ):
         self.group = group
-        self.reducer = make_reducer(group, bucket_numel)
+        self.reducer = make_reducer(group, bucket_numel, solo)
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.overlap = overlap
         self.buckets = self.reducer.buckets

@@ -99,9 +99,9 @@ class ZeroOptimizer:
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
         self.grads = [
-            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size)
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce)
             if config.stage == 1
-            else Stage2Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm)
+            else Stage2Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce)
             for g in self.groups
         ]
         self.ahead = GatherAhead(model, self.groups) if config.overlap_param_gather else None
