@@ -487,6 +487,35 @@ def test_solo_reduce_matches_the_reference(stage):
     torch.testing.assert_close(assemble_masters(results), want, rtol=2e-6, atol=2e-7)
 
 
+def grad_lifetime_run(rank, world, stage):
+    model = make_model()
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(stage=stage, reduce_bucket_size=300))
+    g = opt.groups[0]
+    seen = {"before": g.grad is None}
+    tokens, targets = batch(0, 0)
+    opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
+    made = g.grad is not None and g.master.grad is g.grad and bool(g.grad.abs().sum() > 0)
+    seen["after_backward"] = made if stage == 2 else g.grad is None  # stage 1 reduces in step()
+    opt.step()
+    seen["after_step"] = g.grad is not None
+    opt.zero_grad(set_to_none=False)
+    seen["kept_zero"] = g.grad is not None and not g.grad.any()
+    opt.zero_grad()
+    seen["dropped"] = g.grad is None and g.master.grad is None
+    before = g.master.clone()
+    opt.step()  # no backward: zero gradients, as before the shard was dropped (Adam's momentum still moves)
+    seen["step_without_backward"] = g.grad is not None and not g.grad.any() and not torch.equal(before, g.master)
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_shard_lives_from_backward_to_zero_grad(stage):
+    """The fp32 gradient shard is not held through the forward: made at the first reduction
+    (stage 2: in backward; stage 1: in step), freed by ``zero_grad()`` (zeroed in place with ``set_to_none=False``)."""
+    for seen in run_distributed(grad_lifetime_run, 2, stage):
+        assert all(seen.values()), seen
+
+
 def subgroup_run(rank, world, steps, cfg_kwargs):
     """Two data-parallel groups of two, strided as under tensor parallelism ({0, 2}, {1, 3})."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]

@@ -1,9 +1,9 @@
 """FlatGroup: one parameter group's flat buffer, its partition, master shard and gathers.
 
 The parameters become views into one padded bf16/fp16 flat buffer (see
-:mod:`qzero.layout`); this rank keeps the fp32 master shard of its partition and an
-fp32 gradient shard of the same size. After a step the master shard is copied into
-the partition and the flat buffer is gathered (plainly or quantized); the copy runs
+:mod:`qzero.layout`); this rank keeps the fp32 master shard of its partition and, from a
+backward's first reduction until ``zero_grad()``, an fp32 gradient shard of the same
+size. After a step the master shard is copied into the partition and the flat buffer is gathered (plainly or quantized); the copy runs
 chunk by chunk as the gather asks for it (:meth:`FlatGroup.prepare`), together with
 the sliced optimizer update when there is one.
 """
@@ -68,11 +68,12 @@ class FlatGroup:
             else self.gather_plan
         )
         self.lo, self.hi = self.layout.partition(rank)
-        # fp32 master and gradient shards exist from the start (the inner optimizer is built on
-        # them before anything is modified); they get their values in sync_from().
+        # The fp32 master shard exists from the start (the inner optimizer is built on it before
+        # anything is modified) and gets its values in sync_from(). The fp32 gradient shard
+        # exists from a backward's first reduction until zero_grad() (grad_shard()): not
+        # during the forward, where a training step's memory peaks.
         self.master = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
-        self.grad = torch.zeros_like(self.master)
-        self.master.grad = self.grad
+        self.grad: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None
         self._update: Callable[[int, int], None] | None = None
         self._prepared = 0
@@ -92,6 +93,20 @@ class FlatGroup:
         if self.world_size > 1:
             dist.broadcast(self.flat, src=src_rank, group=self.process_group)
         self.master.copy_(self.flat[self.lo : self.hi])
+
+    def grad_shard(self) -> torch.Tensor:
+        """The fp32 gradient shard (also the master's ``.grad``), made zero if there is none."""
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.master)
+            self.master.grad = self.grad
+        return self.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient shard (``set_to_none``), or zero it in place."""
+        if set_to_none:
+            self.grad = self.master.grad = None
+        elif self.grad is not None:
+            self.grad.zero_()
 
     @property
     def own(self) -> torch.Tensor:

@@ -19,7 +19,8 @@ gradient shard. The two stages differ only in *when*:
   into it) and reduces it once, at ``step()``, after all micro-batches.
 * :class:`Stage2Grads` reduces each bucket as soon as backward has produced all its
   gradients (overlapping backward), then frees the parameter gradients: only the
-  fp32 gradient shard and at most a few staged buckets exist.
+  fp32 gradient shard (from the first reduction until ``zero_grad``) and at most a few
+  staged buckets exist.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class _Reducer:
         g = self.group
         a, b = max(lo, g.lo), min(hi, g.hi)
         if a < b:
-            g.grad[a - g.lo : b - g.lo].add_(part[a - lo : b - lo].to(torch.float32), alpha=1.0 / self.world)
+            g.grad_shard()[a - g.lo : b - g.lo].add_(part[a - lo : b - lo].to(torch.float32), alpha=1.0 / self.world)
 
 
 class OwnerReducer(_Reducer):
@@ -211,9 +212,9 @@ class Stage1Grads:
             done, works, b, u = pending.popleft()
             done(works, b, u)
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
         self.flat_grad.zero_()
-        self.group.grad.zero_()
+        self.group.zero_grad(set_to_none)
         self._attach()
 
     def remove(self) -> None:
@@ -321,8 +322,8 @@ class Stage2Grads:
     def before_step(self) -> None:
         pass
 
-    def zero(self) -> None:
-        self.group.grad.zero_()
+    def zero(self, set_to_none: bool = True) -> None:
+        self.group.zero_grad(set_to_none)
 
     def remove(self) -> None:
         for h in self._handles:

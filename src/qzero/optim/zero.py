@@ -139,7 +139,7 @@ class ZeroOptimizer:
         self.wait_for_weights()
         for grads in self.grads:
             grads.before_step()
-        shards = [g.grad for g in self.groups]
+        shards = [g.grad_shard() for g in self.groups]
         if self.scaler.enabled:
             for s in shards:
                 s.mul_(1.0 / self.scaler.scale)
@@ -188,10 +188,11 @@ class ZeroOptimizer:
             self.ahead.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients (the shards are zeroed in place; ``set_to_none`` is accepted for
-        compatibility and has no other effect)."""
+        """Clear gradients. ``set_to_none`` (the default, as in torch) frees the fp32 gradient
+        shards until the next backward's first reduction, so they do not add to the forward's
+        memory peak; ``False`` zeroes them in place."""
         for grads in self.grads:
-            grads.zero()
+            grads.zero(set_to_none)
 
     @torch.no_grad()
     def gather_exact_weights(self) -> None:
