@@ -15,6 +15,9 @@
 #   bash bench/gpu_session.sh dp4 OUT                      # issue 9 (4-GPU host)
 #   bash bench/gpu_session.sh dp8-gather OUT; REGIME=pcie|ethernet bash bench/gpu_session.sh dp8 OUT   # issue 10 (8-GPU host)
 #   bash bench/gpu_session.sh s3c OUT  # gpu_check --delays, then the PCIe-class matrix (side streams and sliced update now the defaults)
+# Session 4 (exact lines in bench/results/session4_2026-11-30/README.md):
+#   LIMIT=... REGIME=ethernet|nvlink|pcie ARMS="..." bash bench/gpu_session.sh matrix OUT
+#   bash bench/gpu_session.sh memory OUT   # bench/memory_peak.py per engine (ENGINES), then qzero vs fsdp2
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
 phase=${1:?phase}
