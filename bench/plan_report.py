@@ -2,8 +2,8 @@
 
 For each world size: the flat order ``auto`` picks and its padding, the weight gather's
 chunks and receive buffers (synchronous and gather-ahead), the gradient buckets, and the
-largest reduce staging a backward holds (solo parameters need none: their own gradient
-is reduced), found by replaying the backward's gradient order
+largest reduce staging a backward holds (with ``--solo-reduce``, as with
+``ZeroConfig.solo_reduce``, solo parameters need none: their own gradient is reduced), found by replaying the backward's gradient order
 (reverse model order; a tied embedding's gradient arrives last) over the bucket plan.
 Model shapes come from a ``transformers`` config on the meta device (nothing is allocated).
 
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--allgather-bucket", type=float, default=5e8)
     ap.add_argument("--reduce-bucket", type=float, default=5e7)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--solo-reduce", action="store_true", help="as ZeroConfig.solo_reduce (default off)")
     a = ap.parse_args()
     shapes, tied = model_shapes(a.preset)
     used = sum(int(torch.Size(s).numel()) for s in shapes)
@@ -74,7 +75,7 @@ def main() -> None:
         sync = plan_flat_layout(shapes, w, bucket_numel=ag, **kw)
         ahead = plan_flat_layout(shapes, w, bucket_numel=ag // DEPTH, **kw)
         if sync.order == "interleaved":
-            solo = solo_slots(sync, rb)
+            solo = solo_slots(sync, rb) if a.solo_reduce else ()
             buckets = plan_scatter_buckets(sync, rb, exclude=solo)
             kind = f"reduce-scatter + {len(solo)} solo"
             peak = staging_peak(sync, buckets, lambda b: w * b.width, tied)

@@ -124,7 +124,9 @@ class ZeroConfig:
     size) until the end of backward, when activations are mostly freed. Alone, it needs no
     staging, but the windows then carry zeros in its place and it crosses the link in one
     direction only: its size again on the link. Off by default: on an Ethernet-class DP2 link
-    it cost 1.16x in whole-step time (Qwen3-1.7B, gather-ahead) and saved no peak memory."""
+    it cost 1.16x in whole-step time (Qwen3-1.7B, gather-ahead) and saved no peak memory.
+    Turn it on where memory binds at the end of backward (a Qwen3-4B at DP8 stages ~5.8 GiB
+    there in windows, 446 MiB with it: ``bench/plan_report.py``)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
