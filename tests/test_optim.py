@@ -181,8 +181,13 @@ def assemble_masters(results, group=0):
     return full
 
 
-def flatten_reference_masters(masters, model_order_groups):
-    return torch.cat([m.reshape(-1) for m in masters])
+def assert_matches_reference(cfg_kwargs, *, stage, world=3, steps=3):
+    """Train with ZeroOptimizer and with the single-process reference: same fp32 masters."""
+    results = run_distributed(zero_run, world, steps, cfg_kwargs)
+    _, ref_masters, _ = reference_run(world, steps, stage=stage)
+    assert_replicas_identical(results)
+    want = torch.cat([m.reshape(-1) for m in ref_masters])
+    torch.testing.assert_close(assemble_masters(results), want, rtol=2e-6, atol=2e-7)
 
 
 def assert_replicas_identical(results):
@@ -447,11 +452,7 @@ def test_stage2_without_overlap_comm_matches_the_reference(order, solo):
     instead of during it; the result is the same."""
     kwargs = dict(stage=2, overlap_comm=False, reduce_dtype="fp32", reduce_bucket_size=300,
                   allgather_bucket_size=3 * 64 * 3, flat_order=order, solo_reduce=solo)
-    results = run_distributed(zero_run, 3, 3, kwargs)
-    _, ref_masters, _ = reference_run(3, 3, stage=2)
-    assert_replicas_identical(results)
-    want = torch.cat([m.reshape(-1) for m in ref_masters])
-    torch.testing.assert_close(assemble_masters(results), want, rtol=2e-6, atol=2e-7)
+    assert_matches_reference(kwargs, stage=2)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -480,11 +481,7 @@ def test_solo_reduce_matches_the_reference(stage):
     """``solo_reduce``: the embedding reduced on its own gives the single-process reference."""
     kwargs = dict(stage=stage, reduce_dtype="fp32", reduce_bucket_size=300, allgather_bucket_size=3 * 64 * 3,
                   flat_order="interleaved", solo_reduce=True)
-    results = run_distributed(zero_run, 3, 3, kwargs)
-    _, ref_masters, _ = reference_run(3, 3, stage=stage)
-    assert_replicas_identical(results)
-    want = torch.cat([m.reshape(-1) for m in ref_masters])
-    torch.testing.assert_close(assemble_masters(results), want, rtol=2e-6, atol=2e-7)
+    assert_matches_reference(kwargs, stage=stage)
 
 
 def grad_lifetime_run(rank, world, stage):

@@ -3,9 +3,9 @@
 The parameters become views into one padded bf16/fp16 flat buffer (see
 :mod:`qzero.layout`); this rank keeps the fp32 master shard of its partition and, from a
 backward's first reduction until ``zero_grad()``, an fp32 gradient shard of the same
-size. After a step the master shard is copied into the partition and the flat buffer is gathered (plainly or quantized); the copy runs
-chunk by chunk as the gather asks for it (:meth:`FlatGroup.prepare`), together with
-the sliced optimizer update when there is one.
+size. After a step the master shard is copied into the partition and the flat buffer is
+gathered (plainly or quantized); the copy runs chunk by chunk as the gather asks for it
+(:meth:`FlatGroup.prepare`), together with the sliced optimizer update when there is one.
 """
 
 from __future__ import annotations
