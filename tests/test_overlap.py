@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 
 import qzero
+import qzero.chunks as chunks
 import qzero.overlap as overlap
 from qzero.layout import plan_gather
 
@@ -37,7 +38,7 @@ class Net(torch.nn.Module):
 def install_delays(seed):
     """Random sleeps around every gather launch and wait, to shake out missing waits."""
     rng = random.Random(seed)
-    real = overlap.all_gather_into
+    real = chunks.all_gather_into
 
     class SlowWork:
         def __init__(self, work):
@@ -52,7 +53,7 @@ def install_delays(seed):
         work = real(out, inp, group=group, async_op=async_op)
         return SlowWork(work) if async_op else work
 
-    overlap.all_gather_into = delayed
+    chunks.all_gather_into = delayed
 
 
 def run(rank, world, cfg_kwargs, steps, reverse=False, delays=False):
@@ -155,29 +156,40 @@ def test_overlap_needs_room_for_two_chunks():
         qzero.ZeroOptimizer(Net().bfloat16(), torch.optim.AdamW, config=cfg)
 
 
-@pytest.mark.parametrize("switch", [None, "1"])
-def test_side_stream_switch_falls_back_off_cuda(monkeypatch, switch):
-    """Side streams are the default (and ``QZERO_AHEAD_STREAMS=1`` asks for them) for
-    quantized gathers on CUDA; elsewhere the hook-driven gather runs, with the same bits
-    (the CUDA variant: bench/gpu_check.py)."""
-    if switch is None:
-        monkeypatch.delenv("QZERO_AHEAD_STREAMS", raising=False)
-    else:
-        monkeypatch.setenv("QZERO_AHEAD_STREAMS", switch)
+def test_streams_are_refused_off_cuda_before_anything_changes():
+    model = Net().bfloat16()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="'streams' needs CUDA"):
+        qzero.ZeroOptimizer(model, torch.optim.AdamW, config=qzero.ZeroConfig(gather_schedule="streams"))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="gather_schedule must be one of"):
+        qzero.ZeroConfig(gather_schedule="fast")
+    with pytest.raises(ValueError, match="quant_kernels must be one of"):
+        qzero.ZeroConfig(quant_kernels="cuda")
+
+
+def test_settings_of_the_engine_keep_the_bits():
+    """The reference kernels and a whole (unsliced) update give the bits of the defaults,
+    synchronously and ahead (the side-stream schedule: bench/gpu_check.py on CUDA)."""
     cfg = CASES[0]
-    sync = run_distributed(run, 2, cfg, 3)
-    ahead = run_distributed(run, 2, {**cfg, "overlap_param_gather": True}, 3)
-    for (l0, f0, _, _), (l1, f1, pending, _) in zip(sync, ahead):
-        assert l0 == l1 and pending
-        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(f0, f1))
+    base = run_distributed(run, 2, cfg, 3)
+    for extra in ({"quant_kernels": "reference", "sliced_update": False},
+                  {"overlap_param_gather": True, "gather_schedule": "inline", "sliced_update": False}):
+        other = run_distributed(run, 2, {**cfg, **extra}, 3)
+        for (l0, f0, _, _), (l1, f1, _, _) in zip(base, other):
+            assert l0 == l1
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(f0, f1))
 
 
-def test_side_stream_switch(monkeypatch):
-    from qzero.overlap import streamed_enabled
-
-    monkeypatch.delenv("QZERO_AHEAD_STREAMS", raising=False)
-    assert streamed_enabled()
-    monkeypatch.setenv("QZERO_AHEAD_STREAMS", "0")
-    assert not streamed_enabled()
-    monkeypatch.setenv("QZERO_AHEAD_STREAMS", "1")
-    assert streamed_enabled()
+def test_close_finishes_the_gather_and_removes_the_hooks():
+    torch.manual_seed(0)
+    model = Net().bfloat16()
+    opt = qzero.ZeroOptimizer(model, torch.optim.AdamW, config=qzero.ZeroConfig(**CASES[0], overlap_param_gather=True))
+    tokens = torch.randint(0, 41, (2, 9))
+    opt.backward(F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 41), tokens[:, 1:].reshape(-1)))
+    opt.step()
+    assert not model.emb._forward_pre_hooks == {}
+    opt.close()
+    assert not opt.ahead.busy
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if p._post_accumulate_grad_hooks is not None)

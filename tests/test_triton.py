@@ -318,9 +318,9 @@ def test_gpu_large_matches_reference(fmt, group_size, soft, dtype, monkeypatch):
 @gpu_only
 @pytest.mark.parametrize("stage", [None, "pack", "gather", "unpack"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_pipeline_matches_unpipelined(fmt, stage, monkeypatch):
+def test_gpu_pipeline_matches_unpipelined(fmt, stage):
     """Delaying one stage's stream exposes any missing wait: the result must not move."""
-    import qzero.pipeline as pipeline
+    from qzero.engine import CommContext, fitting_plan, recv_budget_bytes
 
     gen = torch.Generator().manual_seed(17)
     numel = 1 << 22
@@ -328,18 +328,17 @@ def test_gpu_pipeline_matches_unpipelined(fmt, stage, monkeypatch):
     exact = [(0, 1000), (70_000, 140_000), (numel - 300, numel)]
     plan = plan_gather(numel, 1, fmt=fmt, group_size=64, exact_ranges=exact, bucket_numel=1 << 19)
     want = flat.clone()
-    monkeypatch.setenv("QZERO_PIPELINE", "0")
-    run_gather(want, plan)
-    monkeypatch.setenv("QZERO_PIPELINE", "1")
+    run_gather(want, plan, context=CommContext(flat.device, schedule="inline"))
+    streams = CommContext(flat.device, schedule="streams")
     if stage is not None:
-        monkeypatch.setitem(pipeline.DELAY_CYCLES, stage, 2_000_000)
-    assert pipeline.pipeline_plan(plan) is not None
+        streams.delay_cycles[stage] = 2_000_000
+    assert fitting_plan(plan, 2) is not None
     for _ in range(2):
         got = flat.clone()
-        run_gather(got, plan)
+        run_gather(got, plan, context=streams)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    work = pipeline.pipeline_plan(plan)
-    assert 2 * work.max_recv_bytes <= pipeline.recv_budget_bytes(plan)
+    work = fitting_plan(plan, 2)
+    assert 2 * work.max_recv_bytes <= recv_budget_bytes(plan)
 
 
 @gpu_only

@@ -4,53 +4,23 @@ Both public functions share one contract: ``flat`` is a 1-D contiguous buffer wi
 the same numel on every rank; rank ``r`` owns ``flat.chunk(world_size)[r]``; on
 return every rank holds the gathered buffer, bit-identical on all ranks. They
 validate their arguments, agree on them across ranks (a mismatch raises on every
-rank instead of hanging), then run :func:`run_gather` on a static
-:class:`~qzero.layout.GatherPlan`. Callers that keep a plan (the optimizer) call
-:func:`run_gather` directly and skip the checks.
+rank instead of hanging), then run a static :class:`~qzero.layout.GatherPlan` on the
+gather engine (:mod:`qzero.engine`). Callers that keep a plan (the optimizer, the
+DeepSpeed adapter) start the engine directly and skip the checks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
-from .layout import DEFAULT_BUCKET_NUMEL, ChunkPlan, GatherPlan, plan_gather
-from .quant import kernels_for
+from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (public names)
+from .engine import CommContext, GatherStats, start_gather, stats_of, world_and_rank  # noqa: F401
+from .layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
 
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16)
-
-# torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class GatherStats(NamedTuple):
-    """What one gather moved. Byte counts are per rank (what each rank contributes)."""
-
-    num_chunks: int
-    bytes_sent: int
-    plain_bytes: int
-    max_recv_numel: int
-    max_recv_bytes: int
-
-    @property
-    def ratio(self) -> float:
-        """Bytes sent relative to a plain gather of the same buffer."""
-        return self.bytes_sent / self.plain_bytes if self.plain_bytes else 1.0
-
-
-def stats_of(plan: GatherPlan) -> GatherStats:
-    return GatherStats(
-        num_chunks=len(plan.chunks),
-        bytes_sent=plan.bytes_per_rank,
-        plain_bytes=plan.plain_bytes_per_rank,
-        max_recv_numel=plan.max_recv_numel,
-        max_recv_bytes=plan.max_recv_bytes,
-    )
 
 
 # --------------------------------------------------------------------------- public API
@@ -74,7 +44,7 @@ def quantized_all_gather(
     bit-identical. Transient memory is bounded by ``bucket_numel`` elements of
     receive buffer; there is one collective per chunk.
     """
-    world, agree_group, group_error = _world_or_default(group)
+    world, _, agree_group, group_error = world_or_default(group)
 
     def build() -> GatherPlan:
         if group_error is not None:
@@ -105,7 +75,7 @@ def all_gather(
 
     With one chunk it gathers straight into ``flat`` with no extra buffer.
     """
-    world, agree_group, group_error = _world_or_default(group)
+    world, _, agree_group, group_error = world_or_default(group)
 
     def build() -> GatherPlan:
         if group_error is not None:
@@ -120,106 +90,21 @@ def all_gather(
 # --------------------------------------------------------------------------- execution
 
 
-class PeerFailure(RuntimeError):
-    """A collective failed: a peer rank died, or did not answer within the process group's timeout."""
-
-
-@contextlib.contextmanager
-def peer_failure(what: str):
-    """Turn a backend error inside a collective into one clear :class:`PeerFailure`."""
-    try:
-        yield
-    except PeerFailure:
-        raise
-    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts are RuntimeErrors
-        raise PeerFailure(
-            f"qzero: {what} failed: a peer rank died or did not answer within the process group's timeout "
-            f"(set it with init_process_group(timeout=...)). Backend said: {str(e).splitlines()[0] if str(e) else e!r}"
-        ) from e
-
-
-def run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None = None, prepare=None) -> GatherStats:
-    """Execute ``plan`` on ``flat`` (no argument checks: the plan was validated when built).
-
-    ``prepare(stop)``, if given, is called before this rank's partition is read up to local
-    offset ``stop``, chunk by chunk in order (the optimizer updates its master shard there)."""
-    return _run_gather(flat, plan, group, prepare)
-
-
-def _run_gather(flat: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup | None, prepare=None) -> GatherStats:
-    world, rank = _world_and_rank(group)
-    stats = stats_of(plan)
-    if not plan.chunks:
-        return stats
-    p = plan.partition_numel
-    if not plan.quantized and len(plan.chunks) == 1:
-        if prepare is not None:
-            prepare(p)
-        if world > 1:
-            with peer_failure("the weight gather"):
-                all_gather_into(flat, flat[rank * p : (rank + 1) * p], group=group)
-        return stats
-    if plan.quantized and flat.device.type == "cuda" and len(plan.chunks) > 1:
-        from .pipeline import run_pipelined  # CUDA only: overlapped stages on their own streams
-
-        with peer_failure("the weight gather"):
-            if run_pipelined(flat, plan, group, world, rank, prepare):
-                return stats
-    kernels = kernels_for(flat.device)
-    recv = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=flat.device)
-    for chunk in plan.chunks:
-        if prepare is not None:
-            prepare(chunk.offset + chunk.numel)
-        buf = recv[: world * chunk.payload_bytes]
-        mine = pack_chunk(flat, plan, chunk, rank, buf, kernels)
-        if world > 1:
-            with peer_failure("the weight gather"):
-                all_gather_into(buf, mine, group=group)
-        unpack_chunk(flat, plan, chunk, rank, buf, kernels)
-    return stats
-
-
-def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels):
-    """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot."""
-    pb, p = chunk.payload_bytes, plan.partition_numel
-    mine = buf[rank * pb : (rank + 1) * pb]
-    src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
-    if plan.quantized:
-        kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device))
-    else:
-        mine.view(flat.dtype).copy_(src)
-    return mine
-
-
-def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
-    """Write every source rank's payload of ``chunk`` into the flat buffer, one rank at a time
-    (this rank's own included when quantized, so that all replicas hold the same bits)."""
-    pb, p = chunk.payload_bytes, plan.partition_numel
-    for r in range(plan.world_size):
-        dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-        payload = buf[r * pb : (r + 1) * pb]
-        if plan.quantized:
-            kernels.unpack_payload(
-                payload, dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
-            )
-        elif r != rank:
-            dst.copy_(payload.view(flat.dtype))
-
-
-def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
-    """Indices (relative to ``rank``'s slice of ``chunk``) of its exact elements; cached on the plan."""
-    if not plan.exact_ranges:
-        return None
-    key = ("exact_index", chunk.index, rank, device)
-    idx = plan._cache.get(key)
-    if idx is None:
-        ranges = plan.exact_local_ranges(chunk, rank)
-        if ranges:
-            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
-        else:
-            idx = torch.empty(0, dtype=torch.int64, device=device)
-        plan._cache[key] = idx
-    return idx
+def run_gather(
+    flat: torch.Tensor,
+    plan: GatherPlan,
+    group: dist.ProcessGroup | None = None,
+    *,
+    context: CommContext | None = None,
+    prepare=None,
+) -> GatherStats:
+    """Run ``plan`` on ``flat`` synchronously (no argument checks: the plan was validated when
+    built): ``start_gather(...).wait()`` on ``context`` (a new one for ``flat``'s device if
+    None). ``prepare`` as in :func:`qzero.engine.start_gather`."""
+    context = CommContext(flat.device) if context is None else context
+    handle = start_gather(flat, plan, group, context, prepare=prepare)
+    handle.wait()
+    return handle.stats
 
 
 # --------------------------------------------------------------------------- checks
@@ -248,9 +133,7 @@ def check_finite_partition(flat: torch.Tensor, plan: GatherPlan, rank: int) -> N
 
 def _world_and_rank(group) -> tuple[int, int]:
     check_group(group)
-    if not dist.is_available() or not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    return world_and_rank(group)
 
 
 def check_group(group) -> None:
@@ -263,15 +146,16 @@ def check_group(group) -> None:
         raise ValueError("a process group was given but torch.distributed is not initialized")
 
 
-def _world_or_default(group) -> tuple[int, dist.ProcessGroup | None, Exception | None]:
-    """World size for the agreement; an invalid group is a local error, and the agreement
-    then runs on the default group so that the other ranks hear of it instead of waiting."""
+def world_or_default(group) -> tuple[int, int, dist.ProcessGroup | None, Exception | None]:
+    """World size and rank for ``group``, the group to agree on, and a local error. An invalid
+    group is a local error, and the agreement then runs on the default group so that the other
+    ranks hear of it instead of waiting."""
     try:
-        return _world_and_rank(group)[0], group, None
+        return *_world_and_rank(group), group, None
     except (TypeError, ValueError) as e:
         if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(), None, e
-        return 1, None, e
+            return dist.get_world_size(), dist.get_rank(), None, e
+        return 1, 0, None, e
 
 
 def _check_flat(flat) -> None:

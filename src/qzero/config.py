@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
+from .engine import SCHEDULES as GATHER_SCHEDULES
+from .quant import KERNELS
 from .quant.formats import check_group_size, get_format
 
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
@@ -128,15 +130,38 @@ class ZeroConfig:
     Turn it on where memory binds at the end of backward (a Qwen3-4B at DP8 stages ~5.8 GiB
     there in windows, 446 MiB with it: ``bench/plan_report.py``)."""
 
+    gather_schedule: str = "auto"
+    """How the weight gather's chunks are scheduled (the results are the same bits):
+    ``streams`` (CUDA only) packs, gathers and unpacks on three side streams ordered by
+    events, so no collective waits behind the compute stream's kernels; ``inline`` packs
+    and unpacks on the current stream and launches the collectives asynchronously (the
+    only schedule off CUDA); ``auto`` is ``streams`` on CUDA and ``inline`` elsewhere.
+    See ``[Note: the gather engine]`` in :mod:`qzero.engine`."""
+
+    sliced_update: bool = True
+    """Adam/AdamW, from the second step: update the master shard in slices as the gather
+    asks for them (slices double in size, so a step makes a handful of optimizer calls),
+    so the first chunks leave before the whole update has run. The bits are those of one
+    whole update. Off: one update, then the gather."""
+
+    quant_kernels: str = "auto"
+    """Quantization kernels: ``auto`` (the fused Triton kernels on CUDA where Triton is
+    installed, the torch reference elsewhere), ``triton`` or ``reference``. Both produce
+    the same bytes; ``reference`` is for checking that."""
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
         for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite",
-                     "solo_reduce"):
+                     "solo_reduce", "sliced_update"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)
         get_format(self.zero_quantized_weights_format)
+        if self.gather_schedule not in GATHER_SCHEDULES:
+            raise ValueError(f"gather_schedule must be one of {GATHER_SCHEDULES}, got {self.gather_schedule!r}")
+        if self.quant_kernels not in KERNELS:
+            raise ValueError(f"quant_kernels must be one of {KERNELS}, got {self.quant_kernels!r}")
         if self.flat_order not in ("auto", "contiguous", "interleaved"):
             raise ValueError(f"flat_order must be auto, contiguous or interleaved, got {self.flat_order!r}")
         for name in ("allgather_bucket_size", "reduce_bucket_size", "small_param_numel", "initial_scale_power",

@@ -40,7 +40,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, run_gather
+from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise
+from ..engine import CommContext, start_gather
 from ..layout import DEFAULT_SMALL_PARAM_NUMEL, GatherPlan, plan_gather
 from ..quant.formats import FORMATS, check_group_size, get_format
 
@@ -407,6 +408,8 @@ class QuantizedGather:
         self.last_stats: tuple[GatherStats, ...] = ()
         for index in range(len(self.groups_flat)):
             self.groups.append(self._plan_agreed(optimizer, index))
+        # The streams and kernels of the gathers (DeepSpeed's flat groups share one device).
+        self.context = CommContext(self.groups_flat[0].device) if self.groups_flat else None
         _warn_if_no_saving(self.plans)
 
     def _plan_agreed(self, opt, index: int) -> GroupGather | None:
@@ -435,8 +438,9 @@ class QuantizedGather:
             if g is None:
                 continue
             self._check_call(g, flat, group)
-            s = run_gather(flat, g.plan, g.process_group)
-            stats.append(s)
+            handle = start_gather(flat, g.plan, g.process_group, self.context)
+            handle.wait()
+            stats.append(handle.stats)
         self.calls += 1
         self.bytes_sent += sum(s.bytes_sent for s in stats)
         self.plain_bytes += sum(s.plain_bytes for s in stats)

@@ -15,12 +15,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .. import pipeline
-from ..comm import GatherStats, peer_failure, run_gather, stats_of
+from ..comm import GatherStats
 from ..config import ZeroConfig
+from ..engine import CommContext, GatherHandle, start_gather
 from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
-from ..overlap import DEPTH as OVERLAP_DEPTH
-from ..overlap import PendingGather, StreamedGather, streamed_enabled
 
 
 class FlatGroup:
@@ -34,8 +32,10 @@ class FlatGroup:
         world_size: int,
         rank: int,
         process_group: dist.ProcessGroup | None,
+        context: CommContext,
     ):
         self.params = params
+        self.context = context
         self.names = names
         self.rank = rank
         self.world_size = world_size
@@ -43,8 +43,9 @@ class FlatGroup:
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         quantized = config.zero_quantized_weights
-        # With gather-ahead, DEPTH chunks are in flight at once: each gets 1/DEPTH of the bucket.
-        bucket = config.allgather_bucket_size // (OVERLAP_DEPTH if config.overlap_param_gather else 1)
+        # The bucket bounds every receive buffer alive at once; where a schedule keeps two
+        # chunks in flight, the engine runs the plan cut to fit (qzero.engine.fitting_plan).
+        bucket = config.allgather_bucket_size
         self.layout: FlatLayout = plan_flat_layout(
             [tuple(p.shape) for p in params],
             world_size,
@@ -77,6 +78,7 @@ class FlatGroup:
         self.flat: torch.Tensor | None = None
         self._update: Callable[[int, int], None] | None = None
         self._prepared = 0
+        self._slice = 0  # length of the last update slice
 
     def flatten(self) -> None:
         """Copy the parameters into one flat buffer and make them views into it."""
@@ -117,49 +119,48 @@ class FlatGroup:
         """Copy the master shard into the partition and gather every partition.
 
         ``update(start, stop)``, if given, steps the master shard's ``[start, stop)`` first;
-        the gather calls it chunk by chunk, just before it needs the chunk (sliced update)."""
-        self._begin(update)
-        stats = run_gather(self.flat, self.gather_plan, self.process_group, prepare=self.prepare)
-        self.prepare(self.hi - self.lo)
-        return stats
+        the gather asks for it chunk by chunk (:meth:`prepare`), so the first chunks leave
+        before the whole update has run (sliced update)."""
+        handle = self.start_gather(update)
+        handle.wait()
+        return handle.stats
 
-    def start_gather(self, update: Callable[[int, int], None] | None = None) -> PendingGather | StreamedGather:
+    def start_gather(self, update: Callable[[int, int], None] | None = None, ahead: bool = False) -> GatherHandle:
         """Copy the master shard into the partition and start the gather without waiting
         (``update`` as in :meth:`gather`; what the gather has not asked for yet is updated
         by :meth:`prepare` of the whole shard, which the caller runs next)."""
-        self._begin(update)
-        if streamed_enabled() and self.gather_plan.quantized and self.flat.is_cuda:
-            with peer_failure("the weight gather (gather-ahead)"):
-                queued = pipeline.enqueue(
-                    self.flat, self.gather_plan, self.process_group, self.world_size, self.rank, prepare=self.prepare
-                )
-            if queued is not None:
-                return StreamedGather(self.flat, queued, stats_of(self.gather_plan))
-        return PendingGather(self.flat, self.gather_plan, self.process_group, self.world_size, self.rank, self.prepare)
+        self._update, self._prepared, self._slice = update, 0, 0
+        return start_gather(self.flat, self.gather_plan, self.process_group, self.context, prepare=self.prepare,
+                            ahead=ahead)
 
-    def _begin(self, update: Callable[[int, int], None] | None) -> None:
-        self._update, self._prepared = update, 0
-
-    def prepare(self, stop: int) -> None:
+    def prepare(self, stop: int) -> bool:
         """Make the partition's local ``[0, stop)`` hold the updated master shard: update
-        (if a sliced update is running) and copy what has not been yet, in order."""
-        stop = min(stop, self.hi - self.lo)
+        (if a sliced update is running) and copy what has not been yet, in order. Returns
+        whether it queued any work.
+
+        Slices at least double in length, whatever the chunks asked for: each update slice is
+        one call of the inner optimizer, whose host cost (hundreds of microseconds) would
+        otherwise be paid once per chunk, and chunks are small where the bucket is. So a
+        step makes about ``log2(shard / first chunk)`` calls, and the first chunk still
+        leaves after an update of its own size."""
+        n = self.hi - self.lo
+        stop = min(stop, n)
         start = self._prepared
         if stop <= start:
-            return
+            return False
+        stop = min(n, max(stop, start + 2 * self._slice))
+        self._slice = stop - start
         if self._update is not None:
             self._update(start, stop)
         self.own[start:stop].copy_(self.master[start:stop])
         self._prepared = stop
-        if stop == self.hi - self.lo:
+        if stop == n:
             self._update = None  # this step's update is complete
+        return True
 
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization)."""
         self.own.copy_(self.master)
-        return run_gather(self.flat, self.exact_plan, self.process_group)
-
-    def rebuild_views(self) -> None:
-        """Point the parameters at the flat buffer again (after someone replaced ``.data``)."""
-        for slot, p in zip(self.layout.slots, self.params):
-            p.data = self.flat[slot.start : slot.stop].view(slot.shape)
+        handle = start_gather(self.flat, self.exact_plan, self.process_group, self.context)
+        handle.wait()
+        return handle.stats

@@ -19,12 +19,10 @@ moves a weight by about ``lr`` at most, so a finite gradient check before the up
 covers what the check of the masters after it would catch (see
 :meth:`qzero.ZeroOptimizer.step`).
 
-``QZERO_SLICED_UPDATE=0`` turns slicing off (for A/B checks).
+``ZeroConfig.sliced_update=False`` turns slicing off (for A/B checks).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch.optim import optimizer as optim_module
@@ -32,13 +30,9 @@ from torch.optim import optimizer as optim_module
 SLICEABLE = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def enabled() -> bool:
-    return os.environ.get("QZERO_SLICED_UPDATE", "1") != "0"
-
-
 def sliceable(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> bool:
     """Whether :class:`SlicedUpdate` reproduces ``optimizer.step()`` bit for bit right now."""
-    if not enabled() or type(optimizer) not in SLICEABLE:
+    if type(optimizer) not in SLICEABLE:
         return False
     hooks = (
         optimizer._optimizer_step_pre_hooks,

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..comm import GatherStats, agree_or_raise
-from ..comm import _world_and_rank as comm_world_and_rank
+from ..comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
-from ..overlap import DEPTH as OVERLAP_DEPTH
+from ..engine import DEPTH as OVERLAP_DEPTH
+from ..engine import CommContext
 from ..overlap import GatherAhead
 from .flat import FlatGroup
 from .grads import Stage1Grads, Stage2Grads
@@ -57,8 +57,8 @@ class ZeroOptimizer:
         param_groups: list[dict] | None = None,
     ):
         config = ZeroConfig() if config is None else config
-        world, rank, agree_group, error = _world_or_default(process_group)
-        groups = names = inner = flat_groups = None
+        world, rank, agree_group, error = world_or_default(process_group)
+        groups = names = inner = flat_groups = context = None
         try:
             if error is not None:
                 raise error
@@ -70,10 +70,12 @@ class ZeroOptimizer:
                 raise TypeError(f"optimizer must be a callable that builds a torch.optim.Optimizer, got {optimizer!r}")
             groups, names = _split_groups(model, param_groups)
             _check_flattenable(groups, names, config, world)
+            # The streams and kernels of every gather this optimizer runs.
+            context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels)
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
             # touching the model, so that its errors, too, leave everything as it was.
             flat_groups = [
-                FlatGroup(params, [names[p] for p in params], config, world, rank, process_group)
+                FlatGroup(params, [names[p] for p in params], config, world, rank, process_group, context)
                 for params, _ in groups
             ]
             inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
@@ -91,6 +93,7 @@ class ZeroOptimizer:
         self.process_group = process_group
         self.world_size, self.rank = world, rank
         self.model = model
+        self.context = context
         self.groups = flat_groups
         self.optimizer = inner
         src = dist.get_global_rank(process_group, 0) if process_group is not None and world > 1 else 0
@@ -154,7 +157,7 @@ class ZeroOptimizer:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coef)
         masters = [g.master for g in self.groups]
-        if sliced_update.sliceable(self.optimizer, masters):
+        if self.config.sliced_update and sliced_update.sliceable(self.optimizer, masters):
             # Update chunk by chunk as the gather asks for it. The update of Adam-family
             # optimizers is bounded, so checking the gradients first stands in for checking
             # the masters after (which would have to wait for the whole update). The global
@@ -174,7 +177,7 @@ class ZeroOptimizer:
             self.last_gather = [g.gather(u) for g, u in zip(self.groups, updates)]
         else:
             for i, (g, u) in enumerate(zip(self.groups, updates)):
-                self.ahead.start(i, g.start_gather(u))
+                self.ahead.start(i, g.start_gather(u, ahead=True))
             for g in self.groups:  # what the running gathers have not asked for yet
                 g.prepare(g.hi - g.lo)
             self.last_gather = [p.stats for p in self.ahead.pending if p is not None]
@@ -186,6 +189,15 @@ class ZeroOptimizer:
         """Finish a gather still running under gather-ahead (a no-op otherwise)."""
         if self.ahead is not None:
             self.ahead.wait_all()
+
+    def close(self) -> None:
+        """Finish any running gather and take qzero's hooks off the model and its parameters
+        (gradient reduction, gather-ahead). The parameters stay views into the flat buffers;
+        the optimizer must not be used afterwards."""
+        if self.ahead is not None:
+            self.ahead.remove()
+        for grads in self.grads:
+            grads.remove()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. ``set_to_none`` (the default, as in torch) frees the fp32 gradient
@@ -281,18 +293,6 @@ class ZeroOptimizer:
 
 
 # ---------------------------------------------------------------------- construction checks
-
-
-def _world_or_default(group):
-    """World size and rank for ``group``; an invalid group becomes a local error and the
-    construction-time agreement then runs on the default group, so no rank waits forever."""
-    try:
-        world, rank = comm_world_and_rank(group)
-        return world, rank, group, None
-    except (TypeError, ValueError) as e:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(), dist.get_rank(), None, e
-        return 1, 0, None, e
 
 
 def _split_groups(model: torch.nn.Module, param_groups: Iterable[dict] | None):

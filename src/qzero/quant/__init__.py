@@ -7,8 +7,6 @@ produce the same bytes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import reference
@@ -23,6 +21,7 @@ __all__ = [
     "dequantize",
     "get_format",
     "kernels_for",
+    "KERNELS",
     "quantize",
 ]
 
@@ -35,13 +34,25 @@ def _triton_kernels():
     return triton_kernels if triton_kernels.AVAILABLE else None
 
 
-def kernels_for(device: torch.device):
+KERNELS = ("auto", "triton", "reference")
+
+
+def kernels_for(device: torch.device, choice: str = "auto"):
     """The module whose ``pack_payload``/``unpack_payload`` serve tensors on ``device``.
 
-    ``QZERO_KERNELS=reference`` forces the torch reference everywhere (for A/B checks).
+    ``auto``: the fused Triton kernels for CUDA tensors where Triton is installed, the
+    torch reference everywhere else; ``reference``: the torch reference; ``triton``: the
+    Triton kernels, refused where they cannot run. All produce the same bytes.
     """
-    if device.type == "cuda" and os.environ.get("QZERO_KERNELS", "auto") != "reference":
-        mod = _triton_kernels()
-        if mod is not None:
-            return mod
+    if choice not in KERNELS:
+        raise ValueError(f"quantization kernels must be one of {KERNELS}, got {choice!r}")
+    if choice == "reference":
+        return reference
+    mod = _triton_kernels()
+    if choice == "triton":
+        if mod is None:
+            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
+        return mod
+    if device.type == "cuda" and mod is not None:
+        return mod
     return reference

@@ -1,0 +1,89 @@
+"""Chunk primitives of the weight gather: pack one rank's slice, gather, unpack every slice.
+
+These are the only functions that touch payload bytes; :mod:`qzero.engine` schedules
+them and nothing else does. The vocabulary (partition, chunk, payload, exact range) is
+defined in the note at the top of :mod:`qzero.layout`.
+
+``all_gather_into`` is looked up through this module by every caller, so a test can
+replace it in one place (to inject delays around every collective launch and wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .layout import ChunkPlan, GatherPlan
+
+# torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: a peer rank died, or did not answer within the process group's timeout."""
+
+
+@contextlib.contextmanager
+def peer_failure(what: str):
+    """Turn a backend error inside a collective into one clear :class:`PeerFailure`."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts are RuntimeErrors
+        raise PeerFailure(
+            f"qzero: {what} failed: a peer rank died or did not answer within the process group's timeout "
+            f"(set it with init_process_group(timeout=...)). Backend said: {str(e).splitlines()[0] if str(e) else e!r}"
+        ) from e
+
+
+def slot(plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor) -> torch.Tensor:
+    """``rank``'s payload of ``chunk`` inside the receive buffer ``buf``."""
+    pb = chunk.payload_bytes
+    return buf[rank * pb : (rank + 1) * pb]
+
+
+def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels):
+    """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot."""
+    p = plan.partition_numel
+    mine = slot(plan, chunk, rank, buf)
+    src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
+    if plan.quantized:
+        kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device))
+    else:
+        mine.view(flat.dtype).copy_(src)
+    return mine
+
+
+def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
+    """Write every source rank's payload of ``chunk`` into the flat buffer, one rank at a time
+    (this rank's own included when quantized, so that all replicas hold the same bits)."""
+    p = plan.partition_numel
+    for r in range(plan.world_size):
+        dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+        payload = slot(plan, chunk, r, buf)
+        if plan.quantized:
+            kernels.unpack_payload(
+                payload, dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
+            )
+        elif r != rank:
+            dst.copy_(payload.view(flat.dtype))
+
+
+def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
+    """Indices (relative to ``rank``'s slice of ``chunk``) of its exact elements; cached on the plan,
+    so that they are copied to the device once, never inside a running gather."""
+    if not plan.exact_ranges:
+        return None
+    key = ("exact_index", chunk.index, rank, device)
+    idx = plan._cache.get(key)
+    if idx is None:
+        ranges = plan.exact_local_ranges(chunk, rank)
+        if ranges:
+            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
+        else:
+            idx = torch.empty(0, dtype=torch.int64, device=device)
+        plan._cache[key] = idx
+    return idx

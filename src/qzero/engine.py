@@ -1,0 +1,332 @@
+"""The gather engine: the one place that runs a :class:`~qzero.layout.GatherPlan`.
+
+[Note: the gather engine]
+
+``start_gather(flat, plan, group, context, prepare=...)`` returns a :class:`GatherHandle`.
+``handle.wait_until(k)`` makes the work queued on the current stream from then on see
+chunks ``0..k`` in ``flat``; ``handle.wait()`` does it for every chunk. The synchronous
+gather is ``start_gather(...).wait()``; gather-ahead keeps the handle and lets each
+module's forward pre-hook wait for its own chunks (:mod:`qzero.overlap`); the DeepSpeed
+adapter uses the synchronous form. Chunks finish strictly in order, and the bits do not
+depend on the schedule: every schedule packs and unpacks the same groups with the same
+functions (:mod:`qzero.chunks`).
+
+Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
+
+``streams`` (CUDA; the default there)
+    Pack, collective and unpack run on three side streams of the context, ordered only
+    by CUDA events, so chunk ``k`` is on the wire while ``k+1`` is packed and ``k-1``
+    unpacked, and no collective waits behind the compute stream's kernels::
+
+        pack stream    P0  P1  P2 ...     Pk waits for the prepare of its chunk and for Uk-2
+        comm stream        G0  G1 ...     Gk waits for Pk
+        unpack stream          U0 ...     Uk waits for Gk
+
+    The host *enqueues* chunks lazily: the first ``LOOKAHEAD`` at the start, and each
+    ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
+    chunk costs the host a few kernel and collective launches; enqueuing all of them at
+    the end of ``step()`` held the next forward back by that much (tens of ms for a
+    model of billions of parameters at a 50M-element bucket), while inside the forward
+    the host runs ahead of the device and the same launches cost nothing.
+
+``inline`` (every device; the only one off CUDA)
+    Pack and unpack run on the current stream; collectives are launched asynchronously
+    and waited for in order, with up to ``depth`` chunks in flight (2 under gather-ahead:
+    each ``wait_until`` also launches the next chunks).
+
+Memory: whatever the schedule, the receive buffers alive at once together hold at most
+``plan.bucket_numel * elem_size`` bytes (what a plain gather of one bucket receives).
+When two buffers of ``plan``'s chunks do not fit, the handle runs the same gather cut
+into smaller chunks (:func:`fitting_plan`): chunks start on group boundaries whatever
+their size, so the bits are the same.
+
+Prepare: ``prepare(stop) -> bool`` (optional) is called, in chunk order, before this
+rank's slice of a chunk ending at local offset ``stop`` is packed; it returns whether it
+queued any work (the optimizer updates and copies its master shard there). Under
+``streams`` it runs for every chunk at the start, on the caller's stream, and each pack
+waits only for the event after the prepare that covered its chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import chunks
+from .chunks import exact_index, pack_chunk, peer_failure, slot, unpack_chunk
+from .layout import GatherPlan, plan_gather
+from .quant import kernels_for
+
+SCHEDULES = ("auto", "streams", "inline")
+STAGES = ("pack", "gather", "unpack")
+#: Chunks the ``inline`` schedule keeps in flight under gather-ahead.
+DEPTH = 2
+#: Chunks the ``streams`` schedule enqueues beyond the one being waited for.
+LOOKAHEAD = 4
+
+
+class GatherStats(NamedTuple):
+    """What one gather moved. Byte counts are per rank (what each rank contributes)."""
+
+    num_chunks: int
+    bytes_sent: int
+    plain_bytes: int
+    max_recv_numel: int
+    max_recv_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Bytes sent relative to a plain gather of the same buffer."""
+        return self.bytes_sent / self.plain_bytes if self.plain_bytes else 1.0
+
+
+def stats_of(plan: GatherPlan) -> GatherStats:
+    return GatherStats(
+        num_chunks=len(plan.chunks),
+        bytes_sent=plan.bytes_per_rank,
+        plain_bytes=plan.plain_bytes_per_rank,
+        max_recv_numel=plan.max_recv_numel,
+        max_recv_bytes=plan.max_recv_bytes,
+    )
+
+
+class CommContext:
+    """The streams and the quantization kernels of one device's gathers.
+
+    Created once by whoever owns the gathers (a :class:`~qzero.ZeroOptimizer`, the
+    DeepSpeed adapter) and passed to :func:`start_gather`; CUDA streams come from torch's
+    stream pool, so a short-lived context (one per public gather call) costs nothing.
+
+    ``schedule``: ``auto`` (``streams`` on CUDA, ``inline`` elsewhere), ``streams`` or
+    ``inline`` (see the note above). ``kernels``: ``auto`` (the fused Triton kernels on
+    CUDA where Triton is installed, the torch reference elsewhere), ``triton`` or
+    ``reference``; both produce the same bytes.
+    """
+
+    def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels: str = "auto"):
+        device = torch.device(device)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"gather schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "streams" and device.type != "cuda":
+            raise ValueError(f"gather schedule 'streams' needs CUDA tensors, got device {device}")
+        self.device = device
+        self.kernels = kernels_for(device, kernels)
+        self.schedule = schedule if schedule != "auto" else ("streams" if device.type == "cuda" else "inline")
+        self.streams = {s: torch.cuda.Stream(device) for s in STAGES} if self.schedule == "streams" else {}
+        #: GPU clock cycles each side stream spins before each of its steps. A test hook:
+        #: delaying one stage exposes any missing wait between streams.
+        self.delay_cycles = dict.fromkeys(STAGES, 0)
+
+    def _delay(self, stage: str) -> None:
+        if self.delay_cycles[stage]:
+            torch.cuda._sleep(self.delay_cycles[stage])
+
+
+def world_and_rank(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def recv_budget_bytes(plan: GatherPlan) -> int:
+    """Bytes a plain gather of one bucket receives: the bound on all receive buffers together."""
+    return plan.bucket_numel * plan.elem_size
+
+
+def fitting_plan(plan: GatherPlan, buffers: int) -> GatherPlan | None:
+    """``plan`` if ``buffers`` of its receive buffers fit :func:`recv_budget_bytes`, else the
+    same gather cut into smaller chunks that fit; ``None`` if not even one-group chunks do
+    (payloads dominated by exact ranges). Cached on the plan."""
+    key = ("fitting_plan", buffers)
+    if key not in plan._cache:
+        budget = recv_budget_bytes(plan)
+        unit = plan.world_size * plan.group_size
+        work, bucket = plan, plan.bucket_numel
+        while work is not None and buffers * work.max_recv_bytes > budget:
+            if bucket <= unit:
+                work = None
+                break
+            shrunk = int(bucket * budget / (buffers * work.max_recv_bytes)) // unit * unit
+            bucket = max(unit, min(shrunk, bucket - unit))
+            work = plan_gather(
+                plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=bucket, fmt=plan.fmt,
+                group_size=plan.group_size, exact_ranges=plan.exact_ranges,
+            )
+        plan._cache[key] = work
+    return plan._cache[key]
+
+
+class GatherHandle:
+    """A gather in progress. ``plan`` is the plan it runs (chunk indices refer to it)."""
+
+    plan: GatherPlan
+    finished: int  # chunks [0, finished) are in the flat buffer for the current stream
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.plan.chunks)
+
+    @property
+    def stats(self) -> GatherStats:
+        return stats_of(self.plan)
+
+    def wait_until(self, chunk_index: int) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        self.wait_until(len(self.plan.chunks) - 1)
+
+
+def start_gather(
+    flat: torch.Tensor,
+    plan: GatherPlan,
+    group: dist.ProcessGroup | None,
+    context: CommContext,
+    *,
+    prepare=None,
+    ahead: bool = False,
+) -> GatherHandle:
+    """Start gathering ``flat`` by ``plan`` (validated when it was built; no checks here).
+
+    ``ahead``: the caller will wait chunk by chunk (gather-ahead): the ``inline``
+    schedule then keeps ``DEPTH`` chunks in flight instead of one."""
+    world, rank = world_and_rank(group)
+    with peer_failure("the weight gather"):
+        if context.schedule == "streams" and len(plan.chunks) > 1:
+            work = fitting_plan(plan, 2)
+            if work is not None:
+                return _Streamed(flat, work, group, world, rank, context, prepare)
+        return _Inline(flat, plan, group, world, rank, context, prepare, DEPTH if ahead else 1)
+
+
+class _Inline(GatherHandle):
+    """Pack and unpack on the current stream, asynchronous collectives, ``depth`` in flight."""
+
+    def __init__(self, flat, plan, group, world, rank, context, prepare, depth):
+        work = fitting_plan(plan, depth) if depth > 1 else plan
+        if work is None:
+            work, depth = plan, 1
+        self.flat, self.plan, self.group = flat, work, group
+        self.world, self.rank = world, rank
+        self.kernels = context.kernels
+        self.prepare = prepare
+        self.finished = self._launched = 0
+        self._in_flight: deque = deque()
+        # The plain gather of a single chunk lands straight in the flat buffer, with no buffer.
+        self._direct = not work.quantized and len(work.chunks) == 1
+        n = 0 if self._direct else min(depth, len(work.chunks))
+        self._buffers = [torch.empty(work.max_recv_bytes, dtype=torch.uint8, device=flat.device) for _ in range(n)]
+        self._pump()
+
+    def _pump(self) -> None:
+        n = len(self.plan.chunks)
+        while self._launched < n and (self._direct or len(self._in_flight) < len(self._buffers)):
+            chunk = self.plan.chunks[self._launched]
+            if self.prepare is not None:
+                self.prepare(chunk.offset + chunk.numel)
+            if self._direct:
+                p = self.plan.partition_numel
+                buf, mine = self.flat, self.flat[self.rank * p : (self.rank + 1) * p]
+            else:
+                buf = self._buffers[self._launched % len(self._buffers)][: self.world * chunk.payload_bytes]
+                mine = pack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+            work = chunks.all_gather_into(buf, mine, group=self.group, async_op=True) if self.world > 1 else None
+            self._in_flight.append((chunk, buf, work))
+            self._launched += 1
+
+    def wait_until(self, chunk_index: int) -> None:
+        with peer_failure("the weight gather"):
+            while self.finished <= min(chunk_index, len(self.plan.chunks) - 1):
+                chunk, buf, work = self._in_flight.popleft()
+                if work is not None:
+                    work.wait()
+                if not self._direct:
+                    unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+                self.finished += 1
+                self._pump()
+        if self.done:
+            self._buffers = []
+
+
+class _Streamed(GatherHandle):
+    """The ``streams`` schedule (see the note above)."""
+
+    def __init__(self, flat, plan, group, world, rank, context, prepare):
+        self.flat, self.plan, self.group = flat, plan, group
+        self.world, self.rank = world, rank
+        self.context = context
+        device = flat.device
+        n = len(plan.chunks)
+        # Index tensors reach the device here (cached on the plan), never inside the loop.
+        self._index = [[exact_index(plan, c, r, device) for r in range(world)] for c in plan.chunks]
+        # Two receive buffers, alternating. They were allocated on the caller's stream: they
+        # stay referenced until the caller's stream has waited for the last unpack.
+        self._recv = [torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        caller = torch.cuda.current_stream(device)
+        # What the caller queued so far (writes to flat), then each chunk's prepare.
+        event = caller.record_event()
+        self._ready = []
+        for c in plan.chunks:
+            if prepare is not None and prepare(c.offset + c.numel):
+                event = caller.record_event()
+            self._ready.append(event)
+        self._packed, self._gathered, self._unpacked = [None] * n, [None] * n, [None] * n
+        self._enqueued = self.finished = 0
+        self._enqueue_through(min(LOOKAHEAD, n) - 1)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        return self._recv[k % 2][: self.world * self.plan.chunks[k].payload_bytes]
+
+    def _enqueue_through(self, last: int) -> None:
+        ctx, streams, plan, p = self.context, self.context.streams, self.plan, self.plan.partition_numel
+        kernels = ctx.kernels
+        while self._enqueued <= last:
+            k, self._enqueued = self._enqueued, self._enqueued + 1
+            chunk, buf = plan.chunks[k], self._buffer(k)
+            mine = slot(plan, chunk, self.rank, buf)
+            s = streams["pack"]
+            with torch.cuda.stream(s):
+                s.wait_event(self._ready[k])
+                if k >= 2:
+                    s.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
+                ctx._delay("pack")
+                src = self.flat[self.rank * p + chunk.offset : self.rank * p + chunk.offset + chunk.numel]
+                if plan.quantized:
+                    kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, self._index[k][self.rank])
+                else:
+                    mine.view(self.flat.dtype).copy_(src)
+                self._packed[k] = s.record_event()
+            s = streams["gather"]
+            with torch.cuda.stream(s):
+                s.wait_event(self._packed[k])
+                ctx._delay("gather")
+                if self.world > 1:
+                    chunks.all_gather_into(buf, mine, group=self.group)
+                self._gathered[k] = s.record_event()
+            s = streams["unpack"]
+            with torch.cuda.stream(s):
+                s.wait_event(self._gathered[k])
+                ctx._delay("unpack")
+                for r in range(self.world):
+                    dst = self.flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+                    payload = slot(plan, chunk, r, buf)
+                    if plan.quantized:
+                        kernels.unpack_payload(payload, dst, chunk.payload, plan.group_size, plan.fmt, self._index[k][r])
+                    elif r != self.rank:
+                        dst.copy_(payload.view(self.flat.dtype))
+                self._unpacked[k] = s.record_event()
+
+    def wait_until(self, chunk_index: int) -> None:
+        n = len(self.plan.chunks)
+        k = min(chunk_index, n - 1)
+        with peer_failure("the weight gather"):
+            self._enqueue_through(min(k + LOOKAHEAD, n - 1))
+        if k >= self.finished:
+            # The unpack stream runs in order: one event covers chunks [0, k].
+            torch.cuda.current_stream(self.flat.device).wait_event(self._unpacked[k])
+            self.finished = k + 1
+        if self.done:
+            self._recv = []  # the caller's stream has waited for the last unpack
