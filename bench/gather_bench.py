@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from qzero.qualify.env import link_regime
-from qzero import pipeline
+from qzero.engine import CommContext
 from qzero.comm import all_gather, quantized_all_gather, run_gather
 from qzero.layout import plan_gather
 from qzero.quant import get_format, reference
@@ -136,7 +136,7 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
     ranges = exact_ranges_for(n) if exact else []
     plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
-    from qzero.comm import exact_index
+    from qzero.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
     src = random_flat(n, dtype, 2)
@@ -166,7 +166,7 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     ranges = exact_ranges_for(n)
     plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
-    from qzero.comm import exact_index
+    from qzero.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
     src = random_flat(n, dtype, 3) * torch.logspace(-3, 3, n, device="cuda").to(dtype)
@@ -212,7 +212,7 @@ def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: in
     and the public ``quantized_all_gather``/``all_gather`` (which validate arguments each call)."""
     flat = random_flat(n, dtype, 4)
     plan = gather_plan(n, 1, fmt, gs, bucket)
-    os.environ["QZERO_PIPELINE"] = "1" if pipelined else "0"
+    context = CommContext(flat.device, schedule="streams" if pipelined else "inline")
     if fmt is None:
         api = lambda: all_gather(flat, bucket_numel=bucket)  # noqa: E731
     else:
@@ -220,11 +220,10 @@ def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: in
         api = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, bucket_numel=bucket, fmt=fmt)  # noqa: E731
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ms = median_ms(lambda: run_gather(flat, plan), reps=reps_for(n))
+    ms = median_ms(lambda: run_gather(flat, plan, context=context), reps=reps_for(n))
     extra = torch.cuda.max_memory_allocated() - base
     api_ms = median_ms(api, reps=reps_for(n))
-    stats = run_gather(flat, plan)
-    os.environ["QZERO_PIPELINE"] = "1"
+    stats = run_gather(flat, plan, context=context)
     del flat
     return {"ms": ms, "api_ms": api_ms, "chunks": stats.num_chunks, "bytes_per_rank": stats.bytes_sent,
             "peak_extra_bytes": extra}

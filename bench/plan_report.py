@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from qzero.layout import plan_flat_layout, plan_reduce_buckets, plan_scatter_buckets, solo_slots
-from qzero.overlap import DEPTH
+from qzero.engine import fitting_plan
 from qzero.workload import model_config
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     for w in (int(x) for x in a.worlds.split(",")):
         kw = dict(group_size=a.group_size, fmt="int8", order="auto")
         sync = plan_flat_layout(shapes, w, bucket_numel=ag, **kw)
-        ahead = plan_flat_layout(shapes, w, bucket_numel=ag // DEPTH, **kw)
+        ahead = fitting_plan(sync.gather, 2)  # two chunks in flight, within the same bucket
         if sync.order == "interleaved":
             solo = solo_slots(sync, rb) if a.solo_reduce else ()
             buckets = plan_scatter_buckets(sync, rb, exclude=solo)
@@ -82,8 +82,8 @@ def main() -> None:
         else:
             buckets, kind = plan_reduce_buckets(sync, rb), "reduce to owner"
             peak = staging_peak(sync, buckets, lambda b: b.numel, tied)
-        recv = (sync.gather.max_recv_bytes / 2**20, DEPTH * ahead.gather.max_recv_bytes / 2**20)
-        print(f"| {w} | {sync.order} | {sync.padding / used:.2%} | {len(sync.gather.chunks)} / {len(ahead.gather.chunks)} "
+        recv = (sync.gather.max_recv_bytes / 2**20, 2 * ahead.max_recv_bytes / 2**20)
+        print(f"| {w} | {sync.order} | {sync.padding / used:.2%} | {len(sync.gather.chunks)} / {len(ahead.chunks)} "
               f"| {recv[0]:.0f} / {recv[1]:.0f} | {len(buckets)} | {kind} | {peak / 2**20:.0f} |")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 
@@ -30,7 +29,9 @@ ARMS = {
     "int8": {"quantized": True},
     "int8_ahead": {"quantized": True, "overlap": True},
     "plain_ahead": {"overlap": True},
-    "int8_ahead_streams": {"quantized": True, "overlap": True},  # with QZERO_AHEAD_STREAMS=1
+    # the same gather-ahead with one engine setting changed (ZeroConfig fields)
+    "int8_ahead_inline": {"quantized": True, "overlap": True, "extra_config": {"gather_schedule": "inline"}},
+    "int8_ahead_whole": {"quantized": True, "overlap": True, "extra_config": {"sliced_update": False}},
 }
 
 
@@ -60,7 +61,6 @@ def main() -> None:
         else:
             torch.use_deterministic_algorithms(False)
         for name in a.arms.split(","):
-            os.environ["QZERO_AHEAD_STREAMS"] = "1" if name.endswith("_streams") else "0"
             s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                               micro_batch=a.micro_batch, allgather_bucket=int(a.allgather_bucket), reduce_bucket=int(a.reduce_bucket),
                               lr=1e-4, **ARMS[name])

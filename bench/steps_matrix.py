@@ -249,6 +249,9 @@ def analyse(
             "rounds": [r.get("round") for r in ok],
             "measured_steps": len(times),
             "median_step_s": statistics.median(times) if times else None,
+            # wall time of the measured steps back to back between two device-wide syncs, per step
+            "wall_step_s": (statistics.median(r["wall_seconds"] / r["wall_steps"] for r in ok if r.get("wall_seconds"))
+                            if any(r.get("wall_seconds") for r in ok) else None),
             "vs_reference": _ratio(ref_times, times, resamples),
             "vs_peers": {p: (_ratio(_times(arm_runs[p]), times, resamples) if p != name else None) for p in peers},
             "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in ok if r.get("peak_allocated_bytes") is not None), default=None),
@@ -294,6 +297,10 @@ def _ci(r: dict | None) -> str:
     return f"{r['ratio']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+def _wall(row: dict) -> str:
+    return f"{1e3 * row['wall_step_s']:.1f}" if row.get("wall_step_s") is not None else "—"
+
+
 def _flag(v) -> str:
     return "—" if v is None else ("yes" if v else "**NO**")
 
@@ -315,24 +322,25 @@ def markdown(m: dict) -> str:
         f"- model {model}{f' ({params:,} trainable parameters)' if params else ''}, {s['precision']}, "
         f"world size {s['world_size']}, sequence {s['seq_len']}, micro-batch {s['micro_batch']} per rank, "
         f"stage {s['stage']}, buckets {s['allgather_bucket']:.3g}/{s['reduce_bucket']:.3g}",
-        f"- {s['steps']} steps per run, first {s['warmup']} and the last not timed (a step is timed from its start to the next one's, on the compute stream, no sync between); {m['rounds']} round(s), order-balanced "
+        f"- {s['steps']} steps per run, first {s['warmup']} and the last not timed (a step is timed from its start to the next one's, on the compute stream, no sync between); "
+        f"wall ms/step: the steps after the warm-up back to back between two device-wide syncs (the last step and its gather included), median over runs; {m['rounds']} round(s), order-balanced "
         f"(odd rounds reversed), each run a fresh process",
         f"- device {env.get('device')} · link {env.get('link_regime')} · {env.get('date')}"
         + ("" if m.get("complete") else f" · **incomplete: {m['runs_done']}/{m['runs_total']} runs**"),
         f"- ratio = median step of the named arm / median step of this arm (> 1: this arm is faster), "
         f"[bootstrap 95% CI]; accuracy against `{a['reference']}`",
         "",
-        "| arm | settings | median ms | vs " + a["reference"] + " [CI] | "
+        "| arm | settings | median ms | wall ms/step | vs " + a["reference"] + " [CI] | "
         + "".join(f"vs {p} [CI] | " for p in peers)
         + "peak alloc GiB | GB sent/rank/step | reproducible | replicas | max loss diff | weights vs ref |",
-        "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|",
+        "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|",
     ]
     for row in a["arms"]:
         name = row["arm"]
         diff = _cell(_fmt_diff(diffs.get(name, {})))
         if row["status"] == "failed":
             why = _cell(_last_line(row["errors"][0] if row["errors"] else ""))[:140]
-            lines.append(f"| {name} | {diff} | FAILED ({row['runs_failed']} run(s)): {why} |" + " — |" * (7 + len(peers)))
+            lines.append(f"| {name} | {diff} | FAILED ({row['runs_failed']} run(s)): {why} |" + " — |" * (8 + len(peers)))
             continue
         med = f"{1e3 * row['median_step_s']:.1f}" if row["median_step_s"] is not None else "—"
         if row["status"] == "partial":
@@ -344,7 +352,7 @@ def markdown(m: dict) -> str:
         weights = (f"{pa['tolerance_violations']} viol., rel L2 {pa['param_rel_l2']:.2g}" if pa
                    else _cell(row["param_agreement_note"] or "—"))
         lines.append(
-            f"| {name} | {diff} | {med} | {_ci(row['vs_reference'])} | "
+            f"| {name} | {diff} | {med} | {_wall(row)} | {_ci(row['vs_reference'])} | "
             + "".join(f"{_ci(row['vs_peers'].get(p))} | " for p in peers)
             + f"{alloc} | {sent} | {_flag(row['reproducible'])} | {_flag(row['replicas_identical'])} | {loss} | {weights} |"
         )

@@ -1,6 +1,6 @@
 """Single-process simulation of the chunked gather, and an independent numpy model of its result.
 
-``simulate_gather`` runs exactly what :func:`qzero.comm.run_gather` runs on every rank,
+``simulate_gather`` runs exactly what :mod:`qzero.engine` runs on every rank,
 but for all ``world_size`` ranks in one process: per chunk, every simulated rank packs
 its payload into its slot of one shared receive buffer (so the buffer holds exactly
 what an all-gather would deliver), then every rank unpacks that buffer into its own
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from qzero.comm import pack_chunk, unpack_chunk
+from qzero.chunks import pack_chunk, unpack_chunk
 from qzero.quant import reference
 from qzero.quant.reference import FLT_MIN
 

@@ -530,6 +530,7 @@ class CommCounter:
     """Counts every collective qzero or DCP makes through torch.distributed while active."""
 
     def __init__(self):
+        import qzero.chunks as qchunks
         import qzero.comm as qcomm
         import torch.distributed.distributed_c10d as c10d
 
@@ -539,7 +540,7 @@ class CommCounter:
             for name in _COLLECTIVES:
                 if hasattr(mod, name):
                     self._wrap(mod, name)
-        for mod in (qcomm,):
+        for mod in (qcomm, qchunks):
             for name in ("all_gather_into",):
                 if hasattr(mod, name):
                     self._wrap(mod, name)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 
 import qzero
+import qzero.chunks as chunks
 import qzero.comm as comm
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -87,7 +88,7 @@ def _dying_worker(rank, world, store, results, where):
         if where == "gather":
             flat = torch.randn(64 * 20 * world).bfloat16()
             if rank == world - 1:
-                real, calls = comm.all_gather_into, [0]
+                real, calls = chunks.all_gather_into, [0]
 
                 def die_on_third(*a, **k):
                     calls[0] += 1
@@ -95,7 +96,7 @@ def _dying_worker(rank, world, store, results, where):
                         os._exit(17)  # dies mid-gather, without a word
                     return real(*a, **k)
 
-                comm.all_gather_into = die_on_third
+                comm.all_gather_into = chunks.all_gather_into = die_on_third
             t0 = time.monotonic()
             try:
                 qzero.quantized_all_gather(flat, bucket_numel=64 * world)

@@ -257,14 +257,14 @@ def test_soft_casts_are_on_under_the_interpreter():
 @cpu_only
 def test_gather_through_kernels(monkeypatch):
     """quantized_all_gather with the kernels plugged in equals the reference path."""
-    import qzero.comm as comm
+    import qzero.engine as engine
 
     gen = torch.Generator().manual_seed(3)
     flat = weights(3 * 64 * 8 + 64, torch.bfloat16, gen)
     exact = [(0, 10), (500, 700), (1500, 1600)]
     want = flat.clone()
     quantized_all_gather(want, exact_ranges=exact, bucket_numel=512)
-    monkeypatch.setattr(comm, "kernels_for", lambda device: kernels)
+    monkeypatch.setattr(engine, "kernels_for", lambda device, choice="auto": kernels)
     got = flat.clone()
     quantized_all_gather(got, exact_ranges=exact, bucket_numel=512)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -147,7 +147,11 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     # device-wide sync per step would serialise it back into its own step). Losses and norms
     # are read after the loop. The last step is not timed (nothing starts after it).
     _sync(device)
+    wall_start = None
     for step in range(settings.steps):
+        if step == settings.warmup:  # wall time of the measured steps: from one device-wide sync to the next
+            _sync(device)
+            wall_start = time.perf_counter()
         batch = global_batch(corpus, step, per_step, settings.seq_len, settings.seed)
         mine = batch.view(settings.grad_accum, world, settings.micro_batch, -1)[:, rank].to(device)
         marks.append(_mark(device))
@@ -172,6 +176,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     if bar is not None:
         bar.close()
     _sync(device)
+    wall = time.perf_counter() - wall_start if wall_start is not None else None
     times = [_seconds(a, b) for a, b in zip(marks, marks[1:])][settings.warmup :]
     totals = torch.stack(loss_sums)
     dist.all_reduce(totals)
@@ -179,6 +184,8 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     norms = [None if n is None else float(n) for n in norms]
     engine.finish()  # gather-ahead: the last step's gather may still be in flight
     result = _summary(settings, engine, losses, norms, times, skipped, device)
+    # steps [warmup, steps) back to back between two synchronisations, the last one's gather included
+    result["wall_seconds"], result["wall_steps"] = wall, settings.steps - settings.warmup
     if rank == 0 and out_path:
         tmp = out_path + ".tmp"
         with open(tmp, "w") as f:
