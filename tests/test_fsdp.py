@@ -285,3 +285,29 @@ def test_tied_parameter_is_wrapped_once_and_state_dict_is_plain():
     with pytest.raises(ValueError, match="was not passed to qzero.fsdp.quantize_weight_gathers"):
         gather_report(build())
 
+
+
+# ---------------------------------------------------------------------- the training arm
+
+
+def arm_worker(rank, world):
+    from qzero.train import TrainSettings, train_worker
+
+    records = {}
+    for quantized in (False, True):
+        settings = TrainSettings(
+            engine="fsdp2", quantized=quantized, reshard_after_forward=True, steps=3, warmup=0, world_size=world
+        )
+        records[quantized] = train_worker(settings, None, show_progress=False)
+    return records
+
+
+def test_fsdp2_arm_of_qzero_train():
+    """``engine=fsdp2, quantized=true`` (what ``qzero qualify --engine fsdp2`` and
+    bench/steps_matrix.py A/B) runs the tiny Qwen3 model and sends about half the bytes."""
+    plain, quant = run_distributed(arm_worker, 2)[0].values()
+    assert quant["losses"] != plain["losses"]
+    assert max(abs(a - b) for a, b in zip(plain["losses"], quant["losses"])) < 0.01 * plain["losses"][0]
+    assert quant["plain_bytes_per_step"] == plain["bytes_sent_per_step"]
+    assert quant["bytes_sent_per_step"] < 0.6 * plain["bytes_sent_per_step"]
+    assert quant["sample_hash"] != plain["sample_hash"]
