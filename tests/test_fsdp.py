@@ -311,3 +311,28 @@ def test_fsdp2_arm_of_qzero_train():
     assert quant["plain_bytes_per_step"] == plain["bytes_sent_per_step"]
     assert quant["bytes_sent_per_step"] < 0.6 * plain["bytes_sent_per_step"]
     assert quant["sample_hash"] != plain["sample_hash"]
+
+
+
+def meta_init_worker(rank, world):
+    """The large-model flow: build on meta, shard, materialise, initialise; plain and quantized."""
+    out = []
+    for quantized in (False, True):
+        with torch.device("meta"):
+            model = Net()
+        model = shard(model, world, quantized, True)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in list(model.modules())[1:]:
+            module.reset_parameters()
+        masters = {k: p.full_tensor() for k, p in model.named_parameters()}
+        loss = model(batch(0, rank)).float().pow(2).mean().item()
+        out.append((masters, loss, type(model.mid.weight.to_local()).__name__))
+    return out
+
+
+def test_meta_device_init():
+    for (plain_masters, plain_loss, _), (masters, loss, kind) in run_distributed(meta_init_worker, 2):
+        assert kind == "QuantizedGatherTensor"
+        assert all(torch.equal(plain_masters[k], masters[k]) for k in masters)
+        assert loss != plain_loss and abs(loss - plain_loss) <= 0.02 * plain_loss
