@@ -18,6 +18,8 @@
 # Session 4 (exact lines in bench/results/session4_2026-11-30/README.md):
 #   LIMIT=... REGIME=ethernet|nvlink|pcie ARMS="..." bash bench/gpu_session.sh matrix OUT
 #   bash bench/gpu_session.sh memory OUT   # bench/memory_peak.py per engine (ENGINES), then qzero vs fsdp2
+#   LIMIT=... REGIME=pcie|ethernet PRESET=qwen3-1.7b|qwen3-4b bash bench/gpu_session.sh fsdp2 OUT
+#       # bench/fsdp2_check.py, then plain FSDP2 vs FSDP2 + qzero.fsdp (both reshard modes) and ZeroOptimizer INT8
 # Budget: LIMIT (default 570 s) bounds each phase; the matrix gets what the checks leave.
 set -u
 phase=${1:?phase}
@@ -177,6 +179,16 @@ case $phase in
         [ -f "$out/memory/memory_qzero.json" ] && [ -f "$out/memory/memory_fsdp2.json" ] && \
             python3 bench/memory_peak.py --compare "$out/memory/memory_qzero.json" "$out/memory/memory_fsdp2.json" | tee "$out/memory/compare.md" | head -n 40
         (cd "$out" && tar czf memory.tgz memory && rm -rf memory)
+        ;;
+    fsdp2)  # FSDP2 + qzero.fsdp against plain FSDP2, both reshard modes, plus ZeroOptimizer INT8 gather-ahead
+        # REGIME=pcie|ethernet PRESET=qwen3-1.7b|qwen3-4b; the first arm is the reference, fsdp2 the peer
+        install
+        timeout $(t 120) python3 -m torch.distributed.run --nproc_per_node=2 bench/fsdp2_check.py --out "$out" \
+            >"$out/fsdp2_check.log" 2>&1; echo "fsdp2_check rc=$?"; grep -E "PASS|FAIL|Error" "$out/fsdp2_check.log" | tail -n 6
+        ARMS="${ARMS:-fsdp2_rs:engine=fsdp2,reshard_after_forward=true fsdp2_rs_int8:engine=fsdp2,reshard_after_forward=true,quantized=true fsdp2:engine=fsdp2 fsdp2_int8:engine=fsdp2,quantized=true zero_int8_ahead:quantized=true,overlap=true}" \
+            PEERS=${PEERS:-fsdp2} STEPS=${STEPS:-8} MATRIX_TIMEOUT=$(( $(left) - 10 )) bash bench/run_matrix.sh "$out" "${REGIME:-pcie}" 2>&1 | tail -n 10
+        d="$out/matrix_dp2_${REGIME:-pcie}"
+        [ -d "$d/logs" ] && tar czf "$out/logs_${REGIME:-pcie}.tgz" -C "$d" logs && rm -rf "$d/logs"
         ;;
     *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -179,6 +179,20 @@ def test_int4_unaligned_source(n):
     check_unpack(payload, layout, n, torch.bfloat16, "int4", 64, exact, gen)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [7, 64 * 9 + 5])
+def test_fp32_source_matches_reference(fmt, n, tile):
+    """An fp32 source (an FSDP2 master shard) is quantized as it is, like the reference does:
+    the values carry more bits than bf16, so a kernel that rounded them first would differ."""
+    gen = torch.Generator().manual_seed(n)
+    x = weights(n, torch.float32, gen) * (1 + torch.rand(n, generator=gen) * 2**-10)
+    assert not torch.equal(x, x.bfloat16().float())
+    payload, layout = check_pack(x, fmt, 64, None, gen)
+    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, None, gen)
+    with pytest.raises(ValueError, match="fp32 source cannot have exact"):
+        kernels.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])), 64, fmt, torch.tensor([0]))
+
+
 @cpu_only
 def test_subnormal_bf16_inputs():
     """bf16 shares fp32's exponent range: subnormal inputs must not be flushed to zero."""

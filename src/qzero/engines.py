@@ -4,7 +4,9 @@
 * ``deepspeed`` — DeepSpeed ZeRO-1/2 as users install it, unmodified (or, with
   ``quantized``, through :mod:`qzero.integrations.deepspeed`).
 * ``fsdp2`` — PyTorch FSDP2, ``fully_shard`` per decoder layer and at the root with
-  ``reshard_after_forward=False`` (its ZeRO-2-like mode), fp32 masters, bf16/fp16 compute.
+  ``reshard_after_forward=False`` (its ZeRO-2-like mode; ``reshard_after_forward`` sets it),
+  fp32 masters, bf16/fp16 compute; with ``quantized``, its weight all-gather carries
+  qzero's INT8 groups (:func:`qzero.fsdp.quantize_weight_gathers`).
 
 Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
@@ -132,11 +134,23 @@ class FSDP2Engine:
 
         self.model = build(torch.float32)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if settings.quantized:
+            from .fsdp import quantize_weight_gathers
+
+            quantize_weight_gathers(
+                self.model,
+                group_size=settings.group_size,
+                fmt=settings.fmt,
+                small_param_numel=settings.zero_config().small_param_numel,
+                mesh=mesh,
+            )
+        self._bytes = _fsdp2_gather_bytes(self.model, settings, mesh.size())
         reduce = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(settings.reduce_dtype, dtype)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+        reshard = settings.reshard_after_forward
         for layer in getattr(getattr(self.model, "model", None), "layers", []):
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-        fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         self._norm = None
@@ -162,8 +176,7 @@ class FSDP2Engine:
         return self._norm
 
     def gathered_bytes(self):
-        plain = sum(p.numel() for p in self.model.parameters()) * 2 // dist.get_world_size()
-        return plain, plain  # bf16 parameters gathered in forward, as a plain ZeRO gather would
+        return self._bytes
 
     def finish(self):
         pass
@@ -174,6 +187,29 @@ class FSDP2Engine:
     def sample(self, index):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return _sample_params(params, index, lambda p: p.detach().full_tensor())
+
+
+def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
+    """(sent, plain) bytes one rank puts into FSDP2's weight all-gathers in a step: every
+    parameter once in forward, the decoder layers' again in backward when they are resharded
+    after forward; parameters marked for the quantized gather as qzero's payload, the others
+    at 2 bytes an element (bf16/fp16)."""
+    from .fsdp.tensor import QuantizedGatherTensor, carries
+    from .layout import quantized_payload_layout
+
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    sent = plain = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        times = 2 if settings.reshard_after_forward and id(p) in in_layers else 1
+        full = tuple(p.shape) or (1,)
+        shard = -(-full[0] // world) * (p.numel() // full[0] if full[0] else 0)
+        mine = shard * 2
+        if isinstance(p, QuantizedGatherTensor) and carries(full, world):
+            mine = quantized_payload_layout(shard, settings.group_size, settings.fmt).nbytes
+        sent += times * mine
+        plain += times * shard * 2
+    return sent, plain
 
 
 def _sample_params(params, index: torch.Tensor, materialise) -> torch.Tensor:

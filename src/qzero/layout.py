@@ -259,6 +259,11 @@ def plan_gather(
     )
 
 
+def quantized_payload_layout(numel: int, group_size: int, fmt: str) -> PayloadLayout:
+    """Layout of one payload of ``numel`` quantized values and their scales, no exact elements."""
+    return _payload_layout(numel, get_format(fmt).value_bytes(numel), -(-numel // group_size), 0, 2)
+
+
 def _payload_layout(numel: int, value_bytes: int, groups: int, exact_numel: int, elem_size: int) -> PayloadLayout:
     scales_offset = round_up(value_bytes, PAYLOAD_ALIGN)
     exact_offset = round_up(scales_offset + groups * SCALE_BYTES, PAYLOAD_ALIGN)

@@ -40,6 +40,7 @@ class TrainSettings:
     stage: int = 2
     quantized: bool = False
     overlap: bool = False  # gather-ahead: hide the post-step gather under the next forward
+    reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
     group_size: int = 64
     fmt: str = "int8"
     small_param_numel: int | None = None  # None: the preset's own threshold
@@ -101,6 +102,8 @@ def validate(settings: TrainSettings) -> None:
 
     if settings.engine not in ENGINES:
         raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
+    if settings.reshard_after_forward and settings.engine != "fsdp2":
+        raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 engine, not of {settings.engine!r}")
     if settings.precision not in ("bf16", "fp16"):
         raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):

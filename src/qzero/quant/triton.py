@@ -126,7 +126,9 @@ if triton is not None:
 
     @triton.jit
     def _widen(bits, IS_BF16: tl.constexpr):
-        """fp32 value of bf16/fp16 bit patterns (int16)."""
+        """fp32 value of bf16/fp16 bit patterns (int16); fp32 values (an fp32 source) as they are."""
+        if bits.dtype == tl.float32:
+            return bits
         if IS_BF16:
             return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         return bits.to(tl.float16, bitcast=True).to(tl.float32)
@@ -274,7 +276,7 @@ if triton is not None:
 
     @triton.jit
     def _pack_kernel(
-        src_ptr,  # int16 view of the bf16/fp16 slice
+        src_ptr,  # int16 view of the bf16/fp16 slice, or the fp32 slice itself
         values_ptr,  # uint8
         scales_ptr,  # fp32
         side_ptr,  # int16 view of the side channel
@@ -473,19 +475,28 @@ def pack_payload(
     fmt: str,
     exact_index: torch.Tensor | None,
 ) -> None:
-    """Kernel twin of :func:`qzero.quant.reference.pack_payload`: same arguments, same bytes."""
+    """Kernel twin of :func:`qzero.quant.reference.pack_payload`: same arguments, same bytes.
+
+    ``src`` may also be fp32 (quantized as it is, with no rounding to 16 bits first) when
+    it has no exact elements."""
     f = get_format(fmt)
-    _check(src, "source")
-    n = src.numel()
     count = 0 if exact_index is None else exact_index.numel()
+    wide = src.dtype == torch.float32
+    if wide and count:
+        raise ValueError("an fp32 source cannot have exact elements (the side channel holds 16-bit values)")
+    if not wide:
+        _check(src, "source")
+    elif src.dim() != 1 or not src.is_contiguous():
+        raise ValueError("source must be a contiguous 1-D tensor")
+    n = src.numel()
     values, scales, side = _sections(out, layout, n, group_size, f, count)
     if n == 0:
         return
-    has_exact = exact_index is not None and exact_index.numel() > 0
+    has_exact = count > 0
     shape = _launch_shape(n, group_size, has_exact)
     idx, blk = _exact_tables(exact_index, shape, src.device)
     _pack_kernel[(shape.programs,)](
-        src.view(torch.int16),
+        src if wide else src.view(torch.int16),
         values,
         scales,
         side if has_exact else scales,
@@ -494,7 +505,7 @@ def pack_payload(
         n,
         IS_BF16=src.dtype == torch.bfloat16,
         SOFT=_soft(src.device),
-        PAIRS=src.data_ptr() % 4 == 0,
+        PAIRS=not wide and src.data_ptr() % 4 == 0,
         FMT=_FMT_CODES[f.name],
         QMAX=float(f.qmax),
         FLOOR=FLT_MIN,

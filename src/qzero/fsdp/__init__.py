@@ -1,0 +1,190 @@
+"""qzero's quantized weight gather for PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+One call before ``fully_shard``::
+
+    from qzero.fsdp import quantize_weight_gathers
+
+    model = quantize_weight_gathers(model)          # fp32 model, before fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+Every parameter with more than ``small_param_numel`` elements is then all-gathered
+INT8 (or ``fmt``) with one fp32 scale per ``group_size`` consecutive elements of the
+rank's flattened fp32 shard, and dequantized to the policy's ``param_dtype`` for
+compute (:class:`qzero.fsdp.tensor.QuantizedGatherTensor`). Small parameters and those
+the quantized gather cannot carry keep FSDP2's own gather, exact;
+:func:`gather_report` says which is which. The fp32 masters, the optimizer, gradients
+and state dicts are untouched: ``state_dict()`` returns the plain fp32 tensors, so a
+checkpoint saved with the quantized gather loads without it and the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layout import is_small_param
+from ..quant import check_group_size, get_format
+from .tensor import GatherFormat, QuantizedGatherTensor, carries
+
+__all__ = ["GatherReport", "QuantizedGatherTensor", "gather_report", "quantize_weight_gathers"]
+
+_log = logging.getLogger(__name__)
+_REPORT_ATTR = "_qzero_gather_report"
+
+
+class GatherReport(NamedTuple):
+    """Which parameters (by name) FSDP2 will gather quantized, and which plainly, and why."""
+
+    quantized: tuple[str, ...]
+    plain: tuple[tuple[str, str], ...]  # (name, reason)
+    world_size: int | None  # the shard group size the report assumed (None: not known yet)
+
+    def summary(self) -> str:
+        q, p = len(self.quantized), len(self.plain)
+        text = f"qzero.fsdp: {q} parameter(s) gathered quantized, {p} plainly"
+        uneven = [name for name, why in self.plain if why.startswith("uneven")]
+        if uneven:
+            text += f"; not evenly sharded over {self.world_size} rank(s), hence plain: {', '.join(uneven)}"
+        return text
+
+
+def quantize_weight_gathers(
+    model: nn.Module,
+    *,
+    group_size: int = 64,
+    fmt: str = "int8",
+    small_param_numel: int = 65_536,
+    mesh=None,
+) -> nn.Module:
+    """Make FSDP2 all-gather ``model``'s large parameters quantized; return ``model``.
+
+    Call on the fp32 (master) model before ``fully_shard``. ``mesh`` is the device mesh
+    that ``fully_shard`` will be given (default: all ranks of the default process group,
+    as ``fully_shard`` itself defaults); it is used only to predict which parameters
+    shard evenly (see :func:`gather_report`). Raises ``ValueError``/``TypeError`` naming
+    the problem, with the model unchanged, when the model is already sharded or already
+    converted, a parameter is not fp32, or an argument is bad.
+    """
+    check_group_size(group_size)
+    get_format(fmt)
+    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
+        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_model(model)
+    world = _shard_world(mesh)
+
+    spec = GatherFormat(group_size, fmt)
+    quantized, plain, wrapped = [], [], {}
+    for name, param in model.named_parameters():
+        why = _plain_reason(param, small_param_numel, world)
+        if why:
+            plain.append((name, why))
+            continue
+        quantized.append(name)
+        wrapped[id(param)] = nn.Parameter(QuantizedGatherTensor(param.data, spec), requires_grad=param.requires_grad)
+    hooked = set()
+    for module in model.modules():  # every module holding a parameter, shared ones included
+        for pname, param in list(module._parameters.items()):
+            if param is not None and id(param) in wrapped:
+                module._parameters[pname] = wrapped[id(param)]
+                if id(module) not in hooked:
+                    module._register_state_dict_hook(_unwrap_state_dict)
+                    hooked.add(id(module))
+    report = GatherReport(tuple(quantized), tuple(plain), world)
+    setattr(model, _REPORT_ATTR, report)
+    _log.info(report.summary())
+    return model
+
+
+def gather_report(model: nn.Module) -> GatherReport:
+    """The :class:`GatherReport` that :func:`quantize_weight_gathers` made for ``model``."""
+    report = getattr(model, _REPORT_ATTR, None)
+    if report is None:
+        raise ValueError("this model was not passed to qzero.fsdp.quantize_weight_gathers")
+    return report
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _check_model(model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        FSDPModule = ()
+    for name, module in model.named_modules():
+        if FSDPModule and isinstance(module, FSDPModule):
+            where = f"submodule {name!r}" if name else "the model"
+            raise ValueError(
+                f"quantize_weight_gathers must be called before fully_shard, but {where} is already sharded; "
+                "nothing was changed"
+            )
+    for name, param in model.named_parameters():
+        if isinstance(param, QuantizedGatherTensor):
+            raise ValueError(
+                f"quantize_weight_gathers was already applied to this model (parameter {name!r}); nothing was changed"
+            )
+        if isinstance(param, DTensor):
+            continue  # tensor-parallel parameters keep FSDP2's gather (see _plain_reason)
+        if param.dtype != torch.float32:
+            raise TypeError(
+                f"quantize_weight_gathers needs an fp32 (master) model, but parameter {name!r} is {param.dtype}; "
+                "build the model in fp32 and give FSDP2 a MixedPrecisionPolicy(param_dtype=...) for compute; "
+                "nothing was changed"
+            )
+
+
+def _shard_world(mesh) -> int | None:
+    if mesh is not None:
+        return mesh.size(-1) if mesh.ndim > 1 else mesh.size()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+def _plain_reason(param: nn.Parameter, small_param_numel: int, world: int | None) -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return "a DTensor (tensor parallel): FSDP2 gathers it"
+    if is_small_param(param.numel(), small_param_numel):
+        return f"small ({param.numel()} <= {small_param_numel} elements): exact"
+    if param.dim() == 0:
+        return "a scalar"
+    if world is not None and not carries(tuple(param.shape), world):
+        return f"uneven: {param.shape[0]} rows do not shard evenly over {world} ranks"
+    return None
+
+
+# ---------------------------------------------------------------------- state dicts
+
+
+def _unwrap_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """Put the plain fp32 tensors (same storage) where ``module``'s wrapped parameters are."""
+    from torch.distributed.tensor import DTensor
+
+    for pname, param in module._parameters.items():
+        key = prefix + pname
+        value = state_dict.get(key)
+        if value is None or isinstance(value, nn.Parameter):  # keep_vars=True: the caller wants the parameter
+            continue
+        if isinstance(value, DTensor) and isinstance(value._local_tensor, QuantizedGatherTensor):
+            state_dict[key] = DTensor.from_local(
+                value._local_tensor.unwrapped,
+                value.device_mesh,
+                value.placements,
+                shape=value.shape,
+                stride=value.stride(),
+                run_check=False,
+            )
+        elif isinstance(value, QuantizedGatherTensor):
+            state_dict[key] = value.unwrapped

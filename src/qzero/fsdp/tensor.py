@@ -1,0 +1,196 @@
+"""The parameter wrapper that makes FSDP2 gather a weight quantized.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) looks for two methods on a sharded
+parameter's local tensor: ``fsdp_pre_all_gather`` turns the local shard into the
+tensors to all-gather, ``fsdp_post_all_gather`` turns what came back into the
+unsharded parameter used for compute. :class:`QuantizedGatherTensor` wraps the fp32
+master and implements both:
+
+* pre: quantize the rank's fp32 shard, flattened, in groups of ``group_size``
+  (fp32 scales, round half to even: :mod:`qzero.quant.reference`, the Triton kernels
+  on CUDA, the same bytes) into one uint8 payload ``[values | scales]``
+  (:func:`qzero.layout.quantized_payload_layout`). The master is only read.
+* post: dequantize every rank's payload into its rows of the unsharded parameter,
+  in the compute dtype (the ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy``).
+  Every rank dequantizes the same gathered bytes with the same code, so every rank
+  computes with bit-identical weights.
+
+A shard that cannot travel this way (the parameter is not sharded evenly on dim 0
+over the mesh: FSDP2 then requires every all-gather input to have the padded shard's
+shape, which a payload of another size cannot have) is gathered plainly: the shard
+cast to the compute dtype, exactly as FSDP2 itself would gather it.
+
+Everything else (the optimizer's in-place updates, ``copy_`` from a checkpoint,
+FSDP2's sharding at ``fully_shard``) acts on the wrapped fp32 tensor: ops are run on
+it, and the ones FSDP2 uses to carve the shard out (views, slices, ``new_zeros``,
+``copy_``, ``detach``...) return the wrapper again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..layout import quantized_payload_layout
+from ..quant import kernels_for, reference
+
+aten = torch.ops.aten
+
+#: Ops whose results stay wrapped (what FSDP2 uses to shard, pad and move a parameter).
+_KEEP_WRAPPED = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.empty_like.default,
+    aten.clone.default,
+    aten.copy_.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+}
+
+#: Compute dtypes the Triton dequantizing kernel writes; others use the reference.
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class GatherFormat(NamedTuple):
+    """How a parameter's gather is quantized."""
+
+    group_size: int
+    fmt: str
+
+
+class QuantizedGatherTensor(torch.Tensor):
+    """An fp32 parameter (or its shard) that FSDP2 all-gathers group-quantized."""
+
+    _tensor: torch.Tensor
+    _format: GatherFormat
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, fmt: GatherFormat):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, fmt: GatherFormat):
+        self._tensor = tensor
+        self._format = fmt
+
+    def __repr__(self) -> str:
+        return f"QuantizedGatherTensor({self._format.fmt}, g{self._format.group_size}, {self._tensor!r})"
+
+    @property
+    def unwrapped(self) -> torch.Tensor:
+        """The wrapped fp32 tensor (shares its storage)."""
+        return self._tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        fmt = None
+
+        def unwrap(t: QuantizedGatherTensor) -> torch.Tensor:
+            nonlocal fmt
+            fmt = t._format
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP_WRAPPED:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, fmt), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._format
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, fmt, outer_size, outer_stride):
+        return QuantizedGatherTensor(inner_tensors["_tensor"], fmt)
+
+    # ------------------------------------------------------------------ FSDP2 extension
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh,
+        outer_size: torch.Size | None = None,
+        outer_stride: tuple[int, ...] | None = None,
+        module: torch.nn.Module | None = None,
+        mp_policy: Any = None,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        shard = self._tensor
+        world = mesh.size()
+        full = tuple(outer_size) if outer_size is not None else None
+        compute = getattr(mp_policy, "param_dtype", None) or shard.dtype
+        if full is None or not carries(full, world) or tuple(shard.shape) != shard_shape(full, world):
+            # Plain: the padded shard in the compute dtype, as FSDP2 gathers it itself.
+            rows = -(-full[0] // world) if full else shard.shape[0]
+            padded = shard.new_zeros((rows, *shard.shape[1:]), dtype=compute)
+            padded[: shard.shape[0]].copy_(shard)
+            return (padded,), None
+        n = shard.numel()
+        layout = quantized_payload_layout(n, self._format.group_size, self._format.fmt)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=shard.device)
+        kernels_for(shard.device).pack_payload(
+            shard.detach().reshape(-1), payload, layout, self._format.group_size, self._format.fmt, None
+        )
+        return (payload,), (n, layout)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ):
+        (gathered,) = all_gather_outputs
+        if metadata is None:  # plain: the gathered rows are the parameter (FSDP2 trims the padding)
+            if out is not None:
+                return None  # FSDP2 already copied them into the storage ``out`` shares
+            return gathered, ()
+        n, layout = metadata
+        payloads = gathered.view(-1, layout.nbytes)
+        world = payloads.shape[0]
+        if out is None:
+            dst = torch.empty(world * n, dtype=param_dtype, device=gathered.device)
+            self._dequantize(payloads, dst, n, layout)
+            return dst, (dst,)
+        # ``out`` is the unsharded parameter autograd may have saved for backward: writing
+        # it in place must not bump its version (FSDP2 does the same for its plain copy-out).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+            self._dequantize(payloads, out.view(-1), n, layout)
+        return None
+
+    def _dequantize(self, payloads: torch.Tensor, dst: torch.Tensor, n: int, layout) -> None:
+        kernels = kernels_for(dst.device) if dst.dtype in _KERNEL_DTYPES else reference
+        for rank in range(payloads.shape[0]):
+            kernels.unpack_payload(
+                payloads[rank], dst[rank * n : (rank + 1) * n], layout, self._format.group_size, self._format.fmt, None
+            )
+
+
+def shard_shape(full: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """Shape of every rank's dim-0 shard of an evenly sharded ``full``-shaped parameter."""
+    return (full[0] // world, *full[1:])
+
+
+def carries(full: tuple[int, ...], world: int) -> bool:
+    """Whether the quantized gather can carry a parameter of shape ``full`` over ``world`` ranks:
+    it must be sharded evenly (and not be empty)."""
+    return len(full) > 0 and full[0] > 0 and full[0] % world == 0
