@@ -115,7 +115,10 @@ class CommContext:
         self.device = device
         self.kernels = kernels_for(device, kernels)
         self.schedule = schedule if schedule != "auto" else ("streams" if device.type == "cuda" else "inline")
-        self.streams = {s: torch.cuda.Stream(device) for s in STAGES} if self.schedule == "streams" else {}
+        # High priority, as FSDP2's all-gather streams: when the forward's kernels and the
+        # gather's compete for the SMs, the gather's go first (the forward waits for them).
+        self.streams = ({s: torch.cuda.Stream(device, priority=-1) for s in STAGES}
+                        if self.schedule == "streams" else {})
         #: GPU clock cycles each side stream spins before each of its steps. A test hook:
         #: delaying one stage exposes any missing wait between streams.
         self.delay_cycles = dict.fromkeys(STAGES, 0)
