@@ -126,9 +126,7 @@ if triton is not None:
 
     @triton.jit
     def _widen(bits, IS_BF16: tl.constexpr):
-        """fp32 value of bf16/fp16 bit patterns (int16); fp32 values (an fp32 source) as they are."""
-        if bits.dtype == tl.float32:
-            return bits
+        """fp32 value of bf16/fp16 bit patterns (int16)."""
         if IS_BF16:
             return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         return bits.to(tl.float16, bitcast=True).to(tl.float32)
@@ -478,7 +476,12 @@ def pack_payload(
     """Kernel twin of :func:`qzero.quant.reference.pack_payload`: same arguments, same bytes.
 
     ``src`` may also be fp32 (quantized as it is, with no rounding to 16 bits first) when
-    it has no exact elements."""
+    it has no exact elements; that case runs the torch reference itself (the kernel reads
+    16-bit sources only)."""
+    if src.dtype == torch.float32 and (exact_index is None or exact_index.numel() == 0):
+        from . import reference
+
+        return reference.pack_payload(src, out, layout, group_size, fmt, exact_index)
     f = get_format(fmt)
     count = 0 if exact_index is None else exact_index.numel()
     wide = src.dtype == torch.float32
