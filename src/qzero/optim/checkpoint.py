@@ -379,10 +379,14 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                 targets[f"group{i}.state.{key}"] = t
             state[key] = t
         fills.append((g, state, saved["hyperparameters"]))
+
+    def agree(read_error):  # every rank's tensors are checked before any is copied
+        agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, read_error, {}, "load_checkpoint")
+
     try:
-        dcp.load(targets, storage_reader=IndexedReader(path, index), process_group=opt.process_group)
+        dcp.load(targets, storage_reader=IndexedReader(path, index, agree), process_group=opt.process_group)
     except CheckpointException as e:
-        raise ValueError(f"{path!r}: reading the tensors failed: {_first_line(e)}") from e
+        raise ValueError(_read_failure(e, path)) from e
     for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
         # padding holds zeros (it was never trained)
         for a, b in g.layout.padding_ranges(g.lo, g.hi):
@@ -402,6 +406,20 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
 
 def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _read_failure(e: CheckpointException, path: str) -> str:
+    """What went wrong while reading, as the rank that found it said (every rank gets every
+    rank's exception from DCP; those that only echo the agreement are passed over)."""
+    errors = []
+    for rank, failure in sorted(getattr(e, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, ValueError):
+            errors.append((str(exc).startswith("load_checkpoint: rank(s)"), rank, str(exc)))
+    if errors:
+        echo, rank, msg = min(errors)
+        return msg if echo or len(e.failures) == 1 else f"{msg} (found by rank {rank})"
+    return f"{path!r}: reading the tensors failed: {_first_line(e)}"
 
 
 def _first_line(e: BaseException) -> str:

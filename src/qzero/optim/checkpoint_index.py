@@ -20,7 +20,8 @@ from someone else, so the index is read in three steps:
    no stream transforms.
 3. :class:`IndexedReader` gives DCP that rebuilt index (the file is not read again)
    and reads each tensor with ``torch.load(weights_only=True)`` from the byte range the
-   index names, refusing any read that is not a tensor, on every supported torch.
+   index names, refusing any read that is not a tensor, on every supported torch; every
+   tensor is checked before the first one is copied into place.
 """
 
 from __future__ import annotations
@@ -427,13 +428,21 @@ class _ByteRange(io.RawIOBase):
 
 
 class IndexedReader(dcp.FileSystemReader):
-    """A DCP storage reader over a checked index (from :func:`read_index`): its
-    ``read_metadata`` returns that index, and ``read_data`` reads tensors only, each with
-    ``torch.load(weights_only=True)`` from the byte range of a file in the directory."""
+    """A DCP storage reader over a checked index (from :func:`read_index`).
 
-    def __init__(self, directory: str, index: _dcp_md.Metadata) -> None:
+    ``read_metadata`` returns that index. ``read_data`` reads tensors only, each with
+    ``torch.load(weights_only=True)`` from the byte range of a plain file of the
+    directory, in two passes: first every tensor of this rank's plan is loaded and
+    checked (a strided, unquantized tensor of the expected size) and dropped, then
+    ``agree(error)`` is called (ranks agree there: it raises on every rank if any rank
+    failed), and only then are the tensors read again and copied into place. So a
+    tensor file that does not match its index is refused before anything is written,
+    at the cost of reading the tensors twice; peak memory stays one item.
+    """
+
+    def __init__(self, directory: str, index: _dcp_md.Metadata, agree=None) -> None:
         super().__init__(directory)
-        self._directory, self._index = str(directory), index
+        self._directory, self._index, self._agree = str(directory), index, agree
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_md.Metadata:
         storage_meta = getattr(_dcp_md, "StorageMeta", None)
@@ -442,34 +451,60 @@ class IndexedReader(dcp.FileSystemReader):
         return self._index
 
     def read_data(self, plan, planner) -> Future:
-        per_file: dict[str, list] = {}
+        error = None
+        try:
+            for req in plan.items:
+                if req.type != LoadItemType.TENSOR:
+                    raise ValueError(
+                        f"{self._directory!r}: a non-tensor read of {req.dest_index.fqn!r} was planned; "
+                        "qzero reads tensors only"
+                    )
+            for req in plan.items:
+                self._load(req, planner)
+        except Exception as e:  # noqa: BLE001 - reported on every rank through agree()
+            error = e if isinstance(e, ValueError) else ValueError(
+                f"{self._directory!r}: reading the tensors failed: {type(e).__name__}: {e}"
+            )
+        if self._agree is not None:
+            self._agree(error)
+        elif error is not None:
+            raise error
         for req in plan.items:
-            if req.type != LoadItemType.TENSOR:
-                raise ValueError(f"{self._directory!r}: a non-tensor read of {req.dest_index.fqn!r} was planned; qzero reads tensors only")
-            per_file.setdefault(self._index.storage_data[req.storage_index].relative_path, []).append(req)
-        for rel, reqs in per_file.items():
-            with open(os.path.join(self._directory, rel), "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise ValueError(f"{self._directory!r}: tensor file {rel!r} is not a regular file")
-                for req in reqs:
-                    info = self._index.storage_data[req.storage_index]
-                    tensor = torch.load(_ByteRange(f, info.offset, info.length), map_location="cpu", weights_only=True)
-                    if not isinstance(tensor, torch.Tensor):
-                        raise ValueError(f"{self._directory!r}: {req.storage_index.fqn!r} in {rel!r} is not a tensor")
-                    for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                        if n < tensor.size(dim):
-                            tensor = tensor.narrow(dim, o, n)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise ValueError(
-                            f"{self._directory!r}: {req.storage_index.fqn!r} in {rel!r} holds {tuple(tensor.size())}, "
-                            f"expected {tuple(target.size())}"
-                        )
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
+            tensor, target = self._load(req, planner)
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _load(self, req, planner) -> tuple[torch.Tensor, torch.Tensor]:
+        info = self._index.storage_data[req.storage_index]
+        rel, where = info.relative_path, f"{self._directory!r}: {req.storage_index.fqn!r} in {info.relative_path!r}"
+        with open(os.path.join(self._directory, rel), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{self._directory!r}: tensor file {rel!r} is not a regular file")
+            try:
+                tensor = torch.load(_ByteRange(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - weights_only: nothing but tensors was built
+                raise ValueError(f"{where} cannot be read as a tensor ({type(e).__name__}: {_first_line(e)})") from None
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_quantized:
+            raise ValueError(f"{where} is not a dense tensor")
+        if len(req.storage_offsets) != tensor.dim():
+            raise ValueError(f"{where} has {tensor.dim()} dimensions, the index {len(req.storage_offsets)}")
+        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            if o + n > tensor.size(dim):
+                raise ValueError(f"{where} holds {tuple(tensor.size())}, too small for the chunk the index gives")
+            if n < tensor.size(dim):
+                tensor = tensor.narrow(dim, o, n)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{where} holds {tuple(tensor.size())}, expected {tuple(target.size())}")
+        return tensor, target
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 __all__ = ["INDEX_DTYPES", "INDEX_FILE", "INDEX_GLOBALS", "IndexRefused", "IndexUnpickler", "IndexedReader", "read_index",
