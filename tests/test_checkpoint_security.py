@@ -250,6 +250,13 @@ def test_a_tensor_file_outside_the_directory_is_refused(attempt, where):
     attempt.load_refused("is not a file name inside the checkpoint directory")
 
 
+def test_a_tensor_file_that_is_a_link_is_refused(attempt):
+    shard = os.path.join(attempt.path, "__0_0.distcp")
+    os.rename(shard, os.path.join(attempt.root, "elsewhere.distcp"))
+    os.symlink(os.path.join(attempt.root, "elsewhere.distcp"), shard)
+    attempt.load_refused("not a regular file")
+
+
 def test_stream_transforms_are_refused(attempt):
     md = attempt.trusted_index()
     next(iter(md.storage_data.values())).transform_descriptors = ["zstd"]

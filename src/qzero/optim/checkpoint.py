@@ -268,9 +268,14 @@ def read_checked_index(path: str):
     for info in index.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in need.items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full) or os.path.getsize(full) < size:
-            raise ValueError(f"{path!r}: tensor file {rel!r} is missing or truncated (needs {size} bytes)")
+        try:
+            st = os.lstat(os.path.join(path, rel))
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path!r}: tensor file {rel!r} is missing or not a regular file (a link is refused)")
+        if st.st_size < size:
+            raise ValueError(f"{path!r}: tensor file {rel!r} is truncated (needs {size} bytes, has {st.st_size})")
     return index, raw
 
 

@@ -480,7 +480,8 @@ class IndexedReader(dcp.FileSystemReader):
     def _load(self, req, planner) -> tuple[torch.Tensor, torch.Tensor]:
         info = self._index.storage_data[req.storage_index]
         rel, where = info.relative_path, f"{self._directory!r}: {req.storage_index.fqn!r} in {info.relative_path!r}"
-        with open(os.path.join(self._directory, rel), "rb") as f:
+        fd = os.open(os.path.join(self._directory, rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ValueError(f"{self._directory!r}: tensor file {rel!r} is not a regular file")
             try:
