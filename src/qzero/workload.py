@@ -59,8 +59,15 @@ def model_config(preset: str | None = None, config_path: str | None = None, max_
     if config_path:
         if not os.path.isfile(config_path):
             raise WorkloadError(f"model config file not found: {config_path}")
-        with open(config_path) as f:
-            d = json.load(f)
+        try:
+            with open(config_path) as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise WorkloadError(f"model config file {config_path} is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise WorkloadError(f"model config file {config_path} holds a {type(d).__name__}, not a JSON object")
+        if "auto_map" in d:  # it names code to fetch and run; only transformers' own classes are built
+            raise WorkloadError(f"model config file {config_path} has 'auto_map' (remote code); qzero does not run it")
         model_type = d.pop("model_type", "qwen3")
         return AutoConfig.for_model(model_type, **d)
     if preset not in PRESETS:
@@ -86,7 +93,7 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int) -> 
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
     return model.to(device=device, dtype=dtype)
 
 

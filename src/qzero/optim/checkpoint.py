@@ -6,17 +6,24 @@ and of every optimizer state tensor shaped like them, each rank writing the piec
 its partition holds (a ShardedTensor). Scalar state (Adam's ``step``) is saved
 replicated. A small JSON file beside it (``qzero.json``) records the parameter
 names and shapes, the state's keys and the hyperparameters; it is checked before
-anything is read, so a checkpoint of another model is refused by name. Nothing is
-unpickled: the tensors come from DCP's tensor files, the rest is JSON.
+anything is read, so a checkpoint of another model is refused by name.
+
+A checkpoint directory is untrusted input. ``qzero.json`` is JSON, checked field by
+field. DCP's index (``.metadata``, a pickle) is read once by
+:mod:`qzero.optim.checkpoint_index`, which calls nothing while unpickling and rebuilds
+the index from plain values; the tensors are read with ``torch.load(weights_only=True)``
+from the files and byte ranges that index names. All of this is checked, on every
+rank, before any tensor of the optimizer is written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import pickle
 import shutil
+import stat
 import warnings
 from typing import TYPE_CHECKING
 
@@ -27,6 +34,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .checkpoint_index import INDEX_FILE, IndexedReader, read_index
+
 if TYPE_CHECKING:
     from .flat import FlatGroup
     from .zero import ZeroOptimizer
@@ -35,41 +44,6 @@ META_FILE = "qzero.json"
 FORMAT_VERSION = 1
 TMP_SUFFIX = ".saving"
 OLD_SUFFIX = ".replaced"
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP stores its index (``.metadata``) as a pickle; load only the classes that index is
-    made of, so a tampered checkpoint cannot run code."""
-
-    _ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")} | {
-        ("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)
-    }
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}; qzero refuses to load it")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """A DCP reader whose index is read with :class:`_MetadataUnpickler` (tensors themselves
-    are read by DCP with ``torch.load(weights_only=True)``)."""
-
-    def read_metadata(self, *args, **kwargs):
-        get_path = getattr(self, "_get_metadata_path", None)
-        path = get_path(kwargs.get("rank")) if get_path else None
-        if path is None or not os.path.exists(path):
-            path = os.path.join(self.path, ".metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if hasattr(metadata, "storage_meta"):
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            if metadata.storage_meta is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
 
 
 def logical_pieces(group: FlatGroup) -> list[tuple[int, int, int]]:
@@ -225,14 +199,17 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def read_metadata(path: str) -> dict:
+    """``qzero.json`` of the checkpoint at ``path``, checked field by field."""
     meta_path = os.path.join(path, META_FILE)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{path!r} is not a qzero checkpoint: {META_FILE} is missing")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path!r}: {META_FILE} is not valid JSON ({e})") from None
+        with open(meta_path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{path!r}: {META_FILE} is not a regular file")
+            meta = json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError) as e:
+        raise ValueError(f"{path!r}: {META_FILE} is not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{path!r}: checkpoint format {got!r} is not {FORMAT_VERSION}")
@@ -269,22 +246,59 @@ def _check_schema(meta: dict, path: str) -> None:
                     f"{path!r}: {META_FILE} declares state {key!r} of group {i} as {spec!r}; expected "
                     f"sharded/shape/dtype with dtype one of {sorted(STATE_DTYPES)}"
                 )
+            if not all(type(d) is int and d >= 0 for d in spec["shape"]):
+                raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} with shape {spec['shape']!r}")
+    scaler = meta["loss_scaler"]
+    for key in _SCALER_INTS:
+        if type(scaler.get(key)) is not int:
+            raise ValueError(f"{path!r}: {META_FILE} loss_scaler.{key} is {scaler.get(key)!r}, expected an int")
+    scale = scaler.get("scale")
+    if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{path!r}: {META_FILE} loss_scaler.scale is {scale!r}, expected a positive number")
 
 
-def check_storage(path: str) -> None:
-    """Read the DCP index (safely) and make sure every file it names is there and long enough."""
-    try:
-        index = SafeFileSystemReader(path).read_metadata()
-    except (pickle.UnpicklingError, OSError, EOFError, AttributeError, ImportError) as e:
-        raise ValueError(f"{path!r}: cannot read the checkpoint index: {e}") from None
+_SCALER_INTS = ("clean_steps", "hysteresis_left", "skipped_steps")
+
+
+def read_checked_index(path: str):
+    """The DCP index of ``path`` (read safely: see :mod:`qzero.optim.checkpoint_index`) and its
+    raw bytes, after making sure every file it names is a regular file long enough."""
+    index, raw = read_index(path)
     need: dict[str, int] = {}
-    for info in getattr(index, "storage_data", {}).values():
-        rel = str(getattr(info, "relative_path", ""))
-        need[rel] = max(need.get(rel, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
+    for info in index.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in need.items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full) or os.path.getsize(full) < size:
-            raise ValueError(f"{path!r}: tensor file {rel!r} is missing or truncated (needs {size} bytes)")
+        try:
+            st = os.lstat(os.path.join(path, rel))
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path!r}: tensor file {rel!r} is missing or not a regular file (a link is refused)")
+        if st.st_size < size:
+            raise ValueError(f"{path!r}: tensor file {rel!r} is truncated (needs {size} bytes, has {st.st_size})")
+    return index, raw
+
+
+def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> None:
+    """Every tensor the load will read is in the index with the size this optimizer expects."""
+    expected = {k: list(v.shape) for k, v in _module_state(opt).items()}
+    for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
+        expected[f"group{i}.master"] = [g.layout.used_numel]
+        for key, spec in saved["state"].items():
+            if spec["sharded"]:
+                expected[f"group{i}.state.{key}"] = [g.layout.used_numel]
+            else:
+                if math.prod(spec["shape"]) > g.master.numel():
+                    raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} larger than its group")
+                expected[f"group{i}.state.{key}"] = spec["shape"]
+    for fqn, shape in expected.items():
+        entry = index.state_dict_metadata.get(fqn)
+        if entry is None:
+            raise ValueError(f"{path!r}: the checkpoint index {INDEX_FILE} has no entry {fqn!r}")
+        if list(entry.size) != shape:
+            raise ValueError(
+                f"{path!r}: the checkpoint index {INDEX_FILE} gives {fqn!r} size {list(entry.size)}, {META_FILE} {shape}"
+            )
 
 
 def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
@@ -311,6 +325,31 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
                     f"{path!r} was saved for another model: parameter {k} of group {i} is {sn!r} {tuple(ss)} there, "
                     f"{n!r} {tuple(s)} here"
                 )
+    for i, (saved, pg) in enumerate(zip(meta["groups"], opt.optimizer.param_groups)):
+        for k, v in saved["hyperparameters"].items():
+            if k in pg and not _same_kind(pg[k], v):
+                raise ValueError(
+                    f"{path!r}: hyperparameter {k!r} of group {i} is {v!r} there; {pg[k]!r} here is not of that kind"
+                )
+
+
+def _same_kind(here, saved) -> bool:
+    """A saved hyperparameter may replace the current one: JSON of the same shape, finite numbers."""
+
+    def number(v) -> bool:
+        return type(v) in (int, float) and math.isfinite(v)
+
+    if isinstance(here, torch.Tensor) and here.numel() == 1:
+        return number(saved)
+    if here is None or isinstance(here, bool):  # flags such as foreach / fused: None or a bool
+        return saved is None or type(saved) is bool
+    if isinstance(here, str):
+        return type(saved) is str
+    if isinstance(here, (int, float)):
+        return number(saved) or (not math.isfinite(here) and type(saved) is float)
+    if isinstance(here, (tuple, list)):
+        return type(saved) is list and len(saved) == len(here) and all(_same_kind(a, b) for a, b in zip(here, saved))
+    return False
 
 
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
@@ -318,17 +357,18 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     # ranks agree on the outcome (and on the metadata) so that all of them raise together.
     from ..comm import agree_or_raise
 
-    error, digest, meta = None, 0, None
+    error, fields, meta, index = None, None, None, None
     try:
         path = resolve_checkpoint(path)
         meta = read_metadata(path)
         check_compatible(opt, meta, path)
-        check_storage(path)
-        digest = int.from_bytes(hashlib.blake2b(json.dumps(meta, sort_keys=True).encode(), digest_size=7).digest(), "little")
+        index, raw_index = read_checked_index(path)
+        check_index_matches(opt, meta, index, path)
+        fields = {"checkpoint metadata": _digest(json.dumps(meta, sort_keys=True).encode()),
+                  "checkpoint index": _digest(raw_index)}
     except (TypeError, ValueError) as e:
-        error = e
+        error, fields = e, None
     agree_group = opt.process_group
-    fields = None if error else {"checkpoint metadata": digest}
     agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
     targets, fills = dict(_module_state(opt)), []
     for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
@@ -344,10 +384,14 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                 targets[f"group{i}.state.{key}"] = t
             state[key] = t
         fills.append((g, state, saved["hyperparameters"]))
+
+    def agree(read_error):  # every rank's tensors are checked before any is copied
+        agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, read_error, {}, "load_checkpoint")
+
     try:
-        dcp.load(targets, storage_reader=SafeFileSystemReader(path), process_group=opt.process_group)
+        dcp.load(targets, storage_reader=IndexedReader(path, index, agree), process_group=opt.process_group)
     except CheckpointException as e:
-        raise ValueError(f"{path!r}: reading the tensors failed: {_first_line(e)}") from e
+        raise ValueError(_read_failure(e, path)) from e
     for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
         # padding holds zeros (it was never trained)
         for a, b in g.layout.padding_ranges(g.lo, g.hi):
@@ -363,6 +407,24 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     with torch.no_grad():
         for g in opt.groups:
             g.gather()
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _read_failure(e: CheckpointException, path: str) -> str:
+    """What went wrong while reading, as the rank that found it said (every rank gets every
+    rank's exception from DCP; those that only echo the agreement are passed over)."""
+    errors = []
+    for rank, failure in sorted(getattr(e, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, ValueError):
+            errors.append((str(exc).startswith("load_checkpoint: rank(s)"), rank, str(exc)))
+    if errors:
+        echo, rank, msg = min(errors)
+        return msg if echo or len(e.failures) == 1 else f"{msg} (found by rank {rank})"
+    return f"{path!r}: reading the tensors failed: {_first_line(e)}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,0 +1,512 @@
+"""The DCP index of a checkpoint directory, read as untrusted input, and a reader of its tensors.
+
+``torch.distributed.checkpoint`` stores its index (``.metadata``) as a pickle, and
+unpickling runs whatever callables the pickle names. A checkpoint directory may come
+from someone else, so the index is read in three steps:
+
+1. :class:`IndexUnpickler` resolves exactly the globals of :data:`INDEX_GLOBALS`, by
+   module and name: DCP's metadata dataclasses, its ``_StorageInfo``, ``torch.Size``,
+   the memory-format enum, torch's dtypes, the layout look-up torch pickles layouts
+   with, and pathlib's path classes. It does not hand the pickle those objects: each
+   name resolves to an inert stand-in, created afresh for this one load, that only
+   records the arguments and state the pickle gives it. So nothing outside this module
+   is imported or called while unpickling, whatever REDUCE/NEWOBJ/BUILD opcodes the
+   pickle holds, and every other global (module prefixes, functions, persistent ids)
+   is refused with an error naming it.
+2. :func:`rebuild_index` checks those records field by field and builds a fresh
+   ``Metadata`` from plain values: tensor entries only (DCP reads "bytes" entries
+   with ``torch.load(weights_only=False)``; qzero never writes them), chunks that tile
+   their tensor, one storage entry per chunk naming a plain file inside the directory,
+   no stream transforms.
+3. :class:`IndexedReader` gives DCP that rebuilt index (the file is not read again)
+   and reads each tensor with ``torch.load(weights_only=True)`` from the byte range the
+   index names, refusing any read that is not a tensor, on every supported torch; every
+   tensor is checked before the first one is copied into place.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as _dcp_fs
+from torch.distributed.checkpoint import metadata as _dcp_md
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+INDEX_FILE = ".metadata"
+
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+
+#: Every global a DCP index may name, by exact module and name, and what it stands for.
+#: These are the names a ``.metadata`` written by torch 2.4 to 2.13 through
+#: ``FileSystemWriter`` refers to (dataclasses pickle as NEWOBJ + BUILD, ``torch.Size``
+#: and the enum as REDUCE, dtypes as globals, layouts through ``_get_layout``,
+#: ``StorageMeta.checkpoint_id`` as a pathlib path, under ``pathlib._local`` on
+#: Python 3.13). ``BytesStorageMetadata`` is deliberately absent.
+INDEX_GLOBALS: dict[tuple[str, str], str] = {
+    (_MD, "Metadata"): "Metadata",
+    (_MD, "TensorStorageMetadata"): "TensorStorageMetadata",
+    (_MD, "TensorProperties"): "TensorProperties",
+    (_MD, "ChunkStorageMetadata"): "ChunkStorageMetadata",
+    (_MD, "MetadataIndex"): "MetadataIndex",
+    (_MD, "StorageMeta"): "StorageMeta",
+    (_MD, "_MEM_FORMAT_ENCODING"): "MemoryFormat",
+    (_FS, "_StorageInfo"): "StorageInfo",
+    ("torch", "Size"): "Size",
+    ("torch.serialization", "_get_layout"): "Layout",
+    **{(mod, cls): "Path" for mod in ("pathlib", "pathlib._local")
+       for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+}
+
+#: torch dtypes by the name they pickle under (``torch.<name>``), the only other globals.
+INDEX_DTYPES: dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype) and str(value) == f"torch.{name}"
+}
+
+_REFUSED_HINTS = {
+    (_MD, "BytesStorageMetadata"): "non-tensor entries are read by DCP with torch.load(weights_only=False); "
+    "qzero never writes them",
+}
+
+
+class IndexRefused(ValueError):
+    """The index names a global outside :data:`INDEX_GLOBALS`, or is malformed."""
+
+
+class _Record:
+    """What one allowed global stands for: arguments and state, recorded, never acted on."""
+
+    __slots__ = ("args", "kwargs", "state", "built")
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.kwargs, obj.state, obj.built = args, kwargs, None, False
+        return obj
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        if not isinstance(self, _Record) or self.built:
+            raise pickle.UnpicklingError("checkpoint index: an object is built twice")
+        self.state, self.built = state, True
+
+
+class _DType:
+    """A dtype named by the index (resolved through :data:`INDEX_DTYPES` afterwards)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index into inert records (see the module docstring)."""
+
+    def __init__(self, file, where: str) -> None:
+        super().__init__(file)
+        self.where = where
+        # fresh stand-in classes per load: nothing a pickle does to them outlives it
+        self.kinds: dict[type, str] = {}
+        self._classes: dict[str, type] = {}
+
+    def find_class(self, module: str, name: str):
+        kind = INDEX_GLOBALS.get((module, name))
+        if kind is not None:
+            cls = self._classes.get(kind)
+            if cls is None:
+                cls = self._classes[kind] = type(f"_{kind}Record", (_Record,), {"__slots__": ()})
+                self.kinds[cls] = kind
+            return cls
+        if module == "torch" and name in INDEX_DTYPES:
+            return _DType(name)
+        hint = _REFUSED_HINTS.get((module, name), "not one of the classes a DCP index is made of")
+        raise IndexRefused(
+            f"{self.where}: the checkpoint index ({INDEX_FILE}) refers to {module}.{name} ({hint}); "
+            "qzero refuses to load it (nothing from it was called)"
+        )
+
+    def persistent_load(self, pid):
+        raise IndexRefused(f"{self.where}: the checkpoint index ({INDEX_FILE}) holds a persistent id; qzero refuses it")
+
+
+def read_index(directory: str, where: str | None = None) -> tuple[_dcp_md.Metadata, bytes]:
+    """The checked, rebuilt DCP index of ``directory`` and the raw bytes it was read from.
+    Raises :class:`IndexRefused` (a ValueError) naming what is wrong."""
+    where = where or repr(directory)
+    path = os.path.join(directory, INDEX_FILE)
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise IndexRefused(f"{where}: {INDEX_FILE} is not a regular file")
+            raw = f.read()
+    except OSError as e:
+        raise IndexRefused(f"{where}: cannot read the checkpoint index {INDEX_FILE}: {e}") from None
+    if not raw:
+        raise IndexRefused(f"{where}: the checkpoint index {INDEX_FILE} is empty")
+    unpickler = IndexUnpickler(io.BytesIO(raw), where)
+    try:
+        top = unpickler.load()
+    except IndexRefused:
+        raise
+    except Exception as e:  # noqa: BLE001 - only our records and builtin containers were made
+        raise IndexRefused(
+            f"{where}: the checkpoint index {INDEX_FILE} is not a valid pickle ({type(e).__name__}: {e})"
+        ) from None
+    return rebuild_index(top, unpickler.kinds, where), raw
+
+
+# --------------------------------------------------------------------------- checking and rebuilding
+
+
+class _Checker:
+    def __init__(self, kinds: dict[type, str], where: str) -> None:
+        self.kinds, self.where = kinds, where
+
+    def fail(self, what: str) -> IndexRefused:
+        return IndexRefused(f"{self.where}: the checkpoint index {INDEX_FILE} is malformed: {what}")
+
+    def kind(self, obj) -> str | None:
+        return self.kinds.get(type(obj)) if isinstance(obj, _Record) else None
+
+    def record(self, obj, kind: str, where: str) -> _Record:
+        if self.kind(obj) != kind:
+            raise self.fail(f"{where} is {self.describe(obj)}, expected {kind}")
+        return obj
+
+    def describe(self, obj) -> str:
+        kind = self.kind(obj)
+        if kind:
+            return f"a {kind}"
+        if isinstance(obj, _DType):
+            return f"dtype {obj.name}"
+        return f"a {type(obj).__name__}"
+
+    def fields(self, obj: _Record, kind: str, where: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+        """The fields of a dataclass record built as NEWOBJ + BUILD (dict state)."""
+        self.record(obj, kind, where)
+        if obj.args or obj.kwargs:
+            raise self.fail(f"{where}: {kind} is constructed with arguments")
+        state = obj.state
+        if isinstance(state, tuple) and len(state) == 2 and state[0] is None and type(state[1]) is dict:
+            state = state[1]  # slots form
+        if type(state) is not dict or not all(type(k) is str for k in state):
+            raise self.fail(f"{where}: {kind} has state {self.describe(state)}, expected a dict of fields")
+        out = {}
+        for k, v in state.items():
+            if k in allowed:
+                out[k] = v
+            elif not (v is None or type(v) in (bool, int, str)):
+                raise self.fail(f"{where}: {kind} has an unknown field {k!r} holding {self.describe(v)}")
+            # a plain-valued field of a newer torch is dropped: the index is rebuilt from known fields
+        missing = [k for k in required if k not in out]
+        if missing:
+            raise self.fail(f"{where}: {kind} lacks {missing}")
+        return out
+
+    def size(self, obj, where: str) -> tuple[int, ...]:
+        self.record(obj, "Size", where)
+        if obj.kwargs or obj.built or len(obj.args) != 1 or type(obj.args[0]) not in (tuple, list):
+            raise self.fail(f"{where}: a torch.Size is made of one tuple of ints")
+        dims = tuple(obj.args[0])
+        if not all(type(d) is int and 0 <= d < 2**62 for d in dims) or len(dims) > 64:
+            raise self.fail(f"{where}: torch.Size{dims!r} is not a size")
+        return dims
+
+    def integer(self, v, where: str, optional: bool = False) -> int | None:
+        if optional and v is None:
+            return None
+        if type(v) is not int or not 0 <= v < 2**62:
+            raise self.fail(f"{where} is {v!r}, expected a non-negative int")
+        return v
+
+    def text(self, v, where: str, optional: bool = True) -> str | None:
+        if v is None and optional:
+            return None
+        if type(v) is not str:
+            raise self.fail(f"{where} is {self.describe(v)}, expected a str")
+        return v
+
+    def dtype(self, v, where: str) -> torch.dtype:
+        if not isinstance(v, _DType) or v.name not in INDEX_DTYPES:
+            raise self.fail(f"{where} is {self.describe(v)}, expected a torch dtype")
+        return INDEX_DTYPES[v.name]
+
+    def properties(self, obj, where: str) -> torch.dtype:
+        self.record(obj, "TensorProperties", where)
+        if obj.args or obj.kwargs:
+            raise self.fail(f"{where}: TensorProperties is constructed with arguments")
+        state = obj.state
+        if type(state) is tuple and len(state) == 5:  # TensorProperties.__getstate__
+            dtype, layout, requires_grad, mem_format, pin_memory = state
+        elif type(state) is dict:
+            fields = self.fields(obj, "TensorProperties", where,
+                                 ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), ("dtype",))
+            dtype, layout = fields["dtype"], fields.get("layout")
+            requires_grad, pin_memory, mem_format = fields.get("requires_grad", False), fields.get("pin_memory", False), None
+        else:
+            raise self.fail(f"{where}: TensorProperties has state {self.describe(state)}")
+        if layout is not None:
+            rec = self.record(layout, "Layout", f"{where}.layout")
+            if rec.args != ("torch.strided",) or rec.kwargs or rec.built:
+                raise self.fail(f"{where}.layout is {rec.args!r}; only torch.strided tensors are read")
+        if type(requires_grad) is not bool or type(pin_memory) is not bool:
+            raise self.fail(f"{where}: requires_grad / pin_memory are not bools")
+        if mem_format is not None:
+            rec = self.record(mem_format, "MemoryFormat", f"{where}.memory_format")
+            if rec.kwargs or rec.built or len(rec.args) != 1 or type(rec.args[0]) is not int or not 0 <= rec.args[0] <= 2:
+                raise self.fail(f"{where}.memory_format is {rec.args!r}")
+        return self.dtype(dtype, f"{where}.dtype")
+
+    def plain(self, v, where: str, depth: int = 0):
+        """planner_data: str / int / None values in dicts, lists and tuples."""
+        if depth > 8:
+            raise self.fail(f"{where} is nested too deeply")
+        if v is None or type(v) in (str, int, bool):
+            return v
+        if type(v) in (list, tuple):
+            return tuple(self.plain(x, where, depth + 1) for x in v)
+        if type(v) is dict:
+            return {self.plain(k, where, depth + 1): self.plain(x, where, depth + 1) for k, x in v.items()}
+        raise self.fail(f"{where} holds {self.describe(v)}")
+
+
+def _plain_file_name(name: str) -> bool:
+    return (
+        bool(name) and name not in (".", "..") and "\0" not in name and "/" not in name and "\\" not in name
+        and os.path.basename(name) == name and not os.path.isabs(name)
+    )
+
+
+def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
+    """Check the records an index unpickled into and build a fresh ``Metadata`` of them."""
+    c = _Checker(kinds, where)
+    meta = c.fields(top, "Metadata", "the index",
+                    ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+                    ("state_dict_metadata", "storage_data"))
+    entries, storage = meta["state_dict_metadata"], meta["storage_data"]
+    if type(entries) is not dict or type(storage) is not dict:
+        raise c.fail("state_dict_metadata / storage_data are not dicts")
+    planner_data = c.plain(meta.get("planner_data"), "planner_data")
+    version = c.text(meta.get("version"), "version")
+    if meta.get("storage_meta") is not None:  # only checked: a fresh StorageMeta is made on load
+        sm = c.fields(meta["storage_meta"], "StorageMeta", "storage_meta", ("checkpoint_id", "save_id", "load_id", "modules"))
+        for k in ("save_id", "load_id"):
+            c.text(sm.get(k), f"storage_meta.{k}")
+        cid = sm.get("checkpoint_id")
+        if cid is not None and type(cid) is not str:
+            rec = c.record(cid, "Path", "storage_meta.checkpoint_id")
+            if rec.kwargs or rec.built or not all(type(p) is str for p in rec.args):
+                raise c.fail("storage_meta.checkpoint_id is not a path")
+        modules = sm.get("modules", [])
+        if type(modules) is not list or not all(type(m) is str for m in modules):
+            raise c.fail("storage_meta.modules is not a list of str")
+
+    chunks_of: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+    new_entries = {}
+    for fqn, entry in entries.items():
+        c.text(fqn, "a state_dict_metadata key", optional=False)
+        at = f"state_dict_metadata[{fqn!r}]"
+        kind = c.kind(entry)
+        if kind != "TensorStorageMetadata":
+            raise c.fail(f"{at} is {c.describe(entry)}; only tensor entries are read")
+        f = c.fields(entry, kind, at, ("properties", "size", "chunks"), ("properties", "size", "chunks"))
+        dtype = c.properties(f["properties"], f"{at}.properties")
+        size = c.size(f["size"], f"{at}.size")
+        if type(f["chunks"]) is not list or not f["chunks"]:
+            raise c.fail(f"{at}.chunks is not a non-empty list")
+        chunks = {}
+        for k, chunk in enumerate(f["chunks"]):
+            cf = c.fields(chunk, "ChunkStorageMetadata", f"{at}.chunks[{k}]", ("offsets", "sizes"), ("offsets", "sizes"))
+            offsets, sizes = c.size(cf["offsets"], f"{at}.chunks[{k}].offsets"), c.size(cf["sizes"], f"{at}.chunks[{k}].sizes")
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o + s > d for o, s, d in zip(offsets, sizes, size)
+            ):
+                raise c.fail(f"{at}.chunks[{k}] ({offsets}, {sizes}) lies outside the tensor {size}")
+            if offsets in chunks:
+                raise c.fail(f"{at} has two chunks at {offsets}")
+            chunks[offsets] = sizes
+        _check_tiling(c, at, size, chunks)
+        chunks_of[fqn] = chunks
+        new_entries[fqn] = _dcp_md.TensorStorageMetadata(
+            properties=_dcp_md.TensorProperties(dtype=dtype),
+            size=torch.Size(size),
+            chunks=[_dcp_md.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks.items()],
+        )
+
+    new_storage = {}
+    for key, info in storage.items():
+        kf = c.fields(key, "MetadataIndex", "a storage_data key", ("fqn", "offset", "index"), ("fqn",))
+        fqn = c.text(kf["fqn"], "a storage_data key's fqn", optional=False)
+        offset = None if kf.get("offset") is None else c.size(kf["offset"], f"storage_data[{fqn!r}].offset")
+        index = c.integer(kf.get("index"), f"storage_data[{fqn!r}].index", optional=True)
+        at = f"storage_data[{fqn!r}, {offset}]"
+        if fqn not in chunks_of or offset not in chunks_of[fqn]:
+            raise c.fail(f"{at} names no chunk of a tensor entry")
+        sf = c.fields(info, "StorageInfo", at, ("relative_path", "offset", "length", "transform_descriptors"),
+                      ("relative_path", "offset", "length"))
+        rel = c.text(sf["relative_path"], f"{at}.relative_path", optional=False)
+        if not _plain_file_name(rel):
+            raise c.fail(f"{at}.relative_path {rel!r} is not a file name inside the checkpoint directory")
+        transforms = sf.get("transform_descriptors")
+        if transforms is not None and (type(transforms) not in (list, tuple) or len(transforms)):
+            raise c.fail(f"{at} asks for stream transforms {transforms!r}; qzero writes none and reads none")
+        mi = _dcp_md.MetadataIndex(fqn, offset, index)
+        if mi in new_storage:
+            raise c.fail(f"{at} appears twice")
+        new_storage[mi] = _dcp_fs._StorageInfo(
+            relative_path=rel,
+            offset=c.integer(sf["offset"], f"{at}.offset"),
+            length=c.integer(sf["length"], f"{at}.length"),
+        )
+    for fqn, chunks in chunks_of.items():
+        for offsets in chunks:
+            if _dcp_md.MetadataIndex(fqn, offsets) not in new_storage:
+                raise c.fail(f"chunk {offsets} of {fqn!r} has no storage entry")
+
+    out = _dcp_md.Metadata(state_dict_metadata=new_entries, planner_data=planner_data, storage_data=new_storage)
+    if hasattr(out, "version"):
+        out.version = version
+    return out
+
+
+def _check_tiling(c: _Checker, at: str, size: tuple[int, ...], chunks: dict) -> None:
+    """The chunks cover the tensor exactly once: a 1-D tensor by intervals, any other by one
+    chunk (what DCP writes for qzero: sharded logical buffers and replicated tensors)."""
+    if len(size) == 1:
+        pos = 0
+        for (o,), (s,) in sorted(chunks.items()):
+            if o != pos:
+                raise c.fail(f"{at}: chunks {'overlap' if o < pos else 'leave a gap'} at element {min(o, pos)}")
+            pos = o + s
+        if pos != size[0]:
+            raise c.fail(f"{at}: chunks cover {pos} of {size[0]} elements")
+    elif len(chunks) != 1 or next(iter(chunks.items())) != ((0,) * len(size), size):
+        raise c.fail(f"{at}: a {len(size)}-d entry must be one chunk covering it, got {sorted(chunks.items())[:3]}")
+
+
+# --------------------------------------------------------------------------- reading tensors
+
+
+class _ByteRange(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of ``f`` from ``start``."""
+
+    def __init__(self, f, start: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(b)[:n]) or 0
+        self._pos += got
+        return got
+
+
+class IndexedReader(dcp.FileSystemReader):
+    """A DCP storage reader over a checked index (from :func:`read_index`).
+
+    ``read_metadata`` returns that index. ``read_data`` reads tensors only, each with
+    ``torch.load(weights_only=True)`` from the byte range of a plain file of the
+    directory, in two passes: first every tensor of this rank's plan is loaded and
+    checked (a strided, unquantized tensor of the expected size) and dropped, then
+    ``agree(error)`` is called (ranks agree there: it raises on every rank if any rank
+    failed), and only then are the tensors read again and copied into place. So a
+    tensor file that does not match its index is refused before anything is written,
+    at the cost of reading the tensors twice; peak memory stays one item.
+    """
+
+    def __init__(self, directory: str, index: _dcp_md.Metadata, agree=None) -> None:
+        super().__init__(directory)
+        self._directory, self._index, self._agree = str(directory), index, agree
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_md.Metadata:
+        storage_meta = getattr(_dcp_md, "StorageMeta", None)
+        if storage_meta is not None and hasattr(self._index, "storage_meta"):
+            self._index.storage_meta = storage_meta(load_id=getattr(self, "load_id", None))
+        return self._index
+
+    def read_data(self, plan, planner) -> Future:
+        error = None
+        try:
+            for req in plan.items:
+                if req.type != LoadItemType.TENSOR:
+                    raise ValueError(
+                        f"{self._directory!r}: a non-tensor read of {req.dest_index.fqn!r} was planned; "
+                        "qzero reads tensors only"
+                    )
+            for req in plan.items:
+                self._load(req, planner)
+        except Exception as e:  # noqa: BLE001 - reported on every rank through agree()
+            error = e if isinstance(e, ValueError) else ValueError(
+                f"{self._directory!r}: reading the tensors failed: {type(e).__name__}: {e}"
+            )
+        if self._agree is not None:
+            self._agree(error)
+        elif error is not None:
+            raise error
+        for req in plan.items:
+            tensor, target = self._load(req, planner)
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load(self, req, planner) -> tuple[torch.Tensor, torch.Tensor]:
+        info = self._index.storage_data[req.storage_index]
+        rel, where = info.relative_path, f"{self._directory!r}: {req.storage_index.fqn!r} in {info.relative_path!r}"
+        fd = os.open(os.path.join(self._directory, rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{self._directory!r}: tensor file {rel!r} is not a regular file")
+            try:
+                tensor = torch.load(_ByteRange(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - weights_only: nothing but tensors was built
+                raise ValueError(f"{where} cannot be read as a tensor ({type(e).__name__}: {_first_line(e)})") from None
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_quantized:
+            raise ValueError(f"{where} is not a dense tensor")
+        if len(req.storage_offsets) != tensor.dim():
+            raise ValueError(f"{where} has {tensor.dim()} dimensions, the index {len(req.storage_offsets)}")
+        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            if o + n > tensor.size(dim):
+                raise ValueError(f"{where} holds {tuple(tensor.size())}, too small for the chunk the index gives")
+            if n < tensor.size(dim):
+                tensor = tensor.narrow(dim, o, n)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{where} holds {tuple(tensor.size())}, expected {tuple(target.size())}")
+        return tensor, target
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+__all__ = ["INDEX_DTYPES", "INDEX_FILE", "INDEX_GLOBALS", "IndexRefused", "IndexUnpickler", "IndexedReader", "read_index",
+           "rebuild_index"]
