@@ -408,3 +408,36 @@ def test_reference_pack_leaves_finite_groups_alone():
     weights.pack_payload(x, b, layout, 64, "int8", idx)
     assert torch.equal(a, b)
 
+
+
+# ------------------------------------------------------------------ qualify / train plumbing
+
+
+def test_qualify_candidate_takes_zero_config_keys():
+    from qzero.cli import _overrides
+    from qzero.train import TrainSettings
+
+    got = _overrides(["zero_quantized_gradients=true", "quantized=true"], "--candidate")
+    assert got == {"extra_config": {"zero_quantized_gradients": True}, "quantized": True}
+    cfg = TrainSettings(**got).zero_config()
+    assert cfg.zero_quantized_gradients and cfg.zero_quantized_weights
+    with pytest.raises(ValueError, match="ZeroConfig field"):
+        _overrides(["zero_quantized_gradient=true"], "--candidate")
+
+
+def test_report_shows_gradient_bytes_beside_weight_bytes():
+    from test_qualify_stats import arm
+
+    from qzero.qualify import Thresholds, analyse
+    from qzero.qualify.report import markdown
+    from qzero.train import TrainSettings
+
+    arms = [arm("baseline", 1, [3.0, 2.0], [1.0, 1.1], [1.0]), arm("candidate", 2, [3.0, 2.0], [0.5, 0.6], [1.0])]
+    arms[0].update(grad_bytes_sent_per_step=2 * 2**20, grad_plain_bytes_per_step=2 * 2**20)
+    arms[1].update(grad_bytes_sent_per_step=2**20, grad_plain_bytes_per_step=2 * 2**20)
+    r = analyse(arms, TrainSettings(device="cuda"), {}, {"extra_config": {"zero_quantized_gradients": True}}, "BC",
+                Thresholds())
+    r["environment"] = {"link_regime": "test"}
+    text = markdown(r)
+    assert "gradients sent/rank/step" in text and "1.0 MiB of 2.0 MiB plain" in text
+    assert "zero_quantized_gradients" in text  # the arms differ in it
