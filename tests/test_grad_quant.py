@@ -441,3 +441,28 @@ def test_report_shows_gradient_bytes_beside_weight_bytes():
     text = markdown(r)
     assert "gradients sent/rank/step" in text and "1.0 MiB of 2.0 MiB plain" in text
     assert "zero_quantized_gradients" in text  # the arms differ in it
+
+
+def test_deepspeed_adapter_parses_the_gradient_keys():
+    from qzero.integrations import deepspeed as qds
+
+    def cfg(stage, **zero):
+        return {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, **zero}}
+
+    # off (explicitly, with qzero's refinements): the refinements are taken out of DeepSpeed's copy
+    given = cfg(2, zero_quantized_weights=True, zero_quantized_gradients=False,
+                zero_quantized_gradients_group_size=32, zero_quantized_gradients_format="fp8")
+    prepared = qds.prepare_config(given)
+    zero = prepared.ds_config["zero_optimization"]
+    assert "zero_quantized_gradients_group_size" not in zero and "zero_quantized_gradients_format" not in zero
+    assert given["zero_optimization"]["zero_quantized_gradients_group_size"] == 32  # the caller's dict is untouched
+    with pytest.raises(ValueError, match="stage 3 only"):
+        qds.prepare_config(cfg(2, zero_quantized_gradients=True))
+    with pytest.raises(ValueError, match="zero_quantized_gradients_group_size"):
+        qds.prepare_config(cfg(1, zero_quantized_gradients_group_size=12))
+    with pytest.raises(ValueError, match="zero_quantized_gradients_format"):
+        qds.prepare_config(cfg(2, zero_quantized_gradients_format="int4"))
+    assert qds.prepare_config(cfg(3, zero_quantized_gradients=True)).ds_config["zero_optimization"][
+        "zero_quantized_gradients"]  # DeepSpeed's own ZeRO++ at stage 3, untouched
+    with pytest.raises(ValueError, match="stage 3"):
+        qds.prepare_config(cfg(3, zero_quantized_gradients=True, zero_quantized_gradients_group_size=32))
