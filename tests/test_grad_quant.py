@@ -466,3 +466,15 @@ def test_deepspeed_adapter_parses_the_gradient_keys():
         "zero_quantized_gradients"]  # DeepSpeed's own ZeRO++ at stage 3, untouched
     with pytest.raises(ValueError, match="stage 3"):
         qds.prepare_config(cfg(3, zero_quantized_gradients=True, zero_quantized_gradients_group_size=32))
+
+
+def test_steps_matrix_arms_take_zero_config_keys():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "steps_matrix.py")
+    spec = importlib.util.spec_from_file_location("steps_matrix_for_grad_quant", path)
+    sm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sm)
+    name, o = sm.parse_arm("qg:quantized=true,zero_quantized_gradients=true,zero_quantized_gradients_format=fp8")
+    assert o == {"quantized": True, "extra_config": {"zero_quantized_gradients": True,
+                                                     "zero_quantized_gradients_format": "fp8"}}
