@@ -44,12 +44,15 @@ import tempfile
 from qzero.qualify import stats
 from qzero.qualify.env import describe
 from qzero.qualify.run import ArmFailed, run_arm
+from qzero.config import ZeroConfig
 from qzero.train import TrainSettings, resolve_device, validate
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KEY_RE = re.compile(r"^\s*(env\.)?[A-Za-z_][A-Za-z0-9_-]*\s*=")
 FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
+#: ZeroConfig fields that are not TrainSettings fields: an arm's ``key=value`` goes into its extra_config.
+ZERO_FIELDS = {f.name for f in dataclasses.fields(ZeroConfig)} - set(FIELDS)
 
 
 class SpecError(ValueError):
@@ -78,6 +81,14 @@ def _split_pairs(text: str) -> list[str]:
         else:
             pairs.append(token)
     return [p for p in pairs if p.strip()]
+
+
+def _json_or_text(raw: str):
+    raw = raw.strip()
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def _typed(key: str, raw: str):
@@ -143,6 +154,12 @@ def parse_arm(spec: str) -> tuple[str, dict]:
             overrides.setdefault("env", {})[var] = raw.strip()
             continue
         key = key.replace("-", "_")
+        if key in ZERO_FIELDS:  # e.g. zero_quantized_gradients=true
+            extra = overrides.setdefault("extra_config", {})
+            if key in extra:
+                raise SpecError(f"--arm {name}: setting {key!r} given twice")
+            extra[key] = _json_or_text(raw)
+            continue
         if key not in FIELDS:
             raise SpecError(
                 f"--arm {name}: unknown setting {key!r}; TrainSettings has {', '.join(sorted(FIELDS))}"
@@ -258,6 +275,7 @@ def analyse(
             "peak_reserved_bytes": max((r["peak_reserved_bytes"] for r in ok if r.get("peak_reserved_bytes") is not None), default=None),
             "bytes_sent_per_step": ok[0].get("bytes_sent_per_step") if ok else None,
             "plain_bytes_per_step": ok[0].get("plain_bytes_per_step") if ok else None,
+            "grad_bytes_sent_per_step": ok[0].get("grad_bytes_sent_per_step") if ok else None,
             "reproducible": _reproduced(ok),
             "replicas_identical": _replicas(ok),
             "final_loss": ok[0]["losses"][-1] if ok and ok[0].get("losses") else None,
@@ -332,7 +350,7 @@ def markdown(m: dict) -> str:
         "",
         "| arm | settings | median ms | wall ms/step | vs " + a["reference"] + " [CI] | "
         + "".join(f"vs {p} [CI] | " for p in peers)
-        + "peak alloc GiB | GB sent/rank/step | reproducible | replicas | max loss diff | weights vs ref |",
+        + "peak alloc GiB | GB sent/rank/step (weights + grad) | reproducible | replicas | max loss diff | weights vs ref |",
         "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|",
     ]
     for row in a["arms"]:
@@ -347,6 +365,8 @@ def markdown(m: dict) -> str:
             med += f" ({row['runs_ok']}/{row['runs_ok'] + row['runs_failed']} runs)"
         alloc = f"{row['peak_allocated_bytes'] / 2**30:.2f}" if row["peak_allocated_bytes"] is not None else "—"
         sent = f"{row['bytes_sent_per_step'] / 1e9:.3g}" if row["bytes_sent_per_step"] is not None else "—"
+        if row.get("grad_bytes_sent_per_step") is not None:
+            sent += f" + {row['grad_bytes_sent_per_step'] / 1e9:.3g} grad"
         loss = f"{row['max_loss_diff']:.4g}" if row["max_loss_diff"] is not None else "—"
         pa = row["param_agreement"]
         weights = (f"{pa['tolerance_violations']} viol., rel L2 {pa['param_rel_l2']:.2g}" if pa

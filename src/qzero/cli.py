@@ -75,18 +75,30 @@ def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
 
 
 def _overrides(items: list[str], flag: str) -> dict:
-    """``KEY=VALUE`` pairs naming TrainSettings fields; values parsed as JSON when they can be."""
+    """``KEY=VALUE`` pairs naming TrainSettings fields, or ZeroConfig fields (which go into
+    ``extra_config``, e.g. ``zero_quantized_gradients=true``); values parsed as JSON when
+    they can be."""
+    from .config import ZeroConfig
+
     names = {f.name for f in dataclasses.fields(TrainSettings)}
+    zero_names = {f.name for f in dataclasses.fields(ZeroConfig)} - names
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip().replace("-", "_")
-        if not sep or key not in names:
-            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(names))}")
+        if not sep or key not in names | zero_names:
+            raise ValueError(
+                f"{flag} {item!r}: expected KEY=VALUE with KEY a setting ({', '.join(sorted(names))}) "
+                f"or a ZeroConfig field ({', '.join(sorted(zero_names))})"
+            )
         try:
-            out[key] = json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError:
-            out[key] = raw
+            value = raw
+        if key in names:
+            out[key] = value
+        else:
+            out.setdefault("extra_config", {})[key] = value
     return out
 
 

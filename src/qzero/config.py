@@ -20,6 +20,8 @@ from .quant import KERNELS
 from .quant.formats import check_group_size, get_format
 
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
+#: Formats the gradient reduction can be quantized to (see ``zero_quantized_gradients_format``).
+GRADIENT_FORMATS = ("int8", "fp8")
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
 MAX_SCALE_POWER = 64
 
@@ -149,11 +151,31 @@ class ZeroConfig:
     installed, the torch reference elsewhere), ``triton`` or ``reference``. Both produce
     the same bytes; ``reference`` is for checking that."""
 
+    zero_quantized_gradients: bool = False
+    """Quantize the gradient reduction (DeepSpeed ZeRO++'s key name, here at stages 1 and 2).
+    Each rank sends the slices of a gradient bucket that other ranks own as symmetric groups
+    (``zero_quantized_gradients_format`` codes and one fp32 scale per group, groups never
+    spanning two owners); the owner dequantizes, sums in fp32 in rank order with its own slice
+    unquantized, and averages into its fp32 gradient shard. One all-to-all per bucket, with
+    the same buckets and backward overlap as the plain reduction. Parameters of at most
+    ``small_param_numel`` elements are reduced exactly (sent in ``reduce_dtype`` on the side),
+    and a group holding NaN/Inf arrives as NaN, so overflow skipping and ``check_finite``
+    still see it. Stage 1 quantizes once per optimizer step; stage 2 once per backward (per
+    micro-batch with gradient accumulation: it keeps no full gradient to reduce later).
+    Off: the plain reduction, bit for bit."""
+
+    zero_quantized_gradients_group_size: int = 64
+    """Gradient elements that share one fp32 scale; a positive multiple of 8."""
+
+    zero_quantized_gradients_format: str = "int8"
+    """Gradient payload format: ``int8`` (round half to even) or ``fp8`` (e4m3). ``int4`` is a
+    weight format only: 15 levels per group are too coarse for a gradient sum."""
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
         for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite",
-                     "solo_reduce", "sliced_update"):
+                     "solo_reduce", "sliced_update", "zero_quantized_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)
@@ -162,6 +184,16 @@ class ZeroConfig:
             raise ValueError(f"gather_schedule must be one of {GATHER_SCHEDULES}, got {self.gather_schedule!r}")
         if self.quant_kernels not in KERNELS:
             raise ValueError(f"quant_kernels must be one of {KERNELS}, got {self.quant_kernels!r}")
+        try:
+            check_group_size(self.zero_quantized_gradients_group_size)
+        except ValueError as e:
+            raise ValueError(f"zero_quantized_gradients_group_size: {e}") from None
+        if self.zero_quantized_gradients_format not in GRADIENT_FORMATS:
+            raise ValueError(
+                f"zero_quantized_gradients_format must be one of {list(GRADIENT_FORMATS)}, got "
+                f"{self.zero_quantized_gradients_format!r}"
+                + (" (int4 is a weight format only)" if self.zero_quantized_gradients_format == "int4" else "")
+            )
         if self.flat_order not in ("auto", "contiguous", "interleaved"):
             raise ValueError(f"flat_order must be auto, contiguous or interleaved, got {self.flat_order!r}")
         for name in ("allgather_bucket_size", "reduce_bucket_size", "small_param_numel", "initial_scale_power",

@@ -10,7 +10,8 @@
 
 Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
-``zero_grad``, ``grad_norm``, ``gathered_bytes`` (sent, plain) of the last step,
+``zero_grad``, ``grad_norm``, ``gathered_bytes`` and ``reduced_bytes`` (sent, plain: weight
+gather and gradient reduction) of the last step,
 ``finish`` and ``flats`` (the replicated weight buffers whose bits must agree on every
 rank; empty where nothing is replicated) and ``sample(index)`` (weights at flat indices
 into the parameters laid end to end, identical on every rank).
@@ -49,6 +50,9 @@ class QZeroEngine:
 
     def gathered_bytes(self):
         return sum(s.bytes_sent for s in self.opt.last_gather), sum(s.plain_bytes for s in self.opt.last_gather)
+
+    def reduced_bytes(self):
+        return sum(s.bytes_sent for s in self.opt.last_reduce), sum(s.plain_bytes for s in self.opt.last_reduce)
 
     def finish(self):
         self.opt.wait_for_weights()
@@ -94,6 +98,7 @@ class DeepSpeedEngine:
         init = qds.initialize if settings.quantized else deepspeed.initialize
         self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
         self.grad_accum = settings.grad_accum
+        self.stage = settings.stage
 
     def backward(self, loss):
         # DeepSpeed divides by the accumulation steps itself; the caller already did.
@@ -115,6 +120,14 @@ class DeepSpeedEngine:
         if last:
             return sum(s.bytes_sent for s in last), sum(s.plain_bytes for s in last)
         plain = sum(f.numel() * f.element_size() for f in self.opt.bit16_groups_flat) // dist.get_world_size()
+        return plain, plain
+
+    def reduced_bytes(self):
+        # The elements other ranks own, in the gradient dtype (DeepSpeed reduces in the
+        # parameters' dtype here), once per micro-batch at stage 2 and once per step at stage 1.
+        n = sum(f.numel() * f.element_size() for f in self.opt.bit16_groups_flat)
+        world = dist.get_world_size()
+        plain = n * (world - 1) // world * (self.grad_accum if self.stage == 2 else 1)
         return plain, plain
 
     def finish(self):
@@ -154,6 +167,8 @@ class FSDP2Engine:
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         self._norm = None
+        self._reduce_bytes = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}[reduce]
+        self._grad_accum = settings.grad_accum
 
     def backward(self, loss):
         loss.backward()
@@ -177,6 +192,13 @@ class FSDP2Engine:
 
     def gathered_bytes(self):
         return self._bytes
+
+    def reduced_bytes(self):
+        # one reduce-scatter per micro-batch: the elements other ranks own, in the reduce dtype
+        world = dist.get_world_size()
+        n = sum(p.numel() for p in self.model.parameters()) * self._reduce_bytes
+        plain = n * (world - 1) // world * self._grad_accum
+        return plain, plain
 
     def finish(self):
         pass

@@ -252,6 +252,7 @@ def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
     sample = engine.sample(sample_index(total))
     flats = engine.flats()
     sent, plain = engine.gathered_bytes()
+    grad_sent, grad_plain = engine.reduced_bytes()
     peak_alloc, peak_reserved, total_mem = _memory(device)
     return {
         "settings": dataclasses.asdict(settings),
@@ -271,6 +272,8 @@ def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
         "memory_kind": "cuda allocator" if device.type == "cuda" else "process peak RSS (CPU)",
         "bytes_sent_per_step": sent,
         "plain_bytes_per_step": plain,
+        "grad_bytes_sent_per_step": grad_sent,
+        "grad_plain_bytes_per_step": grad_plain,
         "params": total,
     }
 

@@ -58,6 +58,10 @@ SMALL_PARAM_KEY = "zero_quantized_weights_small_param_numel"
 #: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
 #: so they are taken out of (a copy of) the config before DeepSpeed sees it.
 QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY)
+#: DeepSpeed's ZeRO++ gradient key (DeepSpeed implements it at stage 3 only) and qzero's two
+#: refinements of it (:attr:`qzero.ZeroConfig.zero_quantized_gradients`), which DeepSpeed does not know.
+GRAD_ENABLE_KEY = "zero_quantized_gradients"
+GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_format")
 
 __all__ = [
     "SUPPORTED_DEEPSPEED",
@@ -136,6 +140,7 @@ def prepare_config(config: dict) -> PreparedConfig:
     if not isinstance(zero, dict):  # absent, or the deprecated boolean form: nothing for qzero
         return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
     settings = _settings_from(zero)
+    _check_gradient_keys(zero, _stage_of(zero))
     enabled = zero.get(ENABLE_KEY, False)
     if not isinstance(enabled, bool):
         raise ValueError(f"zero_optimization.{ENABLE_KEY} must be true or false, got {enabled!r}")
@@ -172,6 +177,34 @@ def _settings_from(zero: dict) -> QuantizedWeightsSettings:
         )
     except ValueError as e:
         raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
+
+
+def _check_gradient_keys(zero: dict, stage: int) -> None:
+    """Validate the quantized-gradient keys (as :class:`qzero.ZeroConfig` does) and pop qzero's
+    own ones from ``zero`` (a copy). This adapter quantizes DeepSpeed's weight gather, not its
+    gradient reduction: below stage 3, where DeepSpeed ignores ``zero_quantized_gradients``,
+    asking for it is refused rather than silently dropped (``qzero.ZeroOptimizer`` does it)."""
+    from ..config import ZeroConfig
+
+    given = {key: zero.pop(key) for key in GRAD_KEYS if key in zero}
+    enabled = zero.get(GRAD_ENABLE_KEY, False)
+    try:
+        ZeroConfig(**{GRAD_ENABLE_KEY: enabled}, **given)
+    except ValueError as e:
+        raise ValueError(f"zero_optimization: {e}") from None
+    if stage == 3:
+        if given:
+            raise ValueError(
+                f"ZeRO stage 3 with {sorted(given)}: at stage 3 DeepSpeed's own {GRAD_ENABLE_KEY} applies, with "
+                "its fixed settings; remove these qzero keys"
+            )
+        return
+    if enabled:
+        raise ValueError(
+            f"zero_optimization.{GRAD_ENABLE_KEY}=true at stage {stage}: DeepSpeed implements it at stage 3 only, "
+            "and this adapter quantizes the weight gather, not DeepSpeed's gradient reduction; use "
+            "qzero.ZeroOptimizer (ZeroConfig.from_dict takes this zero_optimization dict) or remove the key"
+        )
 
 
 def _stage_of(zero: dict) -> int:

@@ -13,19 +13,30 @@ A *reducer* says what a gradient bucket is and which collective moves it:
   fill only at the end of backward; flat ranges fill in backward order.
 
 Either way each owner adds its part (in fp32, divided by the world size) into its
-gradient shard. The two stages differ only in *when*:
+gradient shard. With :attr:`qzero.ZeroConfig.zero_quantized_gradients` the same buckets
+(and solo parameters) travel instead as quantized pieces in one all-to-all each
+(:mod:`qzero.optim.quantized_reduce`), at the same points of the step.
+
+The two stages differ only in *when*:
 
 * :class:`Stage1Grads` keeps a full gradient buffer (parameters' ``.grad`` are views
   into it) and reduces it once, at ``step()``, after all micro-batches.
 * :class:`Stage2Grads` reduces each bucket as soon as backward has produced all its
   gradients (overlapping backward), then frees the parameter gradients: only the
   fp32 gradient shard (from the first reduction until ``zero_grad``) and at most a few
-  staged buckets exist.
+  staged buckets exist. With gradient accumulation this reduces (and, quantized,
+  quantizes) every micro-batch: stage 2 keeps no full gradient to reduce once at the
+  end. Quantization errors of the micro-batches then add up in the fp32 shard (each
+  element is still quantized once per reduction, never re-quantized); stage 1 quantizes
+  once per optimizer step.
+
+Every reducer counts what it sent since the last :meth:`take_stats` (:class:`ReduceStats`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +44,7 @@ import torch.distributed as dist
 from ..comm import peer_failure
 from ..layout import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
+from .quantized_reduce import GradientQuantization, QuantizedExchange
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Stage 2 keeps at most this many reduced buckets waiting to be consumed.
@@ -43,15 +55,33 @@ def reduce_dtype_of(name: str | None, param_dtype: torch.dtype) -> torch.dtype:
     return param_dtype if name is None else _DTYPES[name]
 
 
-def make_reducer(group: FlatGroup, bucket_numel: int, solo: bool = False):
-    """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`)."""
+class ReduceStats(NamedTuple):
+    """Gradient traffic of one flat group since the previous optimizer step, as counted on
+    this rank (``ZeroOptimizer.last_reduce``)."""
+
+    bytes_sent: int
+    """Bytes this rank sent: quantized payloads, or the reduce dtype's elements."""
+    plain_bytes: int
+    """What the plain reduction sends for the same buckets: the elements other ranks own, in
+    the reduce dtype (a ring reduce-scatter moves the same volume per rank)."""
+    collectives: int
+    """Collectives issued (buckets and solo parameters, over all micro-batches)."""
+    quantized: bool
+
+
+def make_reducer(
+    group: FlatGroup, bucket_numel: int, solo: bool = False, quant: GradientQuantization | None = None,
+    dtype: torch.dtype | None = None,
+):
+    """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`;
+    ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives)."""
     if group.layout.order == "interleaved":
-        return ScatterReducer(group, bucket_numel, solo)
-    return OwnerReducer(group, bucket_numel)
+        return ScatterReducer(group, bucket_numel, solo, quant, dtype)
+    return OwnerReducer(group, bucket_numel, quant, dtype)
 
 
 class _Reducer:
-    def __init__(self, group: FlatGroup):
+    def __init__(self, group: FlatGroup, quant: GradientQuantization | None, dtype: torch.dtype | None):
         self.group = group
         self.pg = group.process_group
         self.world = group.world_size
@@ -61,6 +91,37 @@ class _Reducer:
             if self.pg is not None and self.world > 1
             else list(range(self.world))
         )
+        # One rank has nothing to send: the plain path is already exact there.
+        self.quant = QuantizedExchange(group, quant, dtype) if quant is not None and self.world > 1 else None
+        self._sent = self._plain = self._collectives = 0
+
+    def take_stats(self) -> ReduceStats:
+        """What was sent since the previous call, and start counting afresh."""
+        stats = ReduceStats(self._sent, self._plain, self._collectives, self.quant is not None)
+        self._sent = self._plain = self._collectives = 0
+        return stats
+
+    def _count(self, sent: int, plain: int) -> None:
+        self._sent += sent
+        self._plain += plain
+        self._collectives += 1
+
+    def _plain_count(self, pieces, elem_size: int) -> None:
+        """Count a plain collective over ``(rank, numel)`` pieces."""
+        mine = self.group.rank
+        n = sum(numel for r, numel in pieces if r != mine) * elem_size
+        self._count(n, n)
+
+    def _launch_quantized(self, buf: torch.Tensor, key, parts):
+        pending, sent = self.quant.launch(buf, key, parts)
+        self._count(sent, self.quant.plain_bytes(self.quant.pieces(key, parts)))
+        return pending
+
+    def _finish_quantized(self, pending, key) -> None:
+        res = self.quant.finish(pending, key)
+        if res is not None:
+            out, lo = res
+            self._add_to_shard(out, lo, lo + out.numel())
 
     def pieces_of(self, bucket, slot) -> list[tuple[int, int, int]]:
         """``(a, b, offset)``: the slot's elements ``[a, b)`` (relative to the slot) go to the
@@ -80,9 +141,12 @@ class OwnerReducer(_Reducer):
 
     solo: tuple[int, ...] = ()
 
-    def __init__(self, group: FlatGroup, bucket_numel: int):
-        super().__init__(group)
+    def __init__(self, group: FlatGroup, bucket_numel: int, quant=None, dtype=None):
+        super().__init__(group, quant, dtype)
         self.buckets = plan_reduce_buckets(group.layout, bucket_numel)
+
+    def _parts(self, bucket) -> list[tuple[int, int, int, int]]:
+        return [(r, a - bucket.start, b - a, a) for r, a, b in owners(bucket.start, bucket.stop, self.p)]
 
     def staging_numel(self, bucket) -> int:
         return bucket.numel
@@ -94,7 +158,10 @@ class OwnerReducer(_Reducer):
         return flat[bucket.start : bucket.stop].to(dtype)
 
     def launch(self, buf: torch.Tensor, bucket) -> list:
+        if self.quant is not None:
+            return self._launch_quantized(buf, bucket.index, self._parts(bucket))
         works = []
+        self._plain_count([(r, b - a) for r, a, b in owners(bucket.start, bucket.stop, self.p)], buf.element_size())
         if self.world > 1:
             with peer_failure("the gradient reduction"):
                 for r, a, b in owners(bucket.start, bucket.stop, self.p):
@@ -103,6 +170,8 @@ class OwnerReducer(_Reducer):
         return works
 
     def finish(self, works: list, buf: torch.Tensor, bucket) -> None:
+        if self.quant is not None:
+            return self._finish_quantized(works, bucket.index)
         with peer_failure("the gradient reduction"):
             for w in works:
                 w.wait()
@@ -114,8 +183,8 @@ class ScatterReducer(_Reducer):
     that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are,
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
-    def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False):
-        super().__init__(group)
+    def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False, quant=None, dtype=None):
+        super().__init__(group, quant, dtype)
         self.solo = solo_slots(group.layout, bucket_numel) if solo else ()
         self.buckets = plan_scatter_buckets(group.layout, bucket_numel, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
@@ -127,13 +196,21 @@ class ScatterReducer(_Reducer):
 
     def launch_solo(self, buf: torch.Tensor, slot) -> list:
         """Start reducing one parameter's whole gradient ``buf`` to the rank that owns it."""
+        if self.quant is not None:
+            return self._launch_quantized(buf, ("solo", slot.index), self._solo_parts(slot))
+        self._plain_count([(slot.start // self.p, slot.numel)], buf.element_size())
         if self.world == 1:
             return []
         with peer_failure("the gradient reduction"):
             dst = self._ranks[slot.start // self.p]
             return [dist.reduce(buf, dst=dst, group=self.pg, async_op=True)]
 
+    def _solo_parts(self, slot) -> list[tuple[int, int, int, int]]:
+        return [(r, a - slot.start, b - a, a) for r, a, b in owners(slot.start, slot.stop, self.p)]
+
     def finish_solo(self, works: list, buf: torch.Tensor, slot) -> None:
+        if self.quant is not None:
+            return self._finish_quantized(works, ("solo", slot.index))
         with peer_failure("the gradient reduction"):
             for w in works:
                 w.wait()
@@ -153,6 +230,11 @@ class ScatterReducer(_Reducer):
         return buf
 
     def launch(self, buf: torch.Tensor, bucket) -> tuple:
+        if self.quant is not None:
+            w = bucket.width
+            parts = [(r, r * w, w, r * self.p + bucket.lo) for r in range(self.world)]
+            return self._launch_quantized(buf, bucket.index, parts)
+        self._plain_count([(r, bucket.width) for r in range(self.world)], buf.element_size())
         if self.world == 1:
             return None, buf
         out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
@@ -161,6 +243,8 @@ class ScatterReducer(_Reducer):
         return work, out
 
     def finish(self, works: tuple, buf: torch.Tensor, bucket) -> None:
+        if self.quant is not None:
+            return self._finish_quantized(works, bucket.index)
         work, out = works
         if work is not None:
             with peer_failure("the gradient reduction"):
@@ -172,10 +256,13 @@ class ScatterReducer(_Reducer):
 class Stage1Grads:
     """Full gradient buffer; one bucketed reduction per step."""
 
-    def __init__(self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, solo: bool = False):
+    def __init__(
+        self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, solo: bool = False,
+        quant: GradientQuantization | None = None,
+    ):
         self.group = group
-        self.reducer = make_reducer(group, bucket_numel, solo)
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
+        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -212,6 +299,9 @@ class Stage1Grads:
             done, works, b, u = pending.popleft()
             done(works, b, u)
 
+    def take_stats(self) -> ReduceStats:
+        return self.reducer.take_stats()
+
     def zero(self, set_to_none: bool = True) -> None:
         self.flat_grad.zero_()
         self.group.zero_grad(set_to_none)
@@ -226,11 +316,12 @@ class Stage2Grads:
     """Bucketed reduction during backward; only the fp32 gradient shard persists."""
 
     def __init__(
-        self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool, solo: bool = False
+        self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool, solo: bool = False,
+        quant: GradientQuantization | None = None,
     ):
         self.group = group
-        self.reducer = make_reducer(group, bucket_numel, solo)
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
+        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype)
         self.overlap = overlap
         self.buckets = self.reducer.buckets
         self._solo = set(self.reducer.solo)
@@ -321,6 +412,9 @@ class Stage2Grads:
 
     def before_step(self) -> None:
         pass
+
+    def take_stats(self) -> ReduceStats:
+        return self.reducer.take_stats()
 
     def zero(self, set_to_none: bool = True) -> None:
         self.group.zero_grad(set_to_none)

@@ -29,7 +29,8 @@ from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
 from .flat import FlatGroup
-from .grads import Stage1Grads, Stage2Grads
+from .grads import ReduceStats, Stage1Grads, Stage2Grads
+from .quantized_reduce import GradientQuantization
 from . import update as sliced_update
 from .scaler import LossScaler
 
@@ -101,10 +102,13 @@ class ZeroOptimizer:
             g.flatten()
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
+        quant = GradientQuantization.from_config(config)
         self.grads = [
-            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce)
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant)
             if config.stage == 1
-            else Stage2Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce)
+            else Stage2Grads(
+                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant
+            )
             for g in self.groups
         ]
         self.ahead = GatherAhead(model, self.groups) if config.overlap_param_gather else None
@@ -112,6 +116,8 @@ class ZeroOptimizer:
         self.grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
         self.last_gather: list[GatherStats] = []
+        #: Gradient traffic of the last step, per flat group (all its micro-batches).
+        self.last_reduce: list[ReduceStats] = []
         self.steps_taken = 0
 
     # ------------------------------------------------------------------ the loop
@@ -142,6 +148,7 @@ class ZeroOptimizer:
         self.wait_for_weights()
         for grads in self.grads:
             grads.before_step()
+        self.last_reduce = [grads.take_stats() for grads in self.grads]
         shards = [g.grad_shard() for g in self.groups]
         if self.scaler.enabled:
             for s in shards:

@@ -53,14 +53,16 @@ def markdown(r: dict) -> str:
         f"95% bootstrap interval {lo:.3f}–{hi:.3f}; medians {1e3 * r['baseline_median_s']:.1f} ms (baseline) and "
         f"{1e3 * r['candidate_median_s']:.1f} ms (candidate).",
         "",
-        "| arm | role | median step | final loss | peak allocated | peak reserved | gathered/rank/step | skipped |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | role | median step | final loss | peak allocated | peak reserved | weights gathered/rank/step "
+        "| gradients sent/rank/step | skipped |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for a in r["arms"]:
         lines.append(
             f"| {a['arm']} | {a['role']} | {1e3 * a['median_step_s']:.1f} ms | {a['losses'][-1]:.4f} | "
             f"{_mib(a['peak_allocated_bytes'])} | {_mib(a['peak_reserved_bytes'])} | "
-            f"{_mib(a['bytes_sent_per_step'])} of {_mib(a['plain_bytes_per_step'])} plain | {a['skipped_steps']} |"
+            f"{_mib(a['bytes_sent_per_step'])} of {_mib(a['plain_bytes_per_step'])} plain | {_grad_bytes(a)} | "
+            f"{a['skipped_steps']} |"
         )
     t = r["thresholds"]
     lines += [
@@ -101,6 +103,13 @@ def markdown(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _grad_bytes(a: dict) -> str:
+    sent, plain = a.get("grad_bytes_sent_per_step"), a.get("grad_plain_bytes_per_step")
+    if sent is None or plain is None:
+        return "n/a"  # an arm recorded before gradient bytes were counted
+    return f"{_mib(sent)} of {_mib(plain)} plain"
 
 
 def _ok(flag: bool) -> str:

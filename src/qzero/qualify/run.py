@@ -164,6 +164,8 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: dict, candidate: di
                 "peak_reserved_bytes": a["peak_reserved_bytes"],
                 "bytes_sent_per_step": a["bytes_sent_per_step"],
                 "plain_bytes_per_step": a["plain_bytes_per_step"],
+                "grad_bytes_sent_per_step": a.get("grad_bytes_sent_per_step"),
+                "grad_plain_bytes_per_step": a.get("grad_plain_bytes_per_step"),
                 "sample_hash": a["sample_hash"],
                 "replicas_identical": a["replicas_identical"],
                 "skipped_steps": a["skipped_steps"],

@@ -20,6 +20,7 @@ __all__ = [
     "check_group_size",
     "dequantize",
     "get_format",
+    "gradient_kernels_for",
     "kernels_for",
     "KERNELS",
     "quantize",
@@ -56,3 +57,23 @@ def kernels_for(device: torch.device, choice: str = "auto"):
     if device.type == "cuda" and mod is not None:
         return mod
     return reference
+
+
+def _gradient_triton_kernels():
+    try:
+        from . import gradients_triton
+    except ImportError:
+        return None
+    return gradients_triton if gradients_triton.AVAILABLE else None
+
+
+def gradient_kernels_for(device: torch.device):
+    """The module whose ``pack_gradient``/``dequantize_sum`` serve gradient pieces on ``device``:
+    the Triton kernels on CUDA, else the torch reference (:mod:`qzero.quant.gradients`)."""
+    from . import gradients
+
+    if device.type == "cuda" and os.environ.get("QZERO_KERNELS", "auto") != "reference":
+        mod = _gradient_triton_kernels()
+        if mod is not None:
+            return mod
+    return gradients

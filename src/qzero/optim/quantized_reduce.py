@@ -1,0 +1,165 @@
+"""The quantized gradient exchange: one all-to-all per bucket instead of a reduce-scatter
+or reduces (:attr:`qzero.ZeroConfig.zero_quantized_gradients`).
+
+A bucket (or a solo parameter) is cut into *pieces*, one per rank that owns part of it: in
+the interleaved order row ``r`` of the ``[world, width]`` staging buffer goes to rank ``r``;
+in the contiguous order the flat range is cut at partition edges (usually one or two
+owners). Every rank packs each piece another rank owns into one payload
+(:mod:`qzero.quant.gradients`: codes, fp32 scales, small parameters verbatim in a side
+channel; groups restart at every piece, so none spans two owners) and one
+``all_to_all_single`` with uneven splits moves them all: a rank sends nothing to itself
+and nothing to ranks that own no part of the bucket. The owner then sums, in fp32 and in
+rank order, its own piece unquantized and the others' dequantized payloads, and the
+reducer averages that into its gradient shard.
+
+Transient memory per bucket in flight: the packed payloads (about half the staged bucket
+for 8-bit codes from bf16), the received ones (``world - 1`` payloads of this rank's
+piece) and an fp32 sum of this rank's piece.
+
+Traffic: a rank sends ``1 + 4 / group_size`` bytes per element (plus exact elements in the
+reduce dtype) for the pieces other ranks own, where the plain reduction sends the reduce
+dtype's size. In the contiguous order a bucket inside one partition is sent straight to
+its owner by every rank (an incast); at two ranks that is what a reduce moves, at larger
+worlds the owner's link carries ``world - 1`` payloads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm import peer_failure
+from ..layout import PayloadLayout, _clip_ranges, _merge_adjacent, _payload_layout
+from ..quant import gradient_kernels_for
+from ..quant.formats import get_format
+
+
+class Piece(NamedTuple):
+    """The part of a bucket rank ``dest`` owns: staging ``[offset, offset + numel)`` holds
+    flat ``[flat_lo, flat_lo + numel)``; exact ranges are relative to the piece."""
+
+    dest: int
+    offset: int
+    numel: int
+    flat_lo: int
+    layout: PayloadLayout
+    exact: tuple[tuple[int, int], ...]
+
+
+def plan_pieces(parts, exact_ranges, group_size: int, fmt: str, elem_size: int) -> tuple[Piece, ...]:
+    """Pieces of one bucket from ``(dest, offset, numel, flat_lo)`` parts (pure)."""
+    f = get_format(fmt)
+    out = []
+    for dest, offset, numel, flat_lo in parts:
+        if numel <= 0:
+            continue
+        exact = tuple(_clip_ranges(exact_ranges, flat_lo, flat_lo + numel))
+        count = sum(b - a for a, b in exact)
+        layout = _payload_layout(numel, f.value_bytes(numel), -(-numel // group_size), count, elem_size)
+        out.append(Piece(dest, offset, numel, flat_lo, layout, exact))
+    return tuple(sorted(out, key=lambda p: p.dest))
+
+
+class GradientQuantization(NamedTuple):
+    """What the reducers need from the config: the group size and the format."""
+
+    group_size: int
+    fmt: str
+
+    @classmethod
+    def from_config(cls, config) -> GradientQuantization | None:
+        if not config.zero_quantized_gradients:
+            return None
+        return cls(config.zero_quantized_gradients_group_size, config.zero_quantized_gradients_format)
+
+
+class _Pending(NamedTuple):
+    work: object
+    send: torch.Tensor
+    recv: torch.Tensor
+    buf: torch.Tensor
+    mine: Piece | None
+
+
+class QuantizedExchange:
+    """Packs, moves and sums the pieces of one flat group's buckets."""
+
+    def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype):
+        self.group_size, self.fmt = quant
+        self.dtype = dtype
+        self.pg = group.process_group
+        self.world, self.rank = group.world_size, group.rank
+        self.device = group.device
+        self.kernels = gradient_kernels_for(group.device)
+        self._exact = _merge_adjacent(sorted((s.start, s.stop) for s in group.layout.slots if s.exact))
+        self._plans: dict = {}
+        self._index: dict = {}
+
+    def pieces(self, key, parts) -> tuple[Piece, ...]:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_pieces(parts, self._exact, self.group_size, self.fmt, self.dtype.itemsize)
+            self._plans[key] = plan
+        return plan
+
+    def _exact_index(self, key, piece: Piece) -> torch.Tensor | None:
+        """Sorted exact indices of a piece (built once, kept: the kernels cache tables by them)."""
+        if not piece.exact:
+            return None
+        k = (key, piece.dest)
+        idx = self._index.get(k)
+        if idx is None:
+            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in piece.exact]).to(self.device)
+            self._index[k] = idx
+        return idx
+
+    def plain_bytes(self, pieces) -> int:
+        """What the plain reduction sends for the pieces other ranks own."""
+        return sum(p.numel for p in pieces if p.dest != self.rank) * self.dtype.itemsize
+
+    def launch(self, buf: torch.Tensor, key, parts) -> tuple[_Pending, int]:
+        """Pack the pieces other ranks own and start the all-to-all; returns the pending
+        exchange and the bytes this rank sends."""
+        pieces = self.pieces(key, parts)
+        send_sizes, recv_sizes = [0] * self.world, [0] * self.world
+        mine = None
+        for p in pieces:
+            if p.dest == self.rank:
+                mine = p
+                for s in range(self.world):
+                    if s != self.rank:
+                        recv_sizes[s] = p.layout.nbytes
+            else:
+                send_sizes[p.dest] = p.layout.nbytes
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        at = 0
+        for p in pieces:
+            if p.dest != self.rank:
+                payload = send[at : at + p.layout.nbytes]
+                self.kernels.pack_gradient(
+                    buf[p.offset : p.offset + p.numel], payload, p.layout, self.group_size, self.fmt,
+                    self._exact_index(key, p),
+                )
+                at += p.layout.nbytes
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        with peer_failure("the quantized gradient reduction"):
+            work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.pg, async_op=True)
+        return _Pending(work, send, recv, buf, mine), send.numel()
+
+    def finish(self, pending: _Pending, key) -> tuple[torch.Tensor, int] | None:
+        """Wait, then ``(fp32 sum of this rank's piece, its flat start)``, or None when this
+        rank owns no part of the bucket."""
+        with peer_failure("the quantized gradient reduction"):
+            pending.work.wait()
+        p = pending.mine
+        if p is None:
+            return None
+        own = pending.buf[p.offset : p.offset + p.numel]
+        out = torch.empty(p.numel, dtype=torch.float32, device=self.device)
+        self.kernels.dequantize_sum(
+            pending.recv, own, out, p.layout, self.rank, self.world, self.group_size, self.fmt,
+            self._exact_index(key, p),
+        )
+        return out, p.flat_lo
