@@ -5,7 +5,7 @@ Two settings that differ in exactly the given keys run as arms in the order give
 fresh process with the same seed and data. Arms of one setting must reproduce
 each other exactly. The speedup is the ratio of the median measured step times
 (warm-up excluded), with a bootstrap 95% interval; the gates check accuracy,
-replica identity and memory (SPEC section 4).
+replica identity and memory (:class:`Thresholds`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .env import describe
 
 @dataclass
 class Thresholds:
-    """Gate limits. Defaults follow SPEC section 4."""
+    """Gate limits: the project's accuracy and memory gates (also used by ``bench/deepspeed_gpu_check.py``)."""
 
     max_loss_diff: float = 0.05
     atol: float = 0.02
