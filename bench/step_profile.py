@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 
@@ -30,7 +29,6 @@ ARMS = {
     "int8": {"quantized": True},
     "int8_ahead": {"quantized": True, "overlap": True},
     "plain_ahead": {"overlap": True},
-    "int8_ahead_streams": {"quantized": True, "overlap": True},  # with QZERO_AHEAD_STREAMS=1
 }
 
 
@@ -60,7 +58,8 @@ def main() -> None:
         else:
             torch.use_deterministic_algorithms(False)
         for name in a.arms.split(","):
-            os.environ["QZERO_AHEAD_STREAMS"] = "1" if name.endswith("_streams") else "0"
+            if name not in ARMS:
+                raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
             s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                               micro_batch=a.micro_batch, allgather_bucket=int(a.allgather_bucket), reduce_bucket=int(a.reduce_bucket),
                               lr=1e-4, **ARMS[name])

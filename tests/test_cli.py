@@ -105,3 +105,17 @@ def test_train_with_fsdp2(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["replicas_identical"] is None  # sharded: no replicated buffer to compare
     assert rec["losses"][-1] < rec["losses"][0] and len(rec["sample"]) > 4000
+
+
+def test_bench_gather_ships_with_the_package(tmp_path, capsys):
+    """``qzero bench gather`` runs from the package (here: re-render a committed result)."""
+    import shutil
+
+    from qzero.cli import main
+
+    src = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gather", "dp2_pcie.json")
+    path = tmp_path / "r.json"
+    shutil.copy(src, path)
+    assert main(["bench", "gather", "--render", str(path)]) == 0
+    with open(os.path.splitext(src)[0] + ".md") as f:
+        assert (tmp_path / "r.md").read_text() == f.read()  # the committed table, rendered again

@@ -112,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-loss-diff", type=float, default=0.05)
     q.add_argument("--tolerance", type=float, default=0.02, help="atol = rtol for sampled weights")
 
-    b = sub.add_parser("bench", help="microbenchmarks")
+    b = sub.add_parser("bench", help="the gather and its kernels on this machine's GPUs (qzero bench gather --help)")
     b.add_argument("what", choices=("gather",))
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for bench/gather_bench.py")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the gather benchmark")
 
     a = sub.add_parser("_arm", help=argparse.SUPPRESS)
     a.add_argument("settings_json")
@@ -182,15 +182,9 @@ def _qualify(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
+    from .benchmarks import gather
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = os.path.normpath(os.path.join(here, "..", "..", "bench", "gather_bench.py"))
-    if not os.path.isfile(script):
-        raise FileNotFoundError(f"the gather benchmark lives in the source tree ({script}); run it from a clone")
-    sys.argv = [script, *args.rest]
-    runpy.run_path(script, run_name="__main__")
-    return 0
+    return gather.main(args.rest)
 
 
 if __name__ == "__main__":
