@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from qzero.qualify.env import link_regime
-from qzero import pipeline
 from qzero.comm import all_gather, quantized_all_gather, run_gather
 from qzero.layout import plan_gather
 from qzero.quant import get_format, reference
