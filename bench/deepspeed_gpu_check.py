@@ -11,8 +11,8 @@ DeepSpeed compiles nothing). For ZeRO stage 2 and stage 1:
     bitwise plain ``deepspeed.initialize``: losses, bf16 parameters and fp32 masters; nothing
     patched. A second plain run is the determinism control (if it differs from the first,
     bitwise comparisons on this machine mean nothing and the check says so).
-(b) quantization on (INT8, group size 64) vs plain, by the project's accuracy gates (SPEC
-    section 4, ``qzero.qualify.run.Thresholds``): max |loss difference| <= max_loss_diff
+(b) quantization on (INT8, group size 64) vs plain, by the project's accuracy gates
+    (``qzero.qualify.run.Thresholds``): max |loss difference| <= max_loss_diff
     (0.05), and every trained parameter element within ``|on - plain| <= atol + rtol *
     |plain|`` (0.02 each; the formula of ``qzero.qualify.stats.param_agreement``, applied to
     all elements, not only a sample). Relative L2 (all parameters end to end, the worst single
@@ -44,7 +44,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-# The on-vs-off accuracy gates are the project's: qzero.qualify.run.Thresholds (SPEC section 4).
+# The on-vs-off accuracy gates are the project's: qzero.qualify.run.Thresholds.
 PART_TOL = 0.02  # own partition vs its bf16 master, quantized elements
 RATIO_RANGE = (0.4, 0.6)  # INT8 + one fp32 scale per 64: 0.53 of bf16, plus exact small params
 
@@ -364,7 +364,7 @@ def main(argv=None):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     small = small_param_numel(args)
-    gates = Thresholds()  # SPEC section 4: max_loss_diff, atol, rtol
+    gates = Thresholds()  # max_loss_diff, atol, rtol
     corpus = load_corpus()
     checks, table, stages_out = [], [], {}
 
@@ -418,13 +418,13 @@ def main(argv=None):
 
         # (b) quantization on
         dloss = (on["losses"] - plain["losses"]).abs().max().item()
-        check(f"{S}: int8 max |loss difference| vs plain <= {gates.max_loss_diff} (SPEC 4 gate)",
+        check(f"{S}: int8 max |loss difference| vs plain <= {gates.max_loss_diff} (gate)",
               dloss <= gates.max_loss_diff, f"max |dloss| {dloss:.5f} over {len(on['losses'])} steps")
         agree = weight_agreement(on["params"], plain["params"], gates.atol, gates.rtol)
         worst, worst_rel = agree["worst_param_rel_l2"]
         qs = agree["qualify_sample"]
         check(f"{S}: int8 parameters vs plain, every element within atol = {gates.atol}, rtol = {gates.rtol} "
-              f"(SPEC 4 gate)", agree["tolerance_violations"] == 0,
+              f"(gate)", agree["tolerance_violations"] == 0,
               f"{agree['tolerance_violations']} violations of {agree['elements']:,} elements"
               + (f" {agree['violations_by_param']}" if agree["tolerance_violations"] else "")
               + f"; max abs diff {agree['param_max_abs_diff']:.2e}; information: relative L2 "
@@ -491,7 +491,7 @@ def main(argv=None):
                 allgather_bucket_size=args.bucket, group_size=64, small_param_numel=small,
                 deterministic=(not args.cpu and not args.no_deterministic),
                 gates=dict(max_loss_diff=gates.max_loss_diff, atol=gates.atol, rtol=gates.rtol,
-                           source="qzero.qualify.run.Thresholds (SPEC section 4)"),
+                           source="qzero.qualify.run.Thresholds"),
             ),
         )
         if args.out:

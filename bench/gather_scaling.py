@@ -1,4 +1,4 @@
-"""Gather time against world size, set against the bandwidth model (issue 10).
+"""Gather time against world size, set against the bandwidth model.
 
 Reads ``bench/gather_bench.py`` results of one link regime at several world sizes (its
 multi-GPU JSON files) and compares every arm's median time with the model

@@ -8,12 +8,11 @@ out=${1:-bench/results}
 shift || true
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 DS_BUILD_OPS=0
+. bench/regimes.sh
+export DS_BUILD_OPS=0
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
 
-bash bench/install_wheels.sh .whl 2>&1 | tee "$out/install.log"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/qzero_pip.log 2>&1 \
-    || { echo "pip install -e . failed"; tail /tmp/qzero_pip.log; }
+qzero_install || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 python3 -c "import torch, deepspeed, qzero; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
 

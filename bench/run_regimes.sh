@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# The world-size-2 gather benchmark in the three link regimes of SPEC.md section 3, on a
-# host with two NVLink-connected GPUs. Usage: bash bench/run_regimes.sh OUTDIR [benchmark args...]
+# The gather alone at world size 2 in each link regime (bench/regimes.sh), on a host with two
+# NVLink-connected GPUs: bench/gather_bench.py writes OUTDIR/gather_dp2_REGIME.{json,md}.
+# Usage (repository root): bash bench/run_regimes.sh OUTDIR [REGIME...] [-- gather_bench args...]
+#   e.g. bash bench/run_regimes.sh OUT pcie ethernet -- --sizes 2048Mi --formats int8,int4 --rounds 8
+# Environment: REGIME_TIMEOUT (200 s per regime).
 set -u
-out=${1:-bench/results}
-shift || true
+out=${1:?usage: bash bench/run_regimes.sh OUTDIR [REGIME...] [-- gather_bench args...]}
+shift
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/regimes.sh"
+regimes=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do regime_env "$1" || exit 2; regimes+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#regimes[@]} -gt 0 ] || regimes=("${REGIMES[@]}")
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/qzero_pip.log 2>&1 || { echo "pip install failed"; tail /tmp/qzero_pip.log; }
-run() {  # name, then NCCL settings
-    local name=$1; shift
-    echo "=== $name: $*"
-    env "$@" timeout "${REGIME_TIMEOUT:-200}" python3 -m torch.distributed.run --nproc_per_node=2 \
-        bench/gather_bench.py --out "$out" --tag "gather_dp2_$name" "${BENCH_ARGS[@]}"
-}
-BENCH_ARGS=("$@")
-run nvlink NCCL_NVLS_ENABLE=0
-run pcie NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1
-run ethernet NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+qzero_install || exit 1
+status=0
+for regime in "${regimes[@]}"; do
+    regime_env "$regime"
+    echo "=== $regime: ${REGIME_ENV[*]}"
+    env "${REGIME_ENV[@]}" timeout "${REGIME_TIMEOUT:-200}" python3 -m torch.distributed.run --nproc_per_node=2 \
+        "$here/gather_bench.py" --out "$out" --tag "gather_dp2_$regime" "$@" || status=1
+done
+exit $status

@@ -61,6 +61,8 @@ def main() -> None:
         else:
             torch.use_deterministic_algorithms(False)
         for name in a.arms.split(","):
+            if name not in ARMS:
+                raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
             s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                               micro_batch=a.micro_batch, allgather_bucket=int(a.allgather_bucket), reduce_bucket=int(a.reduce_bucket),
                               lr=1e-4, **ARMS[name])

@@ -39,6 +39,8 @@ def test_qualify_end_to_end_writes_a_report(tmp_path):
     assert report["differing_settings"] == {"quantized": [False, True]}
     for name in ("report.md", "loss.png", "step_times.png"):
         assert (out / name).stat().st_size > 0
+    assert all(log.stat().st_size > 0 for log in out.glob("arm*.log"))  # empty logs are not left behind
+    assert "NOTHING TO SAVE ON CPU LOOPBACK" in res.stdout and "bytes on the wire per rank per step 0.5" in res.stdout
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -70,6 +72,13 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--order", "BBB"], "--order"),
         (["qualify", "--candidate", "colour=blue"], "KEY=VALUE"),
         (["train", "--group-size", "12"], "group_size"),
+        (["qualify", "--out", "{tiny}"], "tiny.txt: exists and is not a directory"),
+        (["train", "--out", "{tmp}/missing/run.json"], "missing does not exist"),
+        (["train", "--out", "{tmp}"], "is a directory"),
+        (["train", "--model-config", "{empty}"], "model config .*empty.json: not a JSON file"),
+        (["train", "--data", "{tmp}"], "data .* is a directory"),
+        (["train", "--steps", "3", "--warmup", "2"], "use --warmup 1 or fewer"),
+        (["train", "--steps", "1"], "steps must be at least 2"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -79,7 +88,9 @@ def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
 
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hello world\n" * 10)
-    args = [a.replace("{tiny}", str(tiny)) for a in args]
+    (tmp_path / "empty.json").write_text("")
+    args = [a.replace("{tiny}", str(tiny)).replace("{empty}", str(tmp_path / "empty.json"))
+            .replace("{tmp}", str(tmp_path)) for a in args]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
@@ -105,3 +116,48 @@ def test_train_with_fsdp2(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["replicas_identical"] is None  # sharded: no replicated buffer to compare
     assert rec["losses"][-1] < rec["losses"][0] and len(rec["sample"]) > 4000
+
+
+def test_bench_gather_ships_with_the_package(tmp_path, capsys):
+    """``qzero bench gather`` runs from the package (here: re-render a committed result)."""
+    import shutil
+
+    from qzero.cli import main
+
+    src = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gather", "dp2_pcie.json")
+    path = tmp_path / "r.json"
+    shutil.copy(src, path)
+    assert main(["bench", "gather", "--render", str(path)]) == 0
+    with open(os.path.splitext(src)[0] + ".md") as f:
+        assert (tmp_path / "r.md").read_text() == f.read()  # the committed table, rendered again
+
+
+def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
+    import qzero.cli as cli
+
+    monkeypatch.setattr(cli, "_has", lambda module: module not in ("transformers", "deepspeed"))
+    assert cli.main(["train"]) == 2
+    assert "pip install 'qzero[cli]'" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_has", lambda module: module != "deepspeed")
+    assert cli.main(["qualify", "--baseline", "engine=deepspeed"]) == 2
+    assert "pip install 'qzero[deepspeed]'" in capsys.readouterr().err
+
+
+def test_short_runs_get_a_shorter_warmup_and_more_ranks_than_cores_a_warning(capsys):
+    import qzero.cli as cli
+    from qzero.train import validate
+
+    args = cli.build_parser().parse_args(["train", "--steps", "3"])
+    s = cli._settings(args, True)
+    assert s.warmup == 1
+    validate(s)
+    args = cli.build_parser().parse_args(["train", "--world-size", str((os.cpu_count() or 1) + 1)])
+    cli._preflight(args, [cli._settings(args, True)])
+    assert "CPU cores" in capsys.readouterr().err
+
+
+def test_the_help_lists_only_the_public_commands():
+    import qzero.cli as cli
+
+    text = cli.build_parser().format_help()
+    assert "{train,qualify,bench}" in text and "_arm" not in text and "SUPPRESS" not in text

@@ -139,8 +139,8 @@ def test_bad_plan_arguments(kwargs, match):
 
 
 @pytest.mark.parametrize("world", [4, 8])
-def test_proposal_configuration_plans(world):
-    """The public proposal's DP4 setting (and DP8): Qwen3-4B, 50M gather bucket, 26M reduce bucket.
+def test_dp4_dp8_qwen3_4b_plans(world):
+    """A DP4 setting (and DP8): Qwen3-4B, 50M gather bucket, 26M reduce bucket.
     Transient gather memory stays within the bucket whatever the world size, with gather-ahead's
     two chunks in flight planned at half the bucket each."""
     from qzero.layout import plan_reduce_buckets

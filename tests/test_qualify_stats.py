@@ -42,22 +42,22 @@ def arm(role, i, losses, times, sample, alloc=100, replicas=True, hash_=None):
         "arm": f"{role[0].upper()}{i}", "role": role, "losses": losses, "grad_norms": [1.0] * len(losses),
         "step_times": times, "sample": sample, "sample_hash": hash_ or str(sample), "replicas_identical": replicas,
         "peak_allocated_bytes": alloc, "peak_reserved_bytes": alloc, "device_memory_bytes": 10_000,
-        "memory_kind": "cuda allocator", "bytes_sent_per_step": 53, "plain_bytes_per_step": 100,
+        "memory_kind": "cuda allocator", "bytes_sent_per_step": 100 if role == "baseline" else 53, "plain_bytes_per_step": 100,
         "params": 10, "world_size": 2, "skipped_steps": 0,
     }
 
 
-def synthetic(**changes):
+def synthetic(device="cuda", **changes):
     b = dict(losses=[3.0, 2.0], times=[1.0, 1.1, 0.9], sample=[1.0, 2.0])
     c = dict(losses=[3.0, 2.001], times=[0.5, 0.55, 0.45], sample=[1.0, 2.001])
     c.update(changes)
     arms = [
         arm("baseline", 1, b["losses"], b["times"], b["sample"]),
         arm("candidate", 2, c["losses"], c["times"], c["sample"], c.get("alloc", 100), c.get("replicas", True)),
-        arm("candidate", 3, c.get("losses2", c["losses"]), c["times"], c["sample"], c.get("alloc", 100)),
-        arm("baseline", 4, b["losses"], b["times"], b["sample"]),
+        arm("candidate", 3, c.get("losses2", c["losses"]), c.get("times2", c["times"]), c["sample"], c.get("alloc", 100)),
+        arm("baseline", 4, b["losses"], c.get("base_times2", b["times"]), b["sample"]),
     ]
-    settings = TrainSettings(device="cuda")
+    settings = TrainSettings(device=device)
     return analyse(arms, settings, {"quantized": False}, {"quantized": True}, "BCCB", Thresholds())
 
 
@@ -67,6 +67,40 @@ def test_all_gates_pass_on_a_good_candidate():
     assert r["speedup"] == pytest.approx(2.0)
     assert r["differing_settings"] == {"quantized": [False, True]}
     assert verdict(r).startswith("FASTER")
+    assert "bytes on the wire per rank per step 0.53x the baseline's (-47%)" in verdict(r)
+
+
+def test_arms_of_one_setting_further_apart_than_the_settings_are_too_noisy():
+    # the two baseline arms: medians 1.0 and 1.6 s (60% apart); the settings: 1.3 vs 0.5 s (160%)
+    r = synthetic(base_times2=[1.6, 1.7, 1.5])
+    assert r["noise"]["within_setting"] == pytest.approx(0.6)
+    assert r["noise"]["too_noisy"] is False
+    # the same baseline arms against a candidate at 0.9 s: the settings differ by 44%, less than 60%
+    r = synthetic(times=[0.9, 0.95, 0.85], base_times2=[1.6, 1.7, 1.5])
+    assert r["noise"]["too_noisy"] is True
+    assert verdict(r).startswith("TOO NOISY TO DECIDE")
+
+
+def test_on_a_cpu_the_verdict_says_there_is_nothing_to_save():
+    from qzero.qualify.report import markdown
+
+    r = synthetic(device="cpu")
+    assert verdict(r).startswith("NOTHING TO SAVE ON CPU LOOPBACK") and "(-47%)" in verdict(r)
+    assert "nothing to save" in markdown(r) and "--device cuda" in markdown(r)
+
+
+def test_the_report_is_written_without_matplotlib(tmp_path, monkeypatch):
+    import sys
+
+    from qzero.qualify import write
+
+    r = synthetic()
+    r["environment"] = {"device": "x", "link_regime": "y", "backend": "z"}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert write(r, str(tmp_path)) is False
+    md = (tmp_path / "report.md").read_text()
+    assert "matplotlib is not installed" in md and ".png" not in md
+    assert (tmp_path / "report.json").exists() and not list(tmp_path.glob("*.png"))
 
 
 @pytest.mark.parametrize(

@@ -310,13 +310,15 @@ def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeyp
 
 def test_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "matrix"
-    res = _cli(*TINY, "--rounds", "2", "--arm", "plain:", "--arm", "int8:quantized=true",
+    # two arms, two order-balanced rounds: the fewest fresh-process runs that still check
+    # the schedule, reproduction across runs and the ratios against the reference
+    res = _cli(*TINY, "--rounds", "2", "--arm", "plain:",
                "--arm", "ahead:quantized=true,overlap=true", "--regime-label", "cpu test", "--out", str(out))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((out / "matrix.json").read_text())
-    assert [s["arm"] for s in m["schedule"]] == ["plain", "int8", "ahead", "ahead", "int8", "plain"]
+    assert [s["arm"] for s in m["schedule"]] == ["plain", "ahead", "ahead", "plain"]
     a = m["analysis"]
-    assert [r["arm"] for r in a["arms"]] == ["plain", "int8", "ahead"]
+    assert [r["arm"] for r in a["arms"]] == ["plain", "ahead"]
     for r in a["arms"]:
         assert r["status"] == "ok" and r["runs_ok"] == 2 and r["measured_steps"] == 2  # (3 steps - 1 warm-up - the last) x 2
         assert r["reproducible"] is True and r["replicas_identical"] is True
@@ -328,15 +330,14 @@ def test_end_to_end_on_the_cpu(tmp_path):
         assert r["vs_reference"]["ratio"] == pytest.approx(statistics.median(ref_times) / statistics.median(arm_times))
         lo, hi = r["vs_reference"]["ci95"]
         assert lo <= hi
-    plain, int8, ahead = a["arms"]
+    plain, ahead = a["arms"]
     assert plain["vs_reference"]["ratio"] == 1.0 and plain["max_loss_diff"] == 0.0
-    assert int8["bytes_sent_per_step"] < plain["bytes_sent_per_step"]
     assert ahead["bytes_sent_per_step"] < plain["bytes_sent_per_step"]
-    assert m["arms"][2]["diff"] == {"quantized": True, "overlap": True}
+    assert m["arms"][1]["diff"] == {"quantized": True, "overlap": True}
     assert all("sample" not in r and "sample_hash" in r for runs in m["runs"].values() for r in runs)
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(os.listdir(out / "logs")) == sorted(f"r{r}_{n}.log" for r in (0, 1) for n in ("plain", "int8", "ahead"))
+    assert sorted(os.listdir(out / "logs")) == sorted(f"r{r}_{n}.log" for r in (0, 1) for n in ("plain", "ahead"))
     tail = res.stdout.rstrip().splitlines()
     assert tail[-1].startswith("| ahead | quantized=true, overlap=true |")
-    assert tail[-3].startswith("| plain | (common) |")
+    assert tail[-2].startswith("| plain | (common) |")
     assert "| arm | settings | median ms | vs plain [CI] |" in res.stdout

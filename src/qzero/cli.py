@@ -1,6 +1,8 @@
 """The ``qzero`` command: ``train``, ``qualify`` and ``bench``.
 
-Bad arguments get a one-line error and exit code 2, never a traceback.
+Everything a command needs (its optional packages, its inputs, where it writes) is checked
+before any work starts. A user error gets a one-line message and exit code 2, never a
+traceback; a failed qualification gate exits 1, a run that crashed 3.
 """
 
 from __future__ import annotations
@@ -13,7 +15,60 @@ import sys
 
 from .train import TrainSettings
 
+EXIT_GATE_FAILED = 1
 EXIT_BAD_ARGS = 2
+EXIT_RUN_FAILED = 3
+DEFAULT_WARMUP = 2
+
+# the optional packages each part needs, and the extra of qzero that installs them
+NEEDS = {
+    "workload": (("transformers", "cli"),),  # the models of train and qualify are transformers configs
+    "deepspeed": (("deepspeed", "deepspeed"),),
+}
+
+
+class MissingExtra(ValueError):
+    """An optional package a command needs is not installed."""
+
+
+def require(part: str, command: str) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install if ``part`` lacks a package."""
+    for module, extra in NEEDS[part]:
+        if not _has(module):
+            raise MissingExtra(f"{command} needs {module}, which is not installed: pip install 'qzero[{extra}]'")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _check_out_file(path: str | None) -> None:
+    """``train --out``: a file we can create (its folder exists), not a folder."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path}: is a directory; give a file name for the JSON record")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path}: the directory {os.path.dirname(path) or folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path}: not writable")
+
+
+def _check_out_dir(path: str) -> None:
+    """``qualify --out``: a folder we can write into (made if missing), not a file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {path}: exists and is not a directory; give a folder for the report")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(os.path.abspath(probe))
+        if parent == os.path.abspath(probe):
+            break
+        probe = parent
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise ValueError(f"--out {path}: cannot write there ({probe} is not a writable directory)")
 
 
 def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
@@ -32,7 +87,8 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     w.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     w.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     w.add_argument("--steps", type=int, default=steps)
-    w.add_argument("--warmup", type=int, default=2, help="steps excluded from timing")
+    w.add_argument("--warmup", type=int, default=None,
+                   help=f"steps excluded from timing (default {DEFAULT_WARMUP}, fewer when --steps is small)")
     w.add_argument("--lr", type=float, default=1e-3)
     w.add_argument("--seed", type=int, default=0)
     z = p.add_argument_group("ZeRO")
@@ -47,31 +103,14 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
 
 
 def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
-    return TrainSettings(
-        engine=args.engine,
-        preset=args.preset,
-        model_config=args.model_config,
-        data=args.data,
-        world_size=args.world_size,
-        device=args.device,
-        precision=args.precision,
-        stage=args.stage,
-        quantized=quantized,
-        group_size=args.group_size,
-        fmt=args.fmt,
-        small_param_numel=args.small_param_numel,
-        allgather_bucket=int(args.allgather_bucket),
-        reduce_bucket=int(args.reduce_bucket),
-        reduce_dtype=args.reduce_dtype,
-        overlap=args.overlap,
-        seq_len=args.seq_len,
-        micro_batch=args.micro_batch,
-        grad_accum=args.grad_accum,
-        steps=args.steps,
-        warmup=args.warmup,
-        lr=args.lr,
-        seed=args.seed,
-    )
+    """TrainSettings from the parsed flags: every flag whose name is a field, by name."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings) if hasattr(args, f.name)}
+    given["allgather_bucket"] = int(args.allgather_bucket)
+    given["reduce_bucket"] = int(args.reduce_bucket)
+    if args.warmup is None:  # the default shrinks with short runs: a step is timed up to the next one's start
+        given["warmup"] = max(0, min(DEFAULT_WARMUP, args.steps - 2))
+    given["quantized"] = quantized
+    return TrainSettings(**given)
 
 
 def _overrides(items: list[str], flag: str) -> dict:
@@ -103,8 +142,12 @@ def _overrides(items: list[str], flag: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qzero", description="ZeRO-1/2 with a quantized weight all-gather")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="qzero", description="ZeRO-1/2 with a quantized weight all-gather",
+        epilog="exit codes: 0 done, 1 a qualification gate failed, 2 bad arguments or a missing extra, "
+        "3 a run crashed (its log is named)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,qualify,bench}")
 
     t = sub.add_parser("train", help="train the embedded workload (or a config/text of yours)")
     _add_workload(t, steps=50)
@@ -124,11 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-loss-diff", type=float, default=0.05)
     q.add_argument("--tolerance", type=float, default=0.02, help="atol = rtol for sampled weights")
 
-    b = sub.add_parser("bench", help="microbenchmarks")
+    b = sub.add_parser("bench", help="the gather and its kernels on this machine's GPUs (qzero bench gather --help)")
     b.add_argument("what", choices=("gather",))
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for bench/gather_bench.py")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the gather benchmark")
 
-    a = sub.add_parser("_arm", help=argparse.SUPPRESS)
+    a = sub.add_parser("_arm")  # one arm of qualify, in its own process; not listed in --help
+    sub._choices_actions = [c for c in sub._choices_actions if c.dest != "_arm"]
     a.add_argument("settings_json")
     a.add_argument("out")
     return parser
@@ -137,13 +181,39 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from .qualify.run import ArmFailed
+
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"qzero: error: {str(e).splitlines()[0]}", file=sys.stderr)
+    except ArmFailed as e:
+        print(f"qzero: error: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    except (ValueError, TypeError, OSError) as e:
+        print(f"qzero: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return EXIT_BAD_ARGS
+
+
+def _warn(message: str) -> None:
+    print(f"qzero: warning: {message}", file=sys.stderr)
+
+
+def _preflight(args: argparse.Namespace, settings: list[TrainSettings]) -> None:
+    """What the command needs, checked before any work: packages, inputs, ranks."""
+    command = f"qzero {args.command}"
+    require("workload", command)
+    if any(s.engine == "deepspeed" for s in settings):
+        require("deepspeed", f"{command} with engine deepspeed")
+    from .train import resolve_device, validate
+
+    for s in settings:
+        validate(s)
+    cores = os.cpu_count() or 1
+    world = max(s.world_size for s in settings)
+    if "RANK" not in os.environ and resolve_device(settings[0]) == "cpu" and world > cores:
+        _warn(f"{world} ranks on {cores} CPU cores: each rank gets a fraction of a core, so this will be slow "
+              "and its step times measure contention")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -153,7 +223,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         launch(TrainSettings(**json.loads(args.settings_json)), args.out, show_progress=False)
         return 0
     if args.command == "train":
-        result = launch(_settings(args, args.quantized), args.out)
+        settings = _settings(args, args.quantized)
+        _check_out_file(args.out)
+        _preflight(args, [settings])
+        result = launch(settings, args.out)
         if result is not None:
             s = result
             print(
@@ -171,6 +244,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _qualify(args: argparse.Namespace) -> int:
+    import dataclasses as dc
+
     from .qualify import Thresholds, qualify, verdict, write
 
     if args.repeats < 1 or not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
@@ -179,6 +254,10 @@ def _qualify(args: argparse.Namespace) -> int:
     candidate = _overrides(args.candidate, "--candidate") or {"quantized": True}
     base = _settings(args, False)
     thresholds = Thresholds(max_loss_diff=args.max_loss_diff, atol=args.tolerance, rtol=args.tolerance)
+    _check_out_dir(args.out)
+    _preflight(args, [dc.replace(base, **baseline), dc.replace(base, **candidate)])
+    if not _has("matplotlib"):
+        _warn("matplotlib is not installed: the report will have no plots (pip install 'qzero[cli]')")
 
     def progress(done: int, total: int, letter: str) -> None:
         label = {"B": "baseline", "C": "candidate"}.get(letter, "done")
@@ -187,22 +266,16 @@ def _qualify(args: argparse.Namespace) -> int:
 
     report = qualify(base, baseline, candidate, order=args.order * args.repeats, out_dir=args.out,
                      thresholds=thresholds, progress=progress)
-    write(report, args.out)
+    plotted = write(report, args.out)
     print(verdict(report))
-    print(f"report: {os.path.join(args.out, 'report.md')}")
-    return 0 if report["passed"] else 1
+    print(f"report: {os.path.join(args.out, 'report.md')}" + ("" if plotted else " (plots skipped: no matplotlib)"))
+    return 0 if report["passed"] else EXIT_GATE_FAILED
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
+    from .benchmarks import gather
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = os.path.normpath(os.path.join(here, "..", "..", "bench", "gather_bench.py"))
-    if not os.path.isfile(script):
-        raise FileNotFoundError(f"the gather benchmark lives in the source tree ({script}); run it from a clone")
-    sys.argv = [script, *args.rest]
-    runpy.run_path(script, run_name="__main__")
-    return 0
+    return gather.main(args.rest)
 
 
 if __name__ == "__main__":

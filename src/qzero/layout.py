@@ -10,7 +10,8 @@ checked on a laptop. Two plans are built:
   range, the tail padding, the exact ranges of small parameters, and its gather plan.
 
 The bucket rule is a requirement, not a tuning knob: what one chunk gathers across
-all ranks is bounded, ``world_size * chunk_numel <= bucket_numel``.
+all ranks is bounded, ``world_size * chunk_numel <= bucket_numel``. The terms (flat
+buffer, partition, chunk, payload, exact range, window) are defined in ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -322,11 +323,6 @@ class FlatLayout:
     def exact_ranges(self) -> tuple[Range, ...]:
         return self.gather.exact_ranges
 
-    def logical_start(self, index: int) -> int:
-        """Where parameter ``index`` starts when the parameters are laid back to back in model
-        order: the world-size independent coordinates checkpoints use."""
-        return sum(s.numel for s in self.slots[:index])
-
     def padding_ranges(self, lo: int, hi: int) -> list[Range]:
         """The parts of ``[lo, hi)`` no parameter occupies, relative to ``lo``."""
         taken = sorted((max(s.start, lo), min(s.stop, hi)) for s in self.slots if s.start < hi and lo < s.stop)
@@ -412,7 +408,7 @@ def plan_flat_layout(
         bucket_numel=bucket_numel,
         fmt=fmt,
         group_size=group_size,
-        exact_ranges=_merge_adjacent(exact),
+        exact_ranges=merge_adjacent(exact),
     )
     return FlatLayout(slots, sum(sizes), numel, world_size, alignment, gather, order)
 
@@ -438,7 +434,9 @@ def interleaved_starts(sizes: Sequence[int], world_size: int, alignment: int) ->
     return [r * partition + off for r, off in placed], world_size * partition
 
 
-def _merge_adjacent(ranges: list[Range]) -> list[Range]:
+def merge_adjacent(ranges: Sequence[Range]) -> list[Range]:
+    """Sorted ranges with touching neighbours joined: ``[(0, 4), (4, 6), (8, 9)]`` gives
+    ``[(0, 6), (8, 9)]``."""
     out: list[Range] = []
     for a, b in ranges:
         if out and out[-1][1] == a:

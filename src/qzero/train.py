@@ -109,10 +109,15 @@ def validate(settings: TrainSettings) -> None:
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
         if getattr(settings, name) < 1:
             raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
+    if settings.steps < 2:
+        raise WorkloadError(
+            f"steps must be at least 2 (a step is timed up to the next one's start), got {settings.steps}"
+        )
     if settings.warmup < 0 or settings.warmup > settings.steps - 2:
         raise WorkloadError(
-            f"warmup must be in [0, steps - 1) (a step is timed up to the next one's start, so the last is never "
-            f"timed), got {settings.warmup} with {settings.steps} steps"
+            f"warmup {settings.warmup} leaves no timed step of {settings.steps} (a step is timed up to the next "
+            f"one's start, so the last is never timed): use --warmup {max(0, settings.steps - 2)} or fewer, "
+            f"or more --steps"
         )
     try:
         settings.zero_config()
@@ -173,9 +178,12 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
         norm = engine.grad_norm()
         norms.append(norm.detach().clone() if torch.is_tensor(norm) else norm)
         skipped += not took
-        if bar is not None:  # reading the loss waits for this step (the bar's price; arms run without it)
-            sent, plain = engine.gathered_bytes()
-            bar.update(loss_sum.item(), _seconds(marks[-1], _mark(device)), plain - sent)
+        if show_progress:  # the mean over ranks, as in the summary; waits for this step (arms run without it)
+            mean = loss_sum.detach().clone()
+            dist.all_reduce(mean)
+            if bar is not None:
+                sent, plain = engine.gathered_bytes()
+                bar.update(mean.item() / world, _seconds(marks[-1], _mark(device)), plain - sent)
     if bar is not None:
         bar.close()
     _sync(device)

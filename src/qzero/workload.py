@@ -57,19 +57,21 @@ def model_config(preset: str | None = None, config_path: str | None = None, max_
     from transformers import AutoConfig, Qwen3Config
 
     if config_path:
-        if not os.path.isfile(config_path):
-            raise WorkloadError(f"model config file not found: {config_path}")
+        _check_file(config_path, "model config")
         try:
             with open(config_path) as f:
                 d = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise WorkloadError(f"model config file {config_path} is not valid JSON ({e})") from None
+            raise WorkloadError(f"model config {config_path}: not a JSON file ({e})") from None
         if not isinstance(d, dict):
-            raise WorkloadError(f"model config file {config_path} holds a {type(d).__name__}, not a JSON object")
+            raise WorkloadError(f"model config {config_path}: expected a JSON object, got {type(d).__name__}")
         if "auto_map" in d:  # it names code to fetch and run; only transformers' own classes are built
-            raise WorkloadError(f"model config file {config_path} has 'auto_map' (remote code); qzero does not run it")
+            raise WorkloadError(f"model config {config_path} has 'auto_map' (remote code); qzero does not run it")
         model_type = d.pop("model_type", "qwen3")
-        return AutoConfig.for_model(model_type, **d)
+        try:
+            return AutoConfig.for_model(model_type, **d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise WorkloadError(f"model config {config_path}: {str(e).splitlines()[0]}") from None
     if preset not in PRESETS:
         raise WorkloadError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -100,8 +102,7 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int) -> 
 def load_corpus(path: str | None = None, limit: int = 8_000_000) -> torch.Tensor:
     """Byte tokens of ``path``, or of the standard library's ``*.py`` files in sorted order."""
     if path:
-        if not os.path.isfile(path):
-            raise WorkloadError(f"data file not found: {path}")
+        _check_file(path, "data")
         with open(path, "rb") as f:
             data = bytearray(f.read(limit))
     else:
@@ -117,6 +118,16 @@ def load_corpus(path: str | None = None, limit: int = 8_000_000) -> torch.Tensor
     if not data:
         raise WorkloadError(f"data file is empty: {path}")
     return torch.frombuffer(data, dtype=torch.uint8).to(torch.long)
+
+
+def _check_file(path: str, what: str) -> None:
+    """A readable regular file, or a WorkloadError that says what is wrong with ``path``."""
+    if os.path.isdir(path):
+        raise WorkloadError(f"{what} {path} is a directory; give a file")
+    if not os.path.exists(path):
+        raise WorkloadError(f"{what} file not found: {path}")
+    if not os.access(path, os.R_OK):
+        raise WorkloadError(f"{what} file {path} is not readable")
 
 
 def check_corpus(corpus: torch.Tensor, seq_len: int) -> None:

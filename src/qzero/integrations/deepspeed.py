@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise
+from ..config import _as_int
 from ..engine import CommContext, start_gather
-from ..layout import DEFAULT_SMALL_PARAM_NUMEL, GatherPlan, plan_gather
+from ..layout import DEFAULT_SMALL_PARAM_NUMEL, GatherPlan, merge_adjacent, plan_gather
 from ..quant.formats import FORMATS, check_group_size, get_format
 
 #: DeepSpeed releases this adapter was tested with (it reads optimizer internals).
@@ -102,15 +103,6 @@ class QuantizedWeightsSettings:
 
     def is_default(self) -> bool:
         return self == QuantizedWeightsSettings()
-
-
-def _as_int(name: str, value: Any) -> int:
-    """Integers, and integral floats as JSON configs write them (``5e8``)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    return value
 
 
 # --------------------------------------------------------------------------- config
@@ -336,14 +328,7 @@ def _check_optimizer_state(opt) -> None:
 def exact_ranges_of(offsets, numels, small_param_numel: int) -> list[tuple[int, int]]:
     """Flat ranges of the parameters with at most ``small_param_numel`` elements,
     sorted, with touching ranges merged."""
-    spans = sorted((int(o), int(o) + int(n)) for o, n in zip(offsets, numels) if 0 < int(n) <= small_param_numel)
-    merged: list[tuple[int, int]] = []
-    for a, b in spans:
-        if merged and merged[-1][1] == a:
-            merged[-1] = (merged[-1][0], b)
-        else:
-            merged.append((a, b))
-    return merged
+    return merge_adjacent(sorted((int(o), int(o) + int(n)) for o, n in zip(offsets, numels) if 0 < int(n) <= small_param_numel))
 
 
 def _check_partitions(flat: torch.Tensor, partitions, world: int, index: int) -> None:

@@ -6,15 +6,33 @@ import json
 import os
 
 
+GPU_HINT = (
+    "to measure where the link costs time, run on GPUs, e.g. qzero qualify --device cuda --world-size 2 "
+    "--preset qwen3-1.7b --seq-len 2048 --micro-batch 2 (PCIe-class: NCCL_P2P_DISABLE=1; "
+    "Ethernet-class: also NCCL_SHM_DISABLE=1)"
+)
+
+
 def verdict(r: dict) -> str:
+    """One line: the speed finding (or why there is none), the bytes on the wire, the gates."""
     lo, hi = r["speedup_ci95"]
     speed = f"candidate {r['speedup']:.3f}x the baseline's speed (95% CI {lo:.3f}-{hi:.3f})"
-    if lo > 1:
+    noise = r.get("noise") or {}
+    if r.get("device") == "cpu":
+        speed = ("NOTHING TO SAVE ON CPU LOOPBACK: the link costs next to nothing here, so step times show "
+                 "compute and noise only; " + speed)
+    elif noise.get("too_noisy"):
+        speed = (f"TOO NOISY TO DECIDE: arms of one setting differ by {noise['within_setting']:.0%}, more than "
+                 f"the {noise['between_settings']:.0%} between the settings; " + speed)
+    elif lo > 1:
         speed = "FASTER: " + speed
     elif hi < 1:
         speed = "SLOWER: " + speed
     else:
         speed = "NO CLEAR DIFFERENCE: " + speed
+    wire = (r.get("bytes_sent_per_step") or {}).get("ratio")
+    if wire is not None and wire != 1:
+        speed += f"; bytes on the wire per rank per step {wire:.2f}x the baseline's ({wire - 1:+.0%})"
     failed = [k for k, ok in r["gates"].items() if not ok]
     gates = "all gates pass" if not failed else "GATES FAILED: " + ", ".join(failed)
     return f"{speed}; {gates}"
@@ -28,7 +46,7 @@ def _mib(n: int) -> str:
     return f"{n} B"
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict, plotted: bool = True) -> str:
     env, scope = r["environment"], r["scope"]
     lo, hi = r["speedup_ci95"]
     diff = ", ".join(f"`{k}`: {b} → {c}" for k, (b, c) in r["differing_settings"].items()) or "(none)"
@@ -53,6 +71,7 @@ def markdown(r: dict) -> str:
         f"95% bootstrap interval {lo:.3f}–{hi:.3f}; medians {1e3 * r['baseline_median_s']:.1f} ms (baseline) and "
         f"{1e3 * r['candidate_median_s']:.1f} ms (candidate).",
         "",
+        *_noise_lines(r),
         "| arm | role | median step | final loss | peak allocated | peak reserved | weights gathered/rank/step "
         "| gradients sent/rank/step | skipped |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -89,9 +108,9 @@ def markdown(r: dict) -> str:
         "",
         "## Plots",
         "",
-        "![loss curves](loss.png)",
-        "",
-        "![step times](step_times.png)",
+        *(["![loss curves](loss.png)", "", "![step times](step_times.png)"] if plotted else
+          ["Skipped: matplotlib is not installed (`pip install 'qzero[cli]'` adds it); the figures are in "
+           "`report.json`."]),
         "",
         "## Environment",
         "",
@@ -110,6 +129,32 @@ def _grad_bytes(a: dict) -> str:
     if sent is None or plain is None:
         return "n/a"  # an arm recorded before gradient bytes were counted
     return f"{_mib(sent)} of {_mib(plain)} plain"
+
+
+def _noise_lines(r: dict) -> list[str]:
+    noise, lines = r.get("noise") or {}, []
+    if r.get("device") == "cpu":
+        wire = r.get("bytes_sent_per_step") or {}
+        lines += [
+            "**On a CPU there is nothing to save.** The ranks talk over loopback, where moving a byte costs "
+            "next to nothing, so the step times above measure compute and noise, not the link. What carries "
+            "over to real links is the traffic: each rank sends "
+            + (f"**{wire['ratio']:.2f}×** the baseline's bytes per step ({wire['ratio'] - 1:+.0%}; "
+               f"{_mib(wire['candidate'])} against {_mib(wire['baseline'])})" if wire.get("ratio") else
+               "the bytes in the table below")
+            + ". The saving pays where the link costs time: GPUs over PCIe or Ethernet. " + GPU_HINT[0].upper()
+            + GPU_HINT[1:] + ".",
+            "",
+        ]
+    if noise.get("within_setting") is not None:
+        lines += [
+            f"Arms of one setting differ by up to {noise['within_setting']:.1%} in median step time; the two "
+            f"settings by {noise['between_settings']:.1%}."
+            + (" **The run is too noisy to decide**: repeat it (`--repeats`), with more steps, on a quieter "
+               "machine." if noise["too_noisy"] else ""),
+            "",
+        ]
+    return lines
 
 
 def _ok(flag: bool) -> str:
@@ -155,10 +200,17 @@ def plots(r: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def write(r: dict, out_dir: str) -> None:
+def write(r: dict, out_dir: str) -> bool:
+    """Write report.json, the plots and report.md; return whether the plots were drawn (they are
+    skipped, and the report says so, when matplotlib is not installed)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(r, f, indent=1)
+    try:
+        plots(r, out_dir)
+        plotted = True
+    except ImportError:
+        plotted = False
     with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(markdown(r))
-    plots(r, out_dir)
+        f.write(markdown(r, plotted))
+    return plotted

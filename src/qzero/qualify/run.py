@@ -5,7 +5,7 @@ Two settings that differ in exactly the given keys run as arms in the order give
 fresh process with the same seed and data. Arms of one setting must reproduce
 each other exactly. The speedup is the ratio of the median measured step times
 (warm-up excluded), with a bootstrap 95% interval; the gates check accuracy,
-replica identity and memory (SPEC section 4).
+replica identity and memory (:class:`Thresholds`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .env import describe
 
 @dataclass
 class Thresholds:
-    """Gate limits. Defaults follow SPEC section 4."""
+    """Gate limits: the project's accuracy and memory gates (also used by ``bench/deepspeed_gpu_check.py``)."""
 
     max_loss_diff: float = 0.05
     atol: float = 0.02
@@ -55,7 +55,7 @@ def run_arm(settings: TrainSettings, out_path: str, log_path: str, env: dict[str
     if proc.returncode != 0 or not os.path.isfile(out_path):
         with open(log_path) as f:
             tail = f.read()[-3000:]
-        raise ArmFailed(f"arm exited with code {proc.returncode}; last output:\n{tail}")
+        raise ArmFailed(f"an arm exited with code {proc.returncode} (log: {log_path}); last output:\n{tail}")
     with open(out_path) as f:
         return json.load(f)
 
@@ -82,7 +82,10 @@ def qualify(
             if progress:
                 progress(i, len(order), letter)
             out = os.path.join(tmp, f"arm{i}.json")
-            result = run_arm(settings[letter], out, os.path.join(out_dir, f"arm{i}_{letter}.log"))
+            log = os.path.join(out_dir, f"arm{i}_{letter}.log")
+            result = run_arm(settings[letter], out, log)
+            if os.path.getsize(log) == 0:  # keep only logs with something in them
+                os.remove(log)
             result["arm"] = f"{letter}{i + 1}"
             result["role"] = "baseline" if letter == "B" else "candidate"
             arms.append(result)
@@ -122,14 +125,27 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: dict, candidate: di
         "peak_reserved_fraction": max(a["peak_reserved_bytes"] for a in arms) <= t.max_reserved_fraction * total,
         "memory_vs_baseline": c_alloc <= b_alloc + slack,
     }
+    b_median, c_median = stats.statistics.median(b_times), stats.statistics.median(c_times)
+    spreads = [x for x in (stats.relative_spread([stats.statistics.median(a["step_times"]) for a in arms_])
+                           for arms_ in (b, c)) if x is not None]
+    within = max(spreads) if spreads else None
+    between = abs(b_median - c_median) / min(b_median, c_median)
+    b_bytes = stats.statistics.median(a["bytes_sent_per_step"] for a in b)
+    c_bytes = stats.statistics.median(a["bytes_sent_per_step"] for a in c)
     differing = {k: (baseline.get(k, getattr(base, k)), candidate.get(k, getattr(base, k)))
                  for k in sorted(set(baseline) | set(candidate))
                  if baseline.get(k, getattr(base, k)) != candidate.get(k, getattr(base, k))}
     return {
         "speedup": ratio,
         "speedup_ci95": list(ci),
-        "baseline_median_s": stats.statistics.median(b_times),
-        "candidate_median_s": stats.statistics.median(c_times),
+        "baseline_median_s": b_median,
+        "candidate_median_s": c_median,
+        # arms of one setting that differ by more than the settings do: the run cannot decide
+        "noise": {"within_setting": within, "between_settings": between,
+                  "too_noisy": within is not None and within > between},
+        "device": device,
+        "bytes_sent_per_step": {"baseline": b_bytes, "candidate": c_bytes,
+                                "ratio": c_bytes / b_bytes if b_bytes else None},
         "max_loss_diff": loss_diff,
         **agreement,
         "replicas_identical": gates["replicas_identical"],

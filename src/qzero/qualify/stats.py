@@ -13,6 +13,13 @@ def speedup(baseline: Sequence[float], candidate: Sequence[float]) -> float:
     return statistics.median(baseline) / statistics.median(candidate)
 
 
+def relative_spread(values: Sequence[float]) -> float | None:
+    """(largest - smallest) / smallest; None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    return (max(values) - min(values)) / min(values)
+
+
 def bootstrap_ci(
     baseline: Sequence[float], candidate: Sequence[float], *, resamples: int = 2000, level: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:

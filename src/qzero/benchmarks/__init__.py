@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the package (``qzero bench``); the GPU studies live in ``bench/``."""

@@ -1,0 +1,481 @@
+"""Microbenchmark of the quantized weight gather and its kernels.
+
+One GPU (``qzero bench gather``, or ``python -m qzero.benchmarks.gather``): for each format and flat size, the
+pack (quantize) and unpack (dequantize) kernel times and bandwidth (bytes read +
+written) against the device copy bandwidth measured in the same run, the eager
+torch reference for comparison, and the world-size-1 gather end to end
+(``quantized_all_gather``, pipelined and not, against ``all_gather``).
+
+Several GPUs (``torchrun --nproc_per_node=2 -m qzero.benchmarks.gather``): the gather
+itself, plain bf16 against each quantized format, arms interleaved round by round,
+medians of CUDA-event times, plus the payload-only collective. Set the link regime
+with NCCL's environment (``bench/regimes.sh`` has the table) and name it with ``--regime``;
+keep ``NCCL_NVLS_ENABLE=0``. ``bench/run_regimes.sh`` runs it in every regime.
+
+Results go to ``--out`` as JSON and Markdown; the Markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from qzero.qualify.env import link_regime
+from qzero.comm import all_gather, quantized_all_gather, run_gather
+from qzero.engine import CommContext
+from qzero.layout import plan_gather
+from qzero.quant import get_format, reference
+from qzero.quant import triton as kernels
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def parse_args(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="qzero bench gather", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="2048Mi,256Mi", help="flat sizes in parameters, e.g. 2048Mi,256Mi")
+    ap.add_argument("--formats", default="int8,fp8,int4")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--bucket", type=int, default=500_000_000, help="allgather bucket (elements)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--regime", default=None, help="label of the link regime (default: from NCCL env)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (multi-GPU)")
+    ap.add_argument("--tune", default="1024x4,2048x4,2048x8", help="block_elems x num_warps to sweep")
+    ap.add_argument("--no-reference", action="store_true", help="skip the eager torch reference timings")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
+    ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the Markdown of a saved result")
+    return ap.parse_args(argv)
+
+
+def parse_size(text: str) -> int:
+    text = text.strip()
+    for suffix, mult in (("Gi", GiB), ("Mi", MiB), ("Ki", 1024)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(text)
+
+
+def size_label(n: int) -> str:
+    return f"{n / GiB:g} Gi" if n >= GiB else f"{n / MiB:g} Mi"
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def median_ms(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median of CUDA-event times of ``fn`` (device time, launch included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def reps_for(n: int) -> int:
+    return 10 if n >= GiB else 30
+
+
+def random_flat(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(n, device="cuda", generator=g, dtype=torch.float32) * 0.02).to(dtype)
+
+
+def exact_ranges_for(n: int) -> list[tuple[int, int]]:
+    """Roughly a transformer's small parameters: a 4 Ki-element norm every 2 Mi elements."""
+    step, width = 2 * MiB, 4096
+    return [(a, a + width) for a in range(step // 2, n - width, step)]
+
+
+def versions() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+# --------------------------------------------------------------------------- one GPU
+
+
+def copy_bandwidth(n: int, dtype: torch.dtype) -> dict:
+    src = random_flat(n, dtype, 1)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), reps=reps_for(n))
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    return {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6}
+
+
+def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl) -> dict:
+    """Times of one pack and one unpack of a single-chunk payload of ``n`` elements."""
+    ranges = exact_ranges_for(n) if exact else []
+    plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
+    chunk = plan.chunks[0]
+    from qzero.chunks import exact_index
+
+    idx = exact_index(plan, chunk, 0, torch.device("cuda"))
+    src = random_flat(n, dtype, 2)
+    payload = torch.empty(chunk.payload_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    reps = reps_for(n) if impl is kernels else 3
+    t_pack = median_ms(lambda: impl.pack_payload(src, payload, chunk.payload, gs, fmt, idx), reps=reps, warmup=2)
+    t_unpack = median_ms(lambda: impl.unpack_payload(payload, dst, chunk.payload, gs, fmt, idx), reps=reps, warmup=2)
+    f = get_format(fmt)
+    moved = f.value_bytes(n) + 4 * -(-n // gs) + len(idx if idx is not None else []) * 2
+    elem = src.element_size()
+    pack_bytes = n * elem + moved  # read the slice, write the payload
+    unpack_bytes = moved + n * elem  # read the payload, write the slice
+    del src, payload, dst
+    return {
+        "pack_ms": t_pack,
+        "unpack_ms": t_unpack,
+        "pack_GBps": pack_bytes / t_pack / 1e6,
+        "unpack_GBps": unpack_bytes / t_unpack / 1e6,
+        "payload_bytes": chunk.payload_bytes,
+        "exact_elems": 0 if idx is None else idx.numel(),
+    }
+
+
+def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
+    """Kernel bytes and elements equal the reference's on fresh random input with exact ranges."""
+    ranges = exact_ranges_for(n)
+    plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
+    chunk = plan.chunks[0]
+    from qzero.chunks import exact_index
+
+    idx = exact_index(plan, chunk, 0, torch.device("cuda"))
+    src = random_flat(n, dtype, 3) * torch.logspace(-3, 3, n, device="cuda").to(dtype)
+    a = torch.randint(0, 256, (chunk.payload_bytes,), dtype=torch.uint8, device="cuda")
+    b = a.clone()
+    reference.pack_payload(src, a, chunk.payload, gs, fmt, idx)
+    kernels.pack_payload(src, b, chunk.payload, gs, fmt, idx)
+    da, db = torch.full_like(src, 7.0), torch.full_like(src, -3.0)
+    reference.unpack_payload(a, da, chunk.payload, gs, fmt, idx)
+    kernels.unpack_payload(a, db, chunk.payload, gs, fmt, idx)
+    return bool(torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
+
+
+def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Sweep launch shapes for payloads without and with exact elements and keep the
+    fastest (pack + unpack) of each in ``kernels.TUNING``."""
+    rows = []
+    for exact in (False, True):
+        for block, warps in shapes:
+            if exact:
+                kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = block, warps
+            else:
+                kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
+            r = kernel_case(n, fmt, gs, dtype, exact, kernels)
+            rows.append({"exact": exact, "block_elems": block, "num_warps": warps, **r})
+        best = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
+        if exact:
+            kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = best["block_elems"], best["num_warps"]
+        else:
+            kernels.TUNING.block_elems, kernels.TUNING.num_warps = best["block_elems"], best["num_warps"]
+    return rows
+
+
+def gather_plan(n: int, world: int, fmt: str | None, gs: int, bucket: int):
+    """The static plan an optimizer keeps (bf16 elements; exact ranges only when quantized)."""
+    if fmt is None:
+        return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=None)
+    return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=fmt, group_size=gs, exact_ranges=exact_ranges_for(n))
+
+
+def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True) -> dict:
+    """World-size-1 gather through ``run_gather`` with a prebuilt plan (the optimizer's path),
+    and the public ``quantized_all_gather``/``all_gather`` (which validate arguments each call)."""
+    flat = random_flat(n, dtype, 4)
+    plan = gather_plan(n, 1, fmt, gs, bucket)
+    context = CommContext(flat.device, schedule="streams" if pipelined else "inline")
+    if fmt is None:
+        api = lambda: all_gather(flat, bucket_numel=bucket)  # noqa: E731
+    else:
+        ranges = exact_ranges_for(n)
+        api = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, bucket_numel=bucket, fmt=fmt)  # noqa: E731
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = median_ms(lambda: run_gather(flat, plan, context=context), reps=reps_for(n))
+    extra = torch.cuda.max_memory_allocated() - base
+    api_ms = median_ms(api, reps=reps_for(n))
+    stats = run_gather(flat, plan, context=context)
+    del flat
+    return {"ms": ms, "api_ms": api_ms, "chunks": stats.num_chunks, "bytes_per_rank": stats.bytes_sent,
+            "peak_extra_bytes": extra}
+
+
+def single_gpu(args) -> dict:
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gs = args.group_size
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    formats = args.formats.split(",")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.tune.split(",") if s]
+    out = {"mode": "single", "regime": "single GPU, no link", "group_size": gs, "dtype": args.dtype, **versions()}
+    small = min(sizes)
+
+    out["correct"] = {fmt: check_kernels(1 << 24, fmt, gs, dtype) for fmt in formats}
+    print("kernels == reference:", out["correct"], flush=True)
+
+
+    out["tuning"] = {}
+    best = {}
+    for fmt in formats:
+        if shapes:
+            out["tuning"][fmt] = tune(small, fmt, gs, dtype, shapes)
+        best[fmt] = dataclasses.replace(kernels.TUNING)
+        print(f"tuning {fmt}: {best[fmt]}", flush=True)
+
+    out["sizes"] = []
+    for n in sizes:
+        entry = {"numel": n, "copy": copy_bandwidth(n, dtype), "formats": {}}
+        copy_bw = entry["copy"]["GBps"]
+        print(f"[{size_label(n)}] copy {entry['copy']['ms']:.3f} ms, {copy_bw:.0f} GB/s", flush=True)
+        entry["plain_gather"] = gather_case(n, None, gs, dtype, args.bucket)
+        for fmt in formats:
+            kernels.TUNING = best[fmt]
+            r = {"launch": dataclasses.asdict(best[fmt])}
+            r["kernel"] = kernel_case(n, fmt, gs, dtype, False, kernels)
+            r["kernel_exact"] = kernel_case(n, fmt, gs, dtype, True, kernels)
+            if not args.no_reference:
+                r["reference"] = kernel_case(n, fmt, gs, dtype, False, reference)
+            r["gather_pipelined"] = gather_case(n, fmt, gs, dtype, args.bucket, True)
+            r["gather_serial"] = gather_case(n, fmt, gs, dtype, args.bucket, False)
+            for key in ("kernel", "kernel_exact"):
+                r[key]["pack_frac_copy"] = r[key]["pack_GBps"] / copy_bw
+                r[key]["unpack_frac_copy"] = r[key]["unpack_GBps"] / copy_bw
+            entry["formats"][fmt] = r
+            k = r["kernel"]
+            print(
+                f"[{size_label(n)}] {fmt}: pack {k['pack_ms']:.3f} ms ({k['pack_frac_copy']:.0%} of copy), "
+                f"unpack {k['unpack_ms']:.3f} ms ({k['unpack_frac_copy']:.0%}), "
+                f"gather {r['gather_pipelined']['ms']:.2f} ms (serial {r['gather_serial']['ms']:.2f})",
+                flush=True,
+            )
+        out["sizes"].append(entry)
+    return out
+
+
+def single_markdown(res: dict) -> str:
+    lines = [
+        f"# Gather kernels: {res['device']}, {res['regime']}",
+        "",
+        f"{res['date_utc']} UTC; torch {res['torch']}, Triton {res['triton']}, CUDA {res['cuda']}; "
+        f"{res['dtype']} flat buffer, group size {res['group_size']}. Medians of CUDA-event times. "
+        "Bandwidth counts bytes read + written; 'of copy' compares it with a device-to-device copy "
+        "measured in the same run. 'exact' adds a 4 Ki-element exact range every 2 Mi elements. "
+        "Gathers are world size 1 (no collective): quantize + dequantize through the chunk loop, "
+        "run with a prebuilt plan as the optimizer does (`run_gather`); the public API also validates its "
+        "arguments on every call.",
+        "",
+        f"Kernels equal to the torch reference (bytes and elements): {res['correct']}",
+        "",
+        "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy "
+        "| pack/unpack ms, exact | eager reference pack/unpack ms | gather ms (pipelined / serial) | plain gather ms "
+        "| gather ms via public API (quantized / plain) | gather peak extra GB (quantized / plain) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in res["sizes"]:
+        for fmt, r in e["formats"].items():
+            k, x = r["kernel"], r["kernel_exact"]
+            ref = r.get("reference")
+            ref_txt = f"{ref['pack_ms']:.2f} / {ref['unpack_ms']:.2f}" if ref else "-"
+            lines.append(
+                f"| {size_label(e['numel'])} | {fmt} | {k['pack_ms']:.3f} | {k['pack_GBps']:.0f} | "
+                f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | {k['unpack_frac_copy']:.0%} | "
+                f"{x['pack_ms']:.3f} / {x['unpack_ms']:.3f} | {ref_txt} | "
+                f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} | "
+                f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / {e['plain_gather'].get('api_ms', float('nan')):.2f} | "
+                f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / {e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
+            )
+    if res.get("tuning"):
+        lines += [
+            "",
+            f"Launch-shape sweep at {size_label(min(e['numel'] for e in res['sizes']))}:",
+            "",
+            "| format | exact ranges | block | warps | pack ms | pack GB/s | unpack ms | unpack GB/s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for fmt, rows in res["tuning"].items():
+            for r in rows:
+                lines.append(
+                    f"| {fmt} | {'yes' if r.get('exact') else 'no'} | {r['block_elems']} | "
+                    f"{r['num_warps']} | {r['pack_ms']:.3f} | "
+                    f"{r['pack_GBps']:.0f} | {r['unpack_ms']:.3f} | {r['unpack_GBps']:.0f} |"
+                )
+    lines.append("")
+    lines.append("Device copy: " + ", ".join(
+        f"{size_label(e['numel'])}: {e['copy']['ms']:.3f} ms, {e['copy']['GBps']:.0f} GB/s" for e in res["sizes"]
+    ))
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- several GPUs
+
+
+def regime_label(args) -> str:
+    return args.regime or link_regime("cuda")
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    t = torch.tensor([start.elapsed_time(stop)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a gather is done when the slowest rank is
+    return t.item()
+
+
+def multi_gpu(args) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gs = args.group_size
+    formats = args.formats.split(",")
+    out = {
+        "mode": "multi",
+        "world_size": world,
+        "regime": regime_label(args),
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "group_size": gs,
+        "dtype": args.dtype,
+        "bucket_numel": args.bucket,
+        "launch": dataclasses.asdict(kernels.TUNING),
+        **versions(),
+        "sizes": [],
+    }
+    for n in (parse_size(s) for s in args.sizes.split(",")):
+        flat = random_flat(n, dtype, 5 + rank)
+        ranges = exact_ranges_for(n)
+        plain = gather_plan(n, world, None, gs, args.bucket)
+        arms = {"bf16": lambda plain=plain: run_gather(flat, plain)}
+        for fmt in formats:
+            plan = gather_plan(n, world, fmt, gs, args.bucket)
+            arms[fmt] = lambda plan=plan: run_gather(flat, plan)
+            pay = torch.empty(plan.bytes_per_rank, dtype=torch.uint8, device="cuda")
+            recv = torch.empty(world * pay.numel(), dtype=torch.uint8, device="cuda")
+            arms[f"{fmt} payload only"] = lambda pay=pay, recv=recv: dist.all_gather_into_tensor(recv, pay)
+        fmt0 = formats[0]
+        arms[f"{fmt0} via quantized_all_gather"] = lambda: quantized_all_gather(
+            flat, group_size=gs, exact_ranges=ranges, bucket_numel=args.bucket, fmt=fmt0
+        )
+        for fn in arms.values():  # warm-up: compile, plans, NCCL channels
+            fn()
+            fn()
+        times = {name: [] for name in arms}
+        for _ in range(args.rounds):
+            for name, fn in arms.items():
+                times[name].append(timed(fn))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        total_bytes = n * flat.element_size()
+        entry = {"numel": n, "arms": {}}
+        for name, ms in med.items():
+            entry["arms"][name] = {
+                "median_ms": ms,
+                "times_ms": times[name],
+                "algbw_GBps": total_bytes / ms / 1e6,  # bf16 bytes of the whole flat buffer, per second
+                "speedup_vs_bf16": med["bf16"] / ms,
+            }
+        if rank == 0:
+            print(f"[{size_label(n)}] " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)
+        out["sizes"].append(entry)
+        del flat
+    return out
+
+
+def multi_markdown(res: dict) -> str:
+    lines = [
+        f"# Gather, {res['world_size']} x {res['device']}: {res['regime']}",
+        "",
+        f"{res['date_utc']} UTC; torch {res['torch']}, Triton {res['triton']}, CUDA {res['cuda']}; "
+        f"{res['dtype']} flat, group size {res['group_size']}, bucket {res['bucket_numel']:,} elements; "
+        "arms interleaved round by round, median over rounds of the slowest rank's CUDA-event time. "
+        "Gathers run with prebuilt plans as the optimizer does (`run_gather`); 'payload only' is the bare "
+        "all-gather of the same bytes; 'via quantized_all_gather' adds the public API's per-call checks. "
+        "Algorithm bandwidth = bf16 bytes of the whole flat buffer / time.",
+        "",
+        "| size | arm | median ms | algbw GB/s | speedup vs bf16 |",
+        "|---|---|---|---|---|",
+    ]
+    for e in res["sizes"]:
+        for name, a in e["arms"].items():
+            lines.append(
+                f"| {size_label(e['numel'])} | {name} | {a['median_ms']:.2f} | {a['algbw_GBps']:.0f} | "
+                f"{a['speedup_vs_bf16']:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.render:
+        with open(args.render) as fh:
+            res = json.load(fh)
+        md = multi_markdown(res) if res["mode"] == "multi" else single_markdown(res)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as fh:
+            fh.write(md)
+        print(md)
+        return 0
+    if not torch.cuda.is_available() or not kernels.AVAILABLE:
+        print("needs a CUDA device and Triton", file=sys.stderr)
+        return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    t0 = time.time()
+    if world > 1:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        res = multi_gpu(args)
+        md = multi_markdown(res)
+        is_writer = dist.get_rank() == 0
+    else:
+        res = single_gpu(args)
+        md = single_markdown(res)
+        is_writer = True
+    res["wall_s"] = time.time() - t0
+    if is_writer:
+        os.makedirs(args.out, exist_ok=True)
+        stem = args.tag or f"gather_{res['mode']}_{res['date_utc'][:10]}"
+        with open(os.path.join(args.out, stem + ".json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+        with open(os.path.join(args.out, stem + ".md"), "w") as fh:
+            fh.write(md)
+        print(md)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
