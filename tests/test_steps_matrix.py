@@ -203,7 +203,7 @@ def test_parse_arm_values_like_json_and_typed_like_trainsettings():
     assert isinstance(o["allgather_bucket"], int)
     assert sm.parse_arm("r:reduce_dtype=null,group-size=128")[1] == {"reduce_dtype": None, "group_size": 128}
     assert sm.parse_arm("lr:lr=1")[1] == {"lr": 1.0}
-    assert sm.parse_arm("s:overlap=true,env.QZERO_AHEAD_STREAMS=1")[1] == {"overlap": True, "env": {"QZERO_AHEAD_STREAMS": "1"}}
+    assert sm.parse_arm("s:overlap=true,env.NCCL_ALGO=1")[1] == {"overlap": True, "env": {"NCCL_ALGO": "1"}}
     with pytest.raises(sm.SpecError, match="environment variable"):
         sm.parse_arm("x:env.1BAD=1")
     with pytest.raises(sm.SpecError, match="'colour'"):
@@ -265,12 +265,12 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
 
     monkeypatch.setattr(sm, "run_arm", fake_run_arm)
     out = tmp_path / "m"
-    rc = sm.main([*TINY, "--arm", "plain:", "--arm", "int8:quantized=true,env.QZERO_AHEAD_STREAMS=1",
+    rc = sm.main([*TINY, "--arm", "plain:", "--arm", "int8:quantized=true,env.NCCL_ALGO=1",
                   "--arm", "deepspeed:engine=deepspeed",
                   "--rounds", "2", "--peers", "deepspeed", "--regime-label", "fake", "--out", str(out)])
     assert rc == 0
     assert calls == ["plain", "int8", "deepspeed", "deepspeed", "int8", "plain"]
-    assert envs == {"plain": None, "int8": {"QZERO_AHEAD_STREAMS": "1"}, "deepspeed": None}
+    assert envs == {"plain": None, "int8": {"NCCL_ALGO": "1"}, "deepspeed": None}
     stdout = capsys.readouterr().out
     assert stdout.count("steps_matrix: [") == 6
     m = json.loads((out / "matrix.json").read_text())
@@ -284,7 +284,7 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "matrix.md").read_text()
     assert stdout.rstrip().endswith(md.rstrip().splitlines()[-1])  # the table is printed last
-    assert '| int8 | quantized=true, env={"QZERO_AHEAD_STREAMS": "1"} | 500.0 | 2.000 [' in md
+    assert '| int8 | quantized=true, env={"NCCL_ALGO": "1"} | 500.0 | 2.000 [' in md
 
 
 def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeypatch):

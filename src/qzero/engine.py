@@ -114,6 +114,7 @@ class CommContext:
             raise ValueError(f"gather schedule 'streams' needs CUDA tensors, got device {device}")
         self.device = device
         self.kernels = kernels_for(device, kernels)
+        self.kernels_choice = kernels  # the gradient reduction picks its kernels the same way
         self.schedule = schedule if schedule != "auto" else ("streams" if device.type == "cuda" else "inline")
         # High priority, as FSDP2's all-gather streams: when the forward's kernels and the
         # gather's compete for the SMs, the gather's go first (the forward waits for them).

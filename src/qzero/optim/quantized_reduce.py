@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import peer_failure
-from ..layout import PayloadLayout, _clip_ranges, _merge_adjacent, _payload_layout
+from ..layout import PayloadLayout, _clip_ranges, merge_adjacent, _payload_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
 
@@ -92,8 +92,8 @@ class QuantizedExchange:
         self.pg = group.process_group
         self.world, self.rank = group.world_size, group.rank
         self.device = group.device
-        self.kernels = gradient_kernels_for(group.device)
-        self._exact = _merge_adjacent(sorted((s.start, s.stop) for s in group.layout.slots if s.exact))
+        self.kernels = gradient_kernels_for(group.device, group.context.kernels_choice)
+        self._exact = merge_adjacent(sorted((s.start, s.stop) for s in group.layout.slots if s.exact))
         self._plans: dict = {}
         self._index: dict = {}
 

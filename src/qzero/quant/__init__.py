@@ -67,13 +67,21 @@ def _gradient_triton_kernels():
     return gradients_triton if gradients_triton.AVAILABLE else None
 
 
-def gradient_kernels_for(device: torch.device):
-    """The module whose ``pack_gradient``/``dequantize_sum`` serve gradient pieces on ``device``:
-    the Triton kernels on CUDA, else the torch reference (:mod:`qzero.quant.gradients`)."""
+def gradient_kernels_for(device: torch.device, choice: str = "auto"):
+    """The module whose ``pack_gradient``/``dequantize_sum`` serve gradient pieces on ``device``,
+    chosen as :func:`kernels_for` chooses: the Triton kernels on CUDA, else the torch reference
+    (:mod:`qzero.quant.gradients`)."""
     from . import gradients
 
-    if device.type == "cuda" and os.environ.get("QZERO_KERNELS", "auto") != "reference":
-        mod = _gradient_triton_kernels()
-        if mod is not None:
-            return mod
+    if choice not in KERNELS:
+        raise ValueError(f"quantization kernels must be one of {KERNELS}, got {choice!r}")
+    if choice == "reference":
+        return gradients
+    mod = _gradient_triton_kernels()
+    if choice == "triton":
+        if mod is None:
+            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
+        return mod
+    if device.type == "cuda" and mod is not None:
+        return mod
     return gradients
