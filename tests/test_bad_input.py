@@ -492,7 +492,7 @@ case(
     "checkpoint: DCP index is a code-running pickle",
     "checkpoint",
     (lambda b, d: _edit_meta(b, d, lambda t: t) or _evil_index(d), None),
-    r"cannot read the checkpoint index.*refuses",
+    r"checkpoint index.*refuses",
 )
 case(
     "checkpoint: truncated tensor file",

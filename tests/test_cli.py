@@ -75,7 +75,7 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--out", "{tiny}"], "tiny.txt: exists and is not a directory"),
         (["train", "--out", "{tmp}/missing/run.json"], "missing does not exist"),
         (["train", "--out", "{tmp}"], "is a directory"),
-        (["train", "--model-config", "{empty}"], "model config .*empty.json: not a JSON file"),
+        (["train", "--model-config", "{empty}"], "model config file .*empty.json is not valid JSON"),
         (["train", "--data", "{tmp}"], "data .* is a directory"),
         (["train", "--steps", "3", "--warmup", "2"], "use --warmup 1 or fewer"),
         (["train", "--steps", "1"], "steps must be at least 2"),

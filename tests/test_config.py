@@ -28,6 +28,8 @@ def _parse(text: str):
         return text == "true"
     if text == "model dtype":
         return None
+    if text == "on when quantized":  # resolved on construction: off with the default (plain) gather
+        return False
     try:
         return float(text.replace(",", ""))
     except ValueError:
@@ -41,6 +43,8 @@ def test_the_readme_table_states_every_default():
         assert f.name in documented, f"README's ZeroConfig table lacks {f.name!r}"
         want, got = _parse(documented[f.name]), getattr(ZeroConfig(), f.name)
         assert want == got, f"README says {f.name} defaults to {documented[f.name]!r}, the code to {got!r}"
+    assert ZeroConfig(zero_quantized_weights=True).overlap_param_gather is True
+    assert ZeroConfig(zero_quantized_weights=True, overlap_param_gather=False).overlap_param_gather is False
 
 
 def test_from_deepspeed_dict():

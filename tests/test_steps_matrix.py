@@ -284,7 +284,7 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "matrix.md").read_text()
     assert stdout.rstrip().endswith(md.rstrip().splitlines()[-1])  # the table is printed last
-    assert '| int8 | quantized=true, env={"NCCL_ALGO": "1"} | 500.0 | 2.000 [' in md
+    assert '| int8 | quantized=true, env={"NCCL_ALGO": "1"} | 500.0 | — | 2.000 [' in md
 
 
 def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeypatch):
@@ -340,4 +340,4 @@ def test_end_to_end_on_the_cpu(tmp_path):
     tail = res.stdout.rstrip().splitlines()
     assert tail[-1].startswith("| ahead | quantized=true, overlap=true |")
     assert tail[-2].startswith("| plain | (common) |")
-    assert "| arm | settings | median ms | vs plain [CI] |" in res.stdout
+    assert "| arm | settings | median ms | wall ms/step | vs plain [CI] |" in res.stdout

@@ -22,7 +22,9 @@ def test_steps_are_timed_start_to_start_without_a_sync_between():
     s = TrainSettings(preset="tiny", world_size=2, device="cpu", seq_len=32, micro_batch=2, steps=5, warmup=1,
                       quantized=True, overlap=True)
     (result, syncs), (_, syncs1) = run_distributed(loop, 2, s, timeout=300)
-    assert syncs == syncs1 == 2  # once before the loop, once after: never per step
+    # before the loop, before the first measured step (the wall time starts there), after: never per step
+    assert syncs == syncs1 == 3
+    assert result["wall_steps"] == 5 - 1 and result["wall_seconds"] > 0
     assert len(result["step_times"]) == 5 - 1 - 1  # warm-up and the last step are not timed
     assert all(t > 0 for t in result["step_times"])
     assert len(result["losses"]) == 5 and all(math.isfinite(x) for x in result["losses"])

@@ -288,7 +288,7 @@ def test_kernel_argument_checks():
     layout = layout_for(64, "int8", 64, None)
     out = torch.zeros(layout.nbytes, dtype=torch.uint8)
     with pytest.raises(TypeError, match="bf16 or fp16"):
-        kernels.pack_payload(torch.zeros(64), out, layout, 64, "int8", None)
+        kernels.pack_payload(torch.zeros(64, dtype=torch.float64), out, layout, 64, "int8", None)
     with pytest.raises(ValueError, match="bytes"):
         kernels.pack_payload(torch.zeros(64, dtype=torch.bfloat16), out[:8], layout, 64, "int8", None)
     with pytest.raises(ValueError, match="unknown quantization format"):

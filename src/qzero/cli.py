@@ -99,7 +99,8 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     z.add_argument("--allgather-bucket", type=float, default=5e8, help="elements across all ranks (default 5e8)")
     z.add_argument("--reduce-bucket", type=float, default=5e8)
     z.add_argument("--reduce-dtype", choices=("bf16", "fp16", "fp32"))
-    z.add_argument("--overlap", action="store_true", help="gather-ahead: overlap the weight gather with the next forward")
+    z.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="gather-ahead: overlap the weight gather with the next forward (default: on when quantized)")
 
 
 def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:

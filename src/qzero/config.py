@@ -107,9 +107,13 @@ class ZeroConfig:
     with other optimizers, the fp32 masters after it (one read of the shard and one
     1-element all-reduce)."""
 
-    overlap_param_gather: bool = False
+    overlap_param_gather: bool | None = None
     """Return from ``step()`` before the weight gather finishes and let each module
-    wait for its own chunks in its forward (gather-ahead)."""
+    wait for its own chunks in its forward (gather-ahead). ``None`` (the default): on
+    when the gather is quantized (``zero_quantized_weights``), off for the plain gather;
+    resolved to true or false on construction. Code that reads the weights outside a
+    module's forward calls ``opt.wait_for_weights()`` first (``model.state_dict()`` and
+    everything of the optimizer's own waits by itself)."""
 
     flat_order: str = "auto"
     """How parameters are placed in the flat buffer: ``contiguous`` (back to back in model
@@ -172,6 +176,8 @@ class ZeroConfig:
     weight format only: 15 levels per group are too coarse for a gradient sum."""
 
     def __post_init__(self) -> None:
+        if self.overlap_param_gather is None:
+            object.__setattr__(self, "overlap_param_gather", self.zero_quantized_weights is True)
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
         for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite",

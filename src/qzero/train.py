@@ -39,7 +39,7 @@ class TrainSettings:
     precision: str = "bf16"  # bf16 | fp16
     stage: int = 2
     quantized: bool = False
-    overlap: bool = False  # gather-ahead: hide the post-step gather under the next forward
+    overlap: bool | None = None  # gather-ahead: hide the post-step gather under the next forward (None: when quantized)
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
     group_size: int = 64
     fmt: str = "int8"

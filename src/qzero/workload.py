@@ -62,11 +62,11 @@ def model_config(preset: str | None = None, config_path: str | None = None, max_
             with open(config_path) as f:
                 d = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise WorkloadError(f"model config {config_path}: not a JSON file ({e})") from None
+            raise WorkloadError(f"model config file {config_path} is not valid JSON ({e})") from None
         if not isinstance(d, dict):
-            raise WorkloadError(f"model config {config_path}: expected a JSON object, got {type(d).__name__}")
+            raise WorkloadError(f"model config file {config_path} is not a JSON object (got {type(d).__name__})")
         if "auto_map" in d:  # it names code to fetch and run; only transformers' own classes are built
-            raise WorkloadError(f"model config {config_path} has 'auto_map' (remote code); qzero does not run it")
+            raise WorkloadError(f"model config file {config_path} has 'auto_map' (remote code); qzero does not run it")
         model_type = d.pop("model_type", "qwen3")
         try:
             return AutoConfig.for_model(model_type, **d)

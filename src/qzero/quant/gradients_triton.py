@@ -149,7 +149,12 @@ def pack_gradient(
     fmt: str,
     exact_index: torch.Tensor | None,
 ) -> None:
-    """Kernel twin of :func:`qzero.quant.gradients.pack_gradient`: same arguments, same bytes."""
+    """Kernel twin of :func:`qzero.quant.gradients.pack_gradient`: same arguments, same bytes.
+
+    fp8 on a GPU runs the torch reference: the kernel's fp8 path matches it under Triton's
+    interpreter but not yet when compiled (tests/test_grad_quant.py ``-k kernels`` on CUDA)."""
+    if fmt == "fp8" and src.device.type == "cuda":
+        return ref.pack_gradient(src, out, layout, group_size, fmt, exact_index)
     ref._check_source(src)
     f = get_format(fmt)
     if f.bits != 8:
@@ -195,7 +200,10 @@ def dequantize_sum(
     fmt: str,
     exact_index: torch.Tensor | None,
 ) -> None:
-    """Kernel twin of :func:`qzero.quant.gradients.dequantize_sum`: same arguments, same sums."""
+    """Kernel twin of :func:`qzero.quant.gradients.dequantize_sum`: same arguments, same sums
+    (fp8 on a GPU: the torch reference, as in :func:`pack_gradient`)."""
+    if fmt == "fp8" and own.device.type == "cuda":
+        return ref.dequantize_sum(payloads, own, out, layout, rank, world, group_size, fmt, exact_index)
     ref._check_source(own)
     f = get_format(fmt)
     n = own.numel()
