@@ -145,6 +145,7 @@ def test_world_size_1_quantizes_the_weights(fmt, group):
         logits = model(input_ids=tokens[:, :-1]).logits.float()
         opt.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)))
         opt.step()
+        opt.wait_for_weights()  # gather-ahead is on by default when quantized
         return opt
 
     plain, quant = one_step(False).groups[0], one_step(True).groups[0]
