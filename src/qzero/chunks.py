@@ -60,16 +60,17 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
 def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
     """Write every source rank's payload of ``chunk`` into the flat buffer, one rank at a time
     (this rank's own included when quantized, so that all replicas hold the same bits)."""
-    p = plan.partition_numel
-    for r in range(plan.world_size):
+    p, w = plan.partition_numel, plan.world_size
+    if not plan.quantized:
+        # one strided copy for every rank's slice (this rank's own slot holds its own bits)
+        src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
+        flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
+        return
+    for r in range(w):
         dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-        payload = slot(plan, chunk, r, buf)
-        if plan.quantized:
-            kernels.unpack_payload(
-                payload, dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
-            )
-        elif r != rank:
-            dst.copy_(payload.view(flat.dtype))
+        kernels.unpack_payload(
+            slot(plan, chunk, r, buf), dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
+        )
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:

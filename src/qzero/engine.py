@@ -22,12 +22,14 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
         comm stream        G0  G1 ...     Gk waits for Pk
         unpack stream          U0 ...     Uk waits for Gk
 
-    The host *enqueues* chunks lazily: the first ``LOOKAHEAD`` at the start, and each
-    ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
-    chunk costs the host a few kernel and collective launches; enqueuing all of them at
-    the end of ``step()`` held the next forward back by that much (tens of ms for a
-    model of billions of parameters at a 50M-element bucket), while inside the forward
-    the host runs ahead of the device and the same launches cost nothing.
+    The host *enqueues* chunks lazily: at the start, the first ``LOOKAHEAD`` and then
+    more for as long as the device is still busy with the prepare (the optimizer's update);
+    each ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
+    chunk costs the host a few kernel and collective launches (measured: about 1 ms per
+    chunk with the update sliced per chunk, on an H200 host); enqueuing all of them at the
+    end of ``step()`` held the next forward back by that much (184 ms of host time in
+    ``step()`` for a Qwen3-4B at a 50M-element bucket), while inside the forward the host
+    mostly runs ahead of the device.
 
 ``inline`` (every device; the only one off CUDA)
     Pack and unpack run on the current stream; collectives are launched asynchronously
@@ -56,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import chunks
-from .chunks import exact_index, pack_chunk, peer_failure, slot, unpack_chunk
+from .chunks import exact_index, pack_chunk, peer_failure, unpack_chunk
 from .layout import GatherPlan, plan_gather
 from .quant import kernels_for
 
@@ -265,7 +267,9 @@ class _Streamed(GatherHandle):
         device = flat.device
         n = len(plan.chunks)
         # Index tensors reach the device here (cached on the plan), never inside the loop.
-        self._index = [[exact_index(plan, c, r, device) for r in range(world)] for c in plan.chunks]
+        for c in plan.chunks:
+            for r in range(world):
+                exact_index(plan, c, r, device)
         # Two receive buffers, alternating. They were allocated on the caller's stream: they
         # stay referenced until the caller's stream has waited for the last unpack.
         self._recv = [torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -280,28 +284,27 @@ class _Streamed(GatherHandle):
         self._packed, self._gathered, self._unpacked = [None] * n, [None] * n, [None] * n
         self._enqueued = self.finished = 0
         self._enqueue_through(min(LOOKAHEAD, n) - 1)
+        # While the device still runs the prepare (the optimizer's update), the host would
+        # otherwise wait for it: enqueue more chunks until it is done. The rest are enqueued
+        # by wait_until, inside the forward, where the host runs ahead of the device.
+        while self._enqueued < n and not event.query():
+            self._enqueue_through(self._enqueued)
 
     def _buffer(self, k: int) -> torch.Tensor:
         return self._recv[k % 2][: self.world * self.plan.chunks[k].payload_bytes]
 
     def _enqueue_through(self, last: int) -> None:
-        ctx, streams, plan, p = self.context, self.context.streams, self.plan, self.plan.partition_numel
-        kernels = ctx.kernels
+        ctx, streams, plan = self.context, self.context.streams, self.plan
         while self._enqueued <= last:
             k, self._enqueued = self._enqueued, self._enqueued + 1
             chunk, buf = plan.chunks[k], self._buffer(k)
-            mine = slot(plan, chunk, self.rank, buf)
             s = streams["pack"]
             with torch.cuda.stream(s):
                 s.wait_event(self._ready[k])
                 if k >= 2:
                     s.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
                 ctx._delay("pack")
-                src = self.flat[self.rank * p + chunk.offset : self.rank * p + chunk.offset + chunk.numel]
-                if plan.quantized:
-                    kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, self._index[k][self.rank])
-                else:
-                    mine.view(self.flat.dtype).copy_(src)
+                mine = pack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels)
                 self._packed[k] = s.record_event()
             s = streams["gather"]
             with torch.cuda.stream(s):
@@ -314,13 +317,7 @@ class _Streamed(GatherHandle):
             with torch.cuda.stream(s):
                 s.wait_event(self._gathered[k])
                 ctx._delay("unpack")
-                for r in range(self.world):
-                    dst = self.flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-                    payload = slot(plan, chunk, r, buf)
-                    if plan.quantized:
-                        kernels.unpack_payload(payload, dst, chunk.payload, plan.group_size, plan.fmt, self._index[k][r])
-                    elif r != self.rank:
-                        dst.copy_(payload.view(self.flat.dtype))
+                unpack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels)
                 self._unpacked[k] = s.record_event()
 
     def wait_until(self, chunk_index: int) -> None:
