@@ -136,7 +136,7 @@ def parse_arm(spec: str) -> tuple[str, dict]:
     """``NAME:key=value,key=value`` (or ``NAME:`` / ``NAME``) -> (name, overrides).
 
     ``env.VAR=value`` sets an environment variable for this arm's processes only (under
-    ``overrides["env"]``), e.g. an experimental switch such as ``env.QZERO_AHEAD_STREAMS=1``."""
+    ``overrides["env"]``), e.g. an NCCL variable such as ``env.NCCL_ALGO=Ring``."""
     name, _, rest = spec.partition(":")
     name = name.strip()
     if not NAME_RE.match(name):
