@@ -73,7 +73,10 @@ def all_gather(
 ) -> GatherStats:
     """The plain gather: every partition in its original dtype, chunked by the same bucket rule.
 
-    With one chunk it gathers straight into ``flat`` with no extra buffer.
+    It runs as one in-place collective over the whole buffer (each partition is already
+    where every rank receives it): no receive buffer at all, so ``bucket_numel`` bounds
+    nothing here; it is validated and agreed on all the same. (Inside the optimizer the plain
+    gather is chunked where chunks pay: gather-ahead, and the sliced update.)
     """
     world, _, agree_group, group_error = world_or_default(group)
 

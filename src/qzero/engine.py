@@ -165,6 +165,17 @@ def fitting_plan(plan: GatherPlan, buffers: int) -> GatherPlan | None:
     return plan._cache[key]
 
 
+def whole_buffer_plan(plan: GatherPlan) -> GatherPlan:
+    """The plain ``plan`` as one chunk (cached on the plan)."""
+    key = "whole_buffer_plan"
+    if key not in plan._cache:
+        plan._cache[key] = plan if len(plan.chunks) <= 1 else plan_gather(
+            plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=max(plan.numel, plan.world_size),
+            fmt=None,
+        )
+    return plan._cache[key]
+
+
 class GatherHandle:
     """A gather in progress. ``plan`` is the plan it runs (chunk indices refer to it)."""
 
@@ -201,6 +212,10 @@ def start_gather(
     schedule then keeps ``DEPTH`` chunks in flight instead of one."""
     world, rank = world_and_rank(group)
     with peer_failure("the weight gather"):
+        if not plan.quantized and not ahead and prepare is None:
+            # A plain gather that nothing overlaps: one in-place collective over the whole buffer
+            # (rank r's partition is already where every rank receives it), no receive buffer.
+            return _Inline(flat, whole_buffer_plan(plan), group, world, rank, context, None, 1)
         if context.schedule == "streams" and len(plan.chunks) > 1:
             work = fitting_plan(plan, 2)
             if work is not None:
@@ -210,6 +225,11 @@ def start_gather(
 
 class _Inline(GatherHandle):
     """Pack and unpack on the current stream, asynchronous collectives, ``depth`` in flight."""
+
+    @property
+    def stats(self) -> GatherStats:
+        s = stats_of(self.plan)
+        return s._replace(max_recv_numel=0, max_recv_bytes=0) if self._direct else s
 
     def __init__(self, flat, plan, group, world, rank, context, prepare, depth):
         work = fitting_plan(plan, depth) if depth > 1 else plan
