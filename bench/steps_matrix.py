@@ -10,7 +10,7 @@ out-of-memory) is recorded with the tail of its output and the other arms go on.
     python bench/steps_matrix.py --device cuda --world-size 2 --preset qwen3-1.7b \\
         --seq-len 2048 --micro-batch 2 --steps 8 --warmup 2 --allgather-bucket 5e8 \\
         --reduce-bucket 5e7 --lr 1e-4 --rounds 2 --peers deepspeed,fsdp2 \\
-        --arm plain: --arm int8:quantized=true --arm int8_ahead:quantized=true,overlap=true \\
+        --arm plain: --arm int8:quantized=true,overlap=false --arm int8_ahead:quantized=true,overlap=true \\
         --arm deepspeed:engine=deepspeed --arm fsdp2:engine=fsdp2 --out OUTDIR
 
 Per arm: the median of all its rounds' measured step times (warm-up excluded); the ratio
