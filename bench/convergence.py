@@ -125,17 +125,19 @@ def arm_settings(arm: Arm, args):
         world_size=1,
         device=args.device,
         precision="bf16",
-        stage=2,
-        quantized=arm.quantized,
-        fmt=arm.fmt,
-        group_size=arm.group_size,
+        zero={
+            "stage": 2,
+            "zero_quantized_weights": arm.quantized,
+            "zero_quantized_weights_format": arm.fmt,
+            "zero_quantized_weights_group_size": arm.group_size,
+            **({"gradient_clipping": args.clip} if args.clip > 0 else {}),
+        },
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         steps=args.steps,
         warmup=max(0, min(10, args.steps - 2)),  # steps left out of the step-time median only
         lr=args.lr,
         seed=args.seed,
-        extra_config={"gradient_clipping": args.clip} if args.clip > 0 else {},
     )
 
 
@@ -579,22 +581,25 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     listed under ``rebuilt_from``. What the records do not hold is null: exit codes, the streamed per-step
     seconds (the records' ``step_times`` give ``median_step_s``), and whatever ``environment`` / ``wall_s``
     leave out."""
+    from qzero.train import flat_settings
+
     present = [a for a in arm_order if a.name in records]
     if not present:
         raise ValueError("no arm has a record")
     first = records[present[0].name]
-    common = ("preset", "data", "steps", "seq_len", "micro_batch", "lr", "seed", "device", "extra_config", "precision",
-              "stage", "world_size")
+    flat = {a.name: flat_settings(records[a.name]["settings"]) for a in present}  # older records too
+    # what the arms share: every setting but the gather's format (and gather-ahead, which follows it)
+    own = ("zero_quantized_weights", "zero_quantized_weights_format", "zero_quantized_weights_group_size",
+           "overlap_param_gather")
     for arm in present:
-        s = records[arm.name]["settings"]
-        diff = [k for k in common if s.get(k) != first["settings"].get(k)]
+        s, f = flat[arm.name], flat[present[0].name]
+        diff = [k for k in sorted(set(s) | set(f)) if k not in own and s.get(k) != f.get(k)]
         if diff or records[arm.name].get("params") != first.get("params"):
             raise ValueError(f"arm {arm.name}: its record differs from {present[0].name}'s in {diff or ['params']}")
-        if bool(s["quantized"]) != arm.quantized or (arm.quantized and (s["fmt"], s["group_size"]) !=
-                                                      (arm.fmt, arm.group_size)):
-            raise ValueError(f"arm {arm.name}: its record's settings are quantized={s['quantized']} fmt={s['fmt']} "
-                             f"group_size={s['group_size']}")
-    st = first["settings"]
+        q, fmt, group = s["zero_quantized_weights"], s["zero_quantized_weights_format"], s["zero_quantized_weights_group_size"]
+        if bool(q) != arm.quantized or (arm.quantized and (fmt, group) != (arm.fmt, arm.group_size)):
+            raise ValueError(f"arm {arm.name}: its record's settings are quantized={q} fmt={fmt} group_size={group}")
+    st = flat[present[0].name]
     device = st["device"]
     slots = dict(zip([a.name for a in arm_order], arm_slots(len(arm_order), device, gpus)))
     known = [s for s in slots.values() if s]
@@ -603,7 +608,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     est = (estimate_seconds(params, st["micro_batch"] * st["seq_len"], st["steps"], per_device)
            if device == "cuda" and per_device else None)
     env_info = dict(environment or {})
-    clip = (st.get("extra_config") or {}).get("gradient_clipping", 0.0)
+    clip = st.get("gradient_clipping", 0.0)
     study = {
         "date": env_info.get("date"),
         "complete": all(len(records[a.name]["losses"]) == st["steps"] for a in present),

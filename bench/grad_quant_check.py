@@ -70,7 +70,7 @@ def kernel_check(numel: int, world: int = 2) -> list[dict]:
 
 
 def train_arms(preset: str, steps: int, world: int) -> list[dict]:
-    from qzero.train import TrainSettings, launch
+    from qzero.train import launch, settings_from
 
     arms = [
         ("plain s2", dict(stage=2), {}),
@@ -82,8 +82,8 @@ def train_arms(preset: str, steps: int, world: int) -> list[dict]:
     ]
     rows = []
     for name, settings, extra in arms:
-        s = TrainSettings(preset=preset, world_size=world, device="cuda", steps=steps, warmup=2, quantized=True,
-                          reduce_bucket=5_000_000, extra_config=extra, **settings)
+        s = settings_from(dict(preset=preset, world_size=world, device="cuda", steps=steps, warmup=2,
+                               zero_quantized_weights=True, reduce_bucket_size=5_000_000, **extra, **settings))
         r = launch(s, None, show_progress=False)
         rows.append({"arm": name, "first_loss": r["losses"][0], "final_loss": r["losses"][-1],
                      "median_step_ms": 1e3 * statistics.median(r["step_times"]),

@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     tag = a.tag or a.engine + ("_int8" if a.quantized else "") + ("_ahead" if a.overlap else "")
     settings = TrainSettings(
         engine=a.engine, preset=a.preset, seq_len=a.seq_len, micro_batch=a.micro_batch, steps=a.steps,
-        warmup=0, allgather_bucket=int(5e8), reduce_bucket=int(5e7), lr=1e-4, world_size=world,
-        device="cuda", quantized=a.quantized, overlap=a.overlap,
+        warmup=0, lr=1e-4, world_size=world, device="cuda",
+        zero={"allgather_bucket_size": int(5e8), "reduce_bucket_size": int(5e7),
+              "zero_quantized_weights": a.quantized, "overlap_param_gather": a.overlap},
     )
     validate(settings)
     max_entries = 2_000_000

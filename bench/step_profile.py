@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from qzero.engines import make_engine
-from qzero.train import TrainSettings, make_deterministic
+from qzero.train import make_deterministic, settings_from
 from qzero.workload import build_model, global_batch, load_corpus, model_config
 
 ARMS = {
@@ -30,8 +30,8 @@ ARMS = {
     "int8_ahead": {"quantized": True, "overlap": True},
     "plain_ahead": {"overlap": True},
     # the same gather-ahead with one engine setting changed (ZeroConfig fields)
-    "int8_ahead_inline": {"quantized": True, "overlap": True, "extra_config": {"gather_schedule": "inline"}},
-    "int8_ahead_whole": {"quantized": True, "overlap": True, "extra_config": {"sliced_update": False}},
+    "int8_ahead_inline": {"quantized": True, "overlap": True, "gather_schedule": "inline"},
+    "int8_ahead_whole": {"quantized": True, "overlap": True, "sliced_update": False},
 }
 
 
@@ -63,9 +63,9 @@ def main() -> None:
         for name in a.arms.split(","):
             if name not in ARMS:
                 raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
-            s = TrainSettings(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
-                              micro_batch=a.micro_batch, allgather_bucket=int(a.allgather_bucket), reduce_bucket=int(a.reduce_bucket),
-                              lr=1e-4, **ARMS[name])
+            s = settings_from(dict(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
+                                   micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket),
+                                   reduce_bucket_size=int(a.reduce_bucket), lr=1e-4, **ARMS[name]))
             engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": []}
             # No synchronisation between measured steps: a gather that runs ahead (on the

@@ -1,7 +1,9 @@
 """Whole-step benchmark matrix: many named arms, order-balanced rounds, fresh processes.
 
 Every arm is a :class:`qzero.train.TrainSettings` (the common flags below, plus the
-arm's own ``key=value`` settings) and runs through :func:`qzero.qualify.run.run_arm`,
+arm's own ``key=value`` settings: workload fields such as ``engine``, ZeroConfig fields
+such as ``zero_quantized_weights``, or the short names of ``qzero.train.ZERO_ALIASES``:
+``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.qualify.run.run_arm`,
 a fresh process with the same seed and data, once per round. Round ``r`` runs the arms
 in the order given, odd rounds in reverse (ABCD, DCBA, ABCD, ...), so slow drift of the
 machine falls on every arm alike. An arm that fails (a peer that is not installed, an
@@ -45,14 +47,13 @@ from qzero.qualify import stats
 from qzero.qualify.env import describe
 from qzero.qualify.run import ArmFailed, run_arm
 from qzero.config import ZeroConfig
-from qzero.train import TrainSettings, resolve_device, validate
+from qzero.train import ZERO_ALIASES, TrainSettings, flat_settings, resolve_device, setting_name, settings_from, validate
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KEY_RE = re.compile(r"^\s*(env\.)?[A-Za-z_][A-Za-z0-9_-]*\s*=")
-FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
-#: ZeroConfig fields that are not TrainSettings fields: an arm's ``key=value`` goes into its extra_config.
-ZERO_FIELDS = {f.name for f in dataclasses.fields(ZeroConfig)} - set(FIELDS)
+#: What an arm's ``key=value`` may set: TrainSettings' own fields and ZeroConfig's (by field name).
+FIELDS = {f.name: f for cls in (TrainSettings, ZeroConfig) for f in dataclasses.fields(cls) if f.name != "zero"}
 
 
 class SpecError(ValueError):
@@ -83,16 +84,10 @@ def _split_pairs(text: str) -> list[str]:
     return [p for p in pairs if p.strip()]
 
 
-def _json_or_text(raw: str):
-    raw = raw.strip()
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def _typed(key: str, raw: str):
-    """The value of TrainSettings field ``key`` from its text: JSON where possible, then its type."""
+def _typed(key: str, raw: str, shown: str | None = None):
+    """The value of TrainSettings or ZeroConfig field ``key`` from its text: JSON where possible,
+    then its type (messages name ``shown``, the key as given)."""
+    shown = shown or key
     raw = raw.strip()
     try:
         value = json.loads(raw)
@@ -104,7 +99,7 @@ def _typed(key: str, raw: str):
     if value is None:
         if optional:
             return None
-        raise SpecError(f"setting {key!r} cannot be null")
+        raise SpecError(f"setting {shown!r} cannot be null")
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -129,11 +124,12 @@ def _typed(key: str, raw: str):
             return value
     else:
         return value
-    raise SpecError(f"setting {key!r} expects {kind}{' or null' if optional else ''}, got {raw!r}")
+    raise SpecError(f"setting {shown!r} expects {kind}{' or null' if optional else ''}, got {raw!r}")
 
 
 def parse_arm(spec: str) -> tuple[str, dict]:
-    """``NAME:key=value,key=value`` (or ``NAME:`` / ``NAME``) -> (name, overrides).
+    """``NAME:key=value,key=value`` (or ``NAME:`` / ``NAME``) -> (name, overrides by field name:
+    short names such as ``quantized`` become ZeroConfig's, ``zero_quantized_weights``).
 
     ``env.VAR=value`` sets an environment variable for this arm's processes only (under
     ``overrides["env"]``), e.g. an NCCL variable such as ``env.NCCL_ALGO=Ring``."""
@@ -153,29 +149,24 @@ def parse_arm(spec: str) -> tuple[str, dict]:
                 raise SpecError(f"--arm {name}: {key!r} does not name an environment variable")
             overrides.setdefault("env", {})[var] = raw.strip()
             continue
-        key = key.replace("-", "_")
-        if key in ZERO_FIELDS:  # e.g. zero_quantized_gradients=true
-            extra = overrides.setdefault("extra_config", {})
-            if key in extra:
-                raise SpecError(f"--arm {name}: setting {key!r} given twice")
-            extra[key] = _json_or_text(raw)
-            continue
-        if key not in FIELDS:
+        field = setting_name(key)
+        if field is None:
             raise SpecError(
-                f"--arm {name}: unknown setting {key!r}; TrainSettings has {', '.join(sorted(FIELDS))}"
+                f"--arm {name}: unknown setting {key!r}; settings are {', '.join(FIELDS)}, and the short names "
+                + ", ".join(f"{k}={v}" for k, v in ZERO_ALIASES.items())
             )
-        if key in overrides:
-            raise SpecError(f"--arm {name}: setting {key!r} given twice")
+        if field in overrides:
+            raise SpecError(f"--arm {name}: setting {field!r} given twice")
         try:
-            overrides[key] = _typed(key, raw)
+            overrides[field] = _typed(field, raw, key)
         except SpecError as e:
             raise SpecError(f"--arm {name}: {e}") from None
     return name, overrides
 
 
 def settings_diff(base: TrainSettings, settings: TrainSettings) -> dict:
-    """The fields in which ``settings`` differs from the common ``base``."""
-    a, b = dataclasses.asdict(base), dataclasses.asdict(settings)
+    """The fields (ZeroConfig's by their names) in which ``settings`` differs from the common ``base``."""
+    a, b = flat_settings(base), flat_settings(settings)
     return {k: b[k] for k in b if b[k] != a[k]}
 
 
@@ -329,7 +320,7 @@ def _cell(text: str) -> str:
 
 def markdown(m: dict) -> str:
     a = m["analysis"]
-    s, env = m["settings"], m["environment"]
+    s, env = flat_settings(m["settings"]), m["environment"]  # older matrices: their flat settings
     peers = a["peers"]
     diffs = {x["name"]: x["diff"] for x in m.get("arms", [])}
     model = s.get("model_config") or s["preset"]
@@ -339,7 +330,7 @@ def markdown(m: dict) -> str:
         "",
         f"- model {model}{f' ({params:,} trainable parameters)' if params else ''}, {s['precision']}, "
         f"world size {s['world_size']}, sequence {s['seq_len']}, micro-batch {s['micro_batch']} per rank, "
-        f"stage {s['stage']}, buckets {s['allgather_bucket']:.3g}/{s['reduce_bucket']:.3g}",
+        f"stage {s['stage']}, buckets {s['allgather_bucket_size']:.3g}/{s['reduce_bucket_size']:.3g}",
         f"- {s['steps']} steps per run, first {s['warmup']} and the last not timed (a step is timed from its start to the next one's, on the compute stream, no sync between); "
         f"wall ms/step: the steps after the warm-up back to back between two device-wide syncs (the last step and its gather included), median over runs; {m['rounds']} round(s), order-balanced "
         f"(odd rounds reversed), each run a fresh process",
@@ -463,15 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--grad-accum", type=int, default=d.grad_accum)
     w.add_argument("--steps", type=int, default=d.steps)
     w.add_argument("--warmup", type=int, default=d.warmup)
-    w.add_argument("--stage", type=int, choices=(1, 2), default=d.stage)
-    w.add_argument("--allgather-bucket", type=float, default=d.allgather_bucket)
-    w.add_argument("--reduce-bucket", type=float, default=d.reduce_bucket)
+    w.add_argument("--stage", type=int, choices=(1, 2), default=d.zero.stage)
+    w.add_argument("--allgather-bucket", type=float, default=d.zero.allgather_bucket_size)
+    w.add_argument("--reduce-bucket", type=float, default=d.zero.reduce_bucket_size)
     w.add_argument("--lr", type=float, default=d.lr)
     w.add_argument("--precision", choices=("bf16", "fp16"), default=d.precision)
     w.add_argument("--seed", type=int, default=d.seed)
     m = p.add_argument_group("matrix")
     m.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                   help="a named arm and the TrainSettings it changes (repeat; values parsed as JSON where possible)")
+                   help="a named arm and the settings it changes: TrainSettings or ZeroConfig fields, or the short "
+                   f"names {', '.join(ZERO_ALIASES)} (repeat; values parsed as JSON where possible)")
     m.add_argument("--rounds", type=int, default=2, help="rounds of all arms, odd rounds reversed (default 2)")
     m.add_argument("--reference", help="the arm ratios and accuracy are measured against (default: the first)")
     m.add_argument("--peers", default="", help="comma-separated arms to give ratios against too, e.g. deepspeed,fsdp2")
@@ -485,12 +477,16 @@ def plan(args: argparse.Namespace) -> tuple[TrainSettings, dict[str, TrainSettin
     """Common settings, each arm's settings and diff, reference and peers; validated (raises SpecError)."""
     if not args.arm:
         raise SpecError("give at least one --arm NAME:key=value,...")
-    base = TrainSettings(
+    given = dict(
         device=args.device, world_size=args.world_size, preset=args.preset, model_config=args.model_config,
         data=args.data, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-        steps=args.steps, warmup=args.warmup, stage=args.stage, allgather_bucket=int(args.allgather_bucket),
-        reduce_bucket=int(args.reduce_bucket), lr=args.lr, precision=args.precision, seed=args.seed,
+        steps=args.steps, warmup=args.warmup, stage=args.stage, allgather_bucket_size=args.allgather_bucket,
+        reduce_bucket_size=args.reduce_bucket, lr=args.lr, precision=args.precision, seed=args.seed,
     )
+    try:
+        base = settings_from(given)
+    except (ValueError, TypeError) as e:
+        raise SpecError(str(e).splitlines()[0]) from None
     arms: dict[str, TrainSettings] = {}
     diffs: dict[str, dict] = {}
     for spec in args.arm:
@@ -498,8 +494,8 @@ def plan(args: argparse.Namespace) -> tuple[TrainSettings, dict[str, TrainSettin
         if name in arms:
             raise SpecError(f"--arm {name} given twice")
         arm_env = overrides.pop("env", {})
-        s = dataclasses.replace(base, **overrides)
-        try:
+        try:  # the arm's settings on top of the common ones (ZeroConfig re-derives what depends on them)
+            s = settings_from({**given, **overrides})
             validate(s)
         except (ValueError, TypeError) as e:
             raise SpecError(f"--arm {name}: {str(e).splitlines()[0]}") from None

@@ -36,7 +36,7 @@ def test_qualify_end_to_end_writes_a_report(tmp_path):
     assert report["gates"]["baseline_reproducible"] and report["gates"]["candidate_reproducible"]
     assert report["arms"][1]["bytes_sent_per_step"] < 0.6 * report["arms"][0]["bytes_sent_per_step"]
     assert report["environment"]["command"].startswith("qzero qualify")
-    assert report["differing_settings"] == {"quantized": [False, True]}
+    assert report["differing_settings"] == {"overlap_param_gather": [False, True], "zero_quantized_weights": [False, True]}
     for name in ("report.md", "loss.png", "step_times.png"):
         assert (out / name).stat().st_size > 0
     assert all(log.stat().st_size > 0 for log in out.glob("arm*.log"))  # empty logs are not left behind
@@ -72,6 +72,11 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--order", "BBB"], "--order"),
         (["qualify", "--candidate", "colour=blue"], "KEY=VALUE"),
         (["train", "--group-size", "12"], "group_size"),
+        (["qualify", "--candidate", "group_size=12"], "--candidate: group_size must be a positive multiple of 8"),
+        (["qualify", "--baseline", "zero_quantized_weights_format=int5"], "--baseline: .*int5"),
+        (["qualify", "--candidate", "quantized=true", "--candidate", "zero_quantized_weights=false"],
+         "zero_quantized_weights is already set"),
+        (["train", "--allgather-bucket", "0"], "allgather_bucket_size must be positive"),
         (["qualify", "--out", "{tiny}"], "tiny.txt: exists and is not a directory"),
         (["train", "--out", "{tmp}/missing/run.json"], "missing does not exist"),
         (["train", "--out", "{tmp}"], "is a directory"),
@@ -105,7 +110,8 @@ def test_qualify_against_a_peer_engine(tmp_path):
                 "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["differing_settings"] == {"engine": ["deepspeed", "qzero"], "quantized": [False, True]}
+    assert report["differing_settings"] == {"engine": ["deepspeed", "qzero"], "overlap_param_gather": [False, True],
+                                            "zero_quantized_weights": [False, True]}
     assert report["arms"][0]["replicas_identical"] and report["gates"]["max_loss_diff"]
 
 
@@ -154,6 +160,34 @@ def test_short_runs_get_a_shorter_warmup_and_more_ranks_than_cores_a_warning(cap
     args = cli.build_parser().parse_args(["train", "--world-size", str((os.cpu_count() or 1) + 1)])
     cli._preflight(args, [cli._settings(args, True)])
     assert "CPU cores" in capsys.readouterr().err
+
+
+def test_arm_settings_take_zero_config_names_and_short_names():
+    """Arms are ZeroConfig settings on top of the flags': short names map onto ZeroConfig's, the
+    preset's small-param threshold applies unless set, gather-ahead follows each arm's gather
+    unless a flag or the arm sets it."""
+    import qzero.cli as cli
+
+    def arms(*argv):
+        return cli._qualify_arms(cli.build_parser().parse_args(["qualify", *argv]))
+
+    base, b, c = arms()
+    assert not b.zero.zero_quantized_weights and c.zero.zero_quantized_weights
+    assert (b.zero.overlap_param_gather, c.zero.overlap_param_gather) == (False, True)
+    assert b.zero.small_param_numel == c.zero.small_param_numel == 1024  # the tiny preset's threshold
+    assert base.zero == b.zero
+    _, b, c = arms("--no-overlap", "--preset", "small", "--baseline", "fmt=int4", "--baseline", "quantized=true",
+                   "--candidate", "zero_quantized_weights_format=fp8", "--candidate", "group-size=128",
+                   "--candidate", "small_param_numel=0")
+    assert (b.zero.zero_quantized_weights_format, c.zero.zero_quantized_weights_format) == ("int4", "fp8")
+    assert c.zero.zero_quantized_weights_group_size == 128 and b.zero.zero_quantized_weights_group_size == 64
+    assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap holds for both
+    assert (b.zero.small_param_numel, c.zero.small_param_numel) == (4096, 0)
+    _, b, c = arms("--small-param-numel", "7", "--allgather-bucket", "5e7", "--candidate", "overlap=false")
+    assert b.zero.small_param_numel == c.zero.small_param_numel == 7
+    assert c.zero.allgather_bucket_size == 50_000_000 and not c.zero.overlap_param_gather
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["qualify"].format_help()
+    assert "zero_quantized_weights=true" in help_text and "short names" in help_text
 
 
 def test_the_help_lists_only_the_public_commands():

@@ -46,8 +46,9 @@ def test_end_to_end_on_the_cpu(tmp_path):
         assert len(arm["losses"]) == steps and all(math.isfinite(x) for x in arm["losses"])
         assert arm["exit_code"] == 0 and len(arm["grad_norms"]) == steps
         assert len(arm["step_seconds"]) == steps  # streamed while running (the progress lines)
-    assert study["settings"]["bf16"]["quantized"] is False
-    assert study["settings"]["int8-g64"]["quantized"] is True and study["settings"]["int8-g64"]["group_size"] == 64
+    assert study["settings"]["bf16"]["zero"]["zero_quantized_weights"] is False
+    q = study["settings"]["int8-g64"]["zero"]
+    assert q["zero_quantized_weights"] is True and q["zero_quantized_weights_group_size"] == 64
     assert study["settings"]["bf16"]["world_size"] == 1
     # same seed and data: step 1 sees the same initial weights and batch in both arms
     assert study["arms"]["bf16"]["losses"][0] == study["arms"]["int8-g64"]["losses"][0]
@@ -234,7 +235,7 @@ def test_from_arms_rebuilds_the_study_from_per_arm_records(tmp_path):
     assert study["note"] == "INT8 g8192's record was lost" and study["wall_s"] == 188
     assert study["date"] == "2026-11-30T14:08+00:00" and study["environment"]["torch"] == "2.11.0+cu130"
     assert study["complete"] and study["steps"] == steps and study["micro_batch"] == 8 and study["clip"] == 1.0
-    assert study["params"] == 125_456_640 and study["settings"]["fp8-g64"]["fmt"] == "fp8"
+    assert study["params"] == 125_456_640 and study["settings"]["fp8-g64"]["zero"]["zero_quantized_weights_format"] == "fp8"
     assert study["summary"] == json.loads(json.dumps(conv.final_losses(losses, "bf16", last=10)))
     assert study["target"]["verdict"].startswith("INT8 g64 vs bf16: +0.20% — within")
     for arm in study["arms"].values():
@@ -257,8 +258,27 @@ def test_from_arms_rebuilds_the_study_from_per_arm_records(tmp_path):
     (src / "arm_fp8-g64.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="lr"):
         conv.main(["--from-arms", str(src), "--out", str(out)])
-    other["settings"].update(lr=3e-4, fmt="int4")
+    other["settings"]["lr"] = 3e-4
+    other["settings"]["zero"]["zero_quantized_weights_format"] = "int4"
     (src / "arm_fp8-g64.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="fmt=int4"):
         conv.main(["--from-arms", str(src), "--out", str(out)])
     assert conv.main(["--from-arms", str(tmp_path / "nothing"), "--out", str(out)]) == 1
+
+
+def test_from_arms_reads_older_records():
+    """The committed records hold settings in the older flat form (ZeRO settings by short names,
+    the rest under ``extra_config``): the study is rebuilt from them all the same."""
+    conv = load_script()
+    folder = os.path.join(os.path.dirname(SCRIPT), "results", "convergence")
+    committed = json.loads(open(os.path.join(folder, "convergence.json")).read())
+    records = {name: json.loads(open(os.path.join(folder, f"arm_{name}.json")).read()) for name in committed["arms"]}
+    assert "extra_config" in records["bf16"]["settings"]  # the older form
+    study = conv.study_from_records(records, conv.parse_arms(",".join(committed["arms"])))
+    assert list(study["arms"]) == list(committed["arms"])
+    for key in ("steps", "micro_batch", "lr", "clip", "seq_len", "preset"):
+        assert study[key] == committed[key], key
+    broken = dict(records)
+    broken["fp8-g64"] = dict(records["fp8-g64"], settings=dict(records["fp8-g64"]["settings"], fmt="int4"))
+    with pytest.raises(ValueError, match="fmt=int4"):
+        conv.study_from_records(broken, conv.parse_arms(",".join(committed["arms"])))

@@ -296,7 +296,8 @@ def arm_worker(rank, world):
     records = {}
     for quantized in (False, True):
         settings = TrainSettings(
-            engine="fsdp2", quantized=quantized, reshard_after_forward=True, steps=3, warmup=0, world_size=world
+            engine="fsdp2", zero={"zero_quantized_weights": quantized}, reshard_after_forward=True, steps=3, warmup=0,
+            world_size=world,
         )
         records[quantized] = train_worker(settings, None, show_progress=False)
     return records

@@ -415,11 +415,11 @@ def test_reference_pack_leaves_finite_groups_alone():
 
 def test_qualify_candidate_takes_zero_config_keys():
     from qzero.cli import _overrides
-    from qzero.train import TrainSettings
+    from qzero.train import settings_from
 
     got = _overrides(["zero_quantized_gradients=true", "quantized=true"], "--candidate")
-    assert got == {"extra_config": {"zero_quantized_gradients": True}, "quantized": True}
-    cfg = TrainSettings(**got).zero_config()
+    assert got == {"zero_quantized_gradients": True, "zero_quantized_weights": True}
+    cfg = settings_from(got).zero
     assert cfg.zero_quantized_gradients and cfg.zero_quantized_weights
     with pytest.raises(ValueError, match="ZeroConfig field"):
         _overrides(["zero_quantized_gradient=true"], "--candidate")
@@ -435,7 +435,8 @@ def test_report_shows_gradient_bytes_beside_weight_bytes():
     arms = [arm("baseline", 1, [3.0, 2.0], [1.0, 1.1], [1.0]), arm("candidate", 2, [3.0, 2.0], [0.5, 0.6], [1.0])]
     arms[0].update(grad_bytes_sent_per_step=2 * 2**20, grad_plain_bytes_per_step=2 * 2**20)
     arms[1].update(grad_bytes_sent_per_step=2**20, grad_plain_bytes_per_step=2 * 2**20)
-    r = analyse(arms, TrainSettings(device="cuda"), {}, {"extra_config": {"zero_quantized_gradients": True}}, "BC",
+    base = TrainSettings(device="cuda")
+    r = analyse(arms, base, base, TrainSettings(device="cuda", zero={"zero_quantized_gradients": True}), "BC",
                 Thresholds())
     r["environment"] = {"link_regime": "test"}
     text = markdown(r)
@@ -476,5 +477,5 @@ def test_steps_matrix_arms_take_zero_config_keys():
     sm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sm)
     name, o = sm.parse_arm("qg:quantized=true,zero_quantized_gradients=true,zero_quantized_gradients_format=fp8")
-    assert o == {"quantized": True, "extra_config": {"zero_quantized_gradients": True,
-                                                     "zero_quantized_gradients_format": "fp8"}}
+    assert o == {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+                 "zero_quantized_gradients_format": "fp8"}

@@ -178,6 +178,7 @@ def test_analysis_refuses_unknown_reference_or_peer():
 
 
 def _matrix(runs, analysis):
+    # settings as older matrix.json files hold them (ZeRO settings by short names, not nested): still rendered
     return {
         "regime_label": "synthetic", "rounds": 2, "complete": True, "runs_done": 4, "runs_total": 4,
         "settings": dict(preset="tiny", model_config=None, precision="bf16", world_size=2, seq_len=32,
@@ -194,16 +195,22 @@ def _matrix(runs, analysis):
 def test_parse_arm_values_like_json_and_typed_like_trainsettings():
     assert sm.parse_arm("plain:") == ("plain", {})
     assert sm.parse_arm("plain") == ("plain", {})
-    assert sm.parse_arm("int8_ahead:quantized=true,overlap=true") == ("int8_ahead", {"quantized": True, "overlap": True})
-    assert sm.parse_arm("zero1:stage=1,quantized=true") == ("zero1", {"stage": 1, "quantized": True})
+    # short names become ZeroConfig's
+    assert sm.parse_arm("int8_ahead:quantized=true,overlap=true") == (
+        "int8_ahead", {"zero_quantized_weights": True, "overlap_param_gather": True})
+    assert sm.parse_arm("zero1:stage=1,quantized=true") == ("zero1", {"stage": 1, "zero_quantized_weights": True})
     assert sm.parse_arm("ds:engine=deepspeed")[1] == {"engine": "deepspeed"}
-    name, o = sm.parse_arm('b:allgather_bucket=5e7,fmt=int4,extra_config={"check_finite":false,"flat_order":"contiguous"}')
-    assert o == {"allgather_bucket": 50_000_000, "fmt": "int4",
-                 "extra_config": {"check_finite": False, "flat_order": "contiguous"}}
-    assert isinstance(o["allgather_bucket"], int)
-    assert sm.parse_arm("r:reduce_dtype=null,group-size=128")[1] == {"reduce_dtype": None, "group_size": 128}
+    name, o = sm.parse_arm("b:allgather_bucket=5e7,fmt=int4,check_finite=false,flat_order=contiguous,gradient_clipping=1")
+    assert o == {"allgather_bucket_size": 50_000_000, "zero_quantized_weights_format": "int4",
+                 "check_finite": False, "flat_order": "contiguous", "gradient_clipping": 1.0}
+    assert isinstance(o["allgather_bucket_size"], int) and isinstance(o["gradient_clipping"], float)
+    assert sm.parse_arm("r:reduce_dtype=null,group-size=128")[1] == {
+        "reduce_dtype": None, "zero_quantized_weights_group_size": 128}
     assert sm.parse_arm("lr:lr=1")[1] == {"lr": 1.0}
-    assert sm.parse_arm("s:overlap=true,env.NCCL_ALGO=1")[1] == {"overlap": True, "env": {"NCCL_ALGO": "1"}}
+    assert sm.parse_arm("s:overlap=true,env.NCCL_ALGO=1")[1] == {"overlap_param_gather": True,
+                                                                 "env": {"NCCL_ALGO": "1"}}
+    with pytest.raises(sm.SpecError, match="given twice"):
+        sm.parse_arm("x:quantized=true,zero_quantized_weights=false")
     with pytest.raises(sm.SpecError, match="environment variable"):
         sm.parse_arm("x:env.1BAD=1")
     with pytest.raises(sm.SpecError, match="'colour'"):
@@ -231,6 +238,7 @@ TINY = ["--device", "cpu", "--world-size", "2", "--preset", "tiny", "--seq-len",
 @pytest.mark.parametrize("args, named", [
     (["--arm", "plain:", "--arm", "x:quantized=true,colour=blue"], "colour"),
     (["--arm", "plain:", "--arm", "x:engine=nope"], "engine"),
+    (["--arm", "plain:", "--arm", "x:group_size=12"], "x: group_size must be a positive multiple of 8"),
     (["--arm", "plain:", "--arm", "plain:quantized=true"], "twice"),
     (["--arm", "plain:", "--reference", "other"], "other"),
     (["--arm", "plain:", "--peers", "deepspeed"], "deepspeed"),
@@ -284,7 +292,9 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "matrix.md").read_text()
     assert stdout.rstrip().endswith(md.rstrip().splitlines()[-1])  # the table is printed last
-    assert '| int8 | quantized=true, env={"NCCL_ALGO": "1"} | 500.0 | — | 2.000 [' in md
+    assert ('| int8 | zero_quantized_weights=true, overlap_param_gather=true, env={"NCCL_ALGO": "1"} | 500.0 | — | 2.000 ['
+            in md)
+    assert m["settings"]["zero"]["zero_quantized_weights"] is False and "stage 2, buckets 5e+08/5e+08" in md
 
 
 def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeypatch):
@@ -333,11 +343,11 @@ def test_end_to_end_on_the_cpu(tmp_path):
     plain, ahead = a["arms"]
     assert plain["vs_reference"]["ratio"] == 1.0 and plain["max_loss_diff"] == 0.0
     assert ahead["bytes_sent_per_step"] < plain["bytes_sent_per_step"]
-    assert m["arms"][1]["diff"] == {"quantized": True, "overlap": True}
+    assert m["arms"][1]["diff"] == {"zero_quantized_weights": True, "overlap_param_gather": True}
     assert all("sample" not in r and "sample_hash" in r for runs in m["runs"].values() for r in runs)
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(os.listdir(out / "logs")) == sorted(f"r{r}_{n}.log" for r in (0, 1) for n in ("plain", "ahead"))
     tail = res.stdout.rstrip().splitlines()
-    assert tail[-1].startswith("| ahead | quantized=true, overlap=true |")
+    assert tail[-1].startswith("| ahead | zero_quantized_weights=true, overlap_param_gather=true |")
     assert tail[-2].startswith("| plain | (common) |")
     assert "| arm | settings | median ms | wall ms/step | vs plain [CI] |" in res.stdout

@@ -20,7 +20,7 @@ def loop(rank, world, settings):
 
 def test_steps_are_timed_start_to_start_without_a_sync_between():
     s = TrainSettings(preset="tiny", world_size=2, device="cpu", seq_len=32, micro_batch=2, steps=5, warmup=1,
-                      quantized=True, overlap=True)
+                      zero={"zero_quantized_weights": True, "overlap_param_gather": True})
     (result, syncs), (_, syncs1) = run_distributed(loop, 2, s, timeout=300)
     # before the loop, before the first measured step (the wall time starts there), after: never per step
     assert syncs == syncs1 == 3

@@ -8,12 +8,11 @@ traceback; a failed qualification gate exits 1, a run that crashed 3.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
-from .train import TrainSettings
+from .train import WORKLOAD_FIELDS, ZERO_ALIASES, ZERO_FIELDS, TrainSettings, setting_name, settings_from
 
 EXIT_GATE_FAILED = 1
 EXIT_BAD_ARGS = 2
@@ -91,55 +90,73 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
                    help=f"steps excluded from timing (default {DEFAULT_WARMUP}, fewer when --steps is small)")
     w.add_argument("--lr", type=float, default=1e-3)
     w.add_argument("--seed", type=int, default=0)
-    z = p.add_argument_group("ZeRO")
-    z.add_argument("--stage", type=int, choices=(1, 2), default=2)
-    z.add_argument("--group-size", type=int, default=64)
-    z.add_argument("--format", dest="fmt", choices=("int8", "fp8", "int4"), default="int8")
-    z.add_argument("--small-param-numel", type=int, help="exact-parameter threshold (default: the preset's)")
-    z.add_argument("--allgather-bucket", type=float, default=5e8, help="elements across all ranks (default 5e8)")
-    z.add_argument("--reduce-bucket", type=float, default=5e8)
-    z.add_argument("--reduce-dtype", choices=("bf16", "fp16", "fp32"))
-    z.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="gather-ahead: overlap the weight gather with the next forward (default: on when quantized)")
+    # each flag sets the ZeroConfig field it is stored under (dest); not given: ZeroConfig's default
+    z = p.add_argument_group("ZeRO (qzero.ZeroConfig fields)")
+    z.add_argument("--stage", type=int, choices=(1, 2), help="stage (default 2)")
+    z.add_argument("--group-size", dest="zero_quantized_weights_group_size", type=int, metavar="N",
+                   help="zero_quantized_weights_group_size (default 64)")
+    z.add_argument("--format", dest="zero_quantized_weights_format", choices=("int8", "fp8", "int4"),
+                   help="zero_quantized_weights_format (default int8)")
+    z.add_argument("--small-param-numel", type=int, metavar="N", help="exact-parameter threshold (default: the preset's)")
+    z.add_argument("--allgather-bucket", dest="allgather_bucket_size", type=float, metavar="N",
+                   help="allgather_bucket_size: elements across all ranks (default 5e8)")
+    z.add_argument("--reduce-bucket", dest="reduce_bucket_size", type=float, metavar="N", help="reduce_bucket_size (default 5e8)")
+    z.add_argument("--reduce-dtype", choices=("bf16", "fp16", "fp32"), help="reduce_dtype (default: the model's)")
+    z.add_argument("--overlap", dest="overlap_param_gather", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap_param_gather, gather-ahead: overlap the weight gather with the next forward "
+                   "(default: on when quantized)")
+
+
+def _given(args: argparse.Namespace, quantized: bool) -> dict:
+    """The settings the parsed flags give, flat (:func:`qzero.train.settings_from`): every flag
+    stored under the name of a TrainSettings or ZeroConfig field; ZeroConfig fields only where
+    the flag was given, so that the others keep ZeroConfig's defaults (and ``small_param_numel``
+    the preset's threshold, ``overlap_param_gather`` its dependence on the quantized gather)."""
+    given = {name: getattr(args, name) for name in WORKLOAD_FIELDS if hasattr(args, name)}
+    given.update({name: getattr(args, name) for name in ZERO_FIELDS if getattr(args, name, None) is not None})
+    if args.warmup is None:  # the default shrinks with short runs: a step is timed up to the next one's start
+        given["warmup"] = max(0, min(DEFAULT_WARMUP, args.steps - 2))
+    given["zero_quantized_weights"] = quantized
+    return given
 
 
 def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
-    """TrainSettings from the parsed flags: every flag whose name is a field, by name."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings) if hasattr(args, f.name)}
-    given["allgather_bucket"] = int(args.allgather_bucket)
-    given["reduce_bucket"] = int(args.reduce_bucket)
-    if args.warmup is None:  # the default shrinks with short runs: a step is timed up to the next one's start
-        given["warmup"] = max(0, min(DEFAULT_WARMUP, args.steps - 2))
-    given["quantized"] = quantized
-    return TrainSettings(**given)
+    """TrainSettings from the parsed flags."""
+    return settings_from(_given(args, quantized))
 
 
 def _overrides(items: list[str], flag: str) -> dict:
-    """``KEY=VALUE`` pairs naming TrainSettings fields, or ZeroConfig fields (which go into
-    ``extra_config``, e.g. ``zero_quantized_gradients=true``); values parsed as JSON when
-    they can be."""
-    from .config import ZeroConfig
-
-    names = {f.name for f in dataclasses.fields(TrainSettings)}
-    zero_names = {f.name for f in dataclasses.fields(ZeroConfig)} - names
+    """``KEY=VALUE`` pairs naming TrainSettings or ZeroConfig fields, or a short name of one
+    (:data:`qzero.train.ZERO_ALIASES`), as a flat dict by field name; values parsed as JSON
+    when they can be."""
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in names | zero_names:
+        name = setting_name(key)
+        if not sep or name is None:
             raise ValueError(
-                f"{flag} {item!r}: expected KEY=VALUE with KEY a setting ({', '.join(sorted(names))}) "
-                f"or a ZeroConfig field ({', '.join(sorted(zero_names))})"
+                f"{flag} {item!r}: expected KEY=VALUE with KEY a setting ({', '.join(WORKLOAD_FIELDS)}), "
+                f"a ZeroConfig field ({', '.join(ZERO_FIELDS)}) or a short name ({_aliases()})"
             )
+        if name in out:
+            raise ValueError(f"{flag} {item!r}: {name} is already set")
         try:
-            value = json.loads(raw)
+            out[name] = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
-        if key in names:
-            out[key] = value
-        else:
-            out.setdefault("extra_config", {})[key] = value
+            out[name] = raw
     return out
+
+
+def _aliases() -> str:
+    return ", ".join(f"{k}={v}" for k, v in ZERO_ALIASES.items())
+
+
+def _arm(given: dict, overrides: dict, flag: str) -> TrainSettings:
+    """An arm's settings: the flags' settings with the arm's on top (ZeroConfig's checks named by flag)."""
+    try:
+        return settings_from({**given, **overrides})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{flag}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,9 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("qualify", help="A/B the quantized gather against the plain one; report and verdict")
     _add_workload(q, steps=30)
     q.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
-                   help="baseline arm setting (default: quantized=false)")
+                   help="baseline arm setting, on top of the flags: KEY a workload setting (e.g. engine) or a "
+                   "ZeroConfig field (e.g. zero_quantized_weights=true); the short names "
+                   f"{', '.join(ZERO_ALIASES)} are accepted for {', '.join(ZERO_ALIASES.values())}; "
+                   "VALUE parsed as JSON where it can be (default: zero_quantized_weights=false)")
     q.add_argument("--candidate", action="append", default=[], metavar="KEY=VALUE",
-                   help="candidate arm setting (default: quantized=true)")
+                   help="candidate arm setting, as --baseline (default: zero_quantized_weights=true)")
     q.add_argument("--order", default="BCCB", help="arm order, B = baseline, C = candidate (default BCCB)")
     q.add_argument("--repeats", type=int, default=1, help="repeat the order this many times")
     q.add_argument("--out", default="qualify-report", help="report folder (default ./qualify-report)")
@@ -244,19 +264,26 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise ValueError(f"unknown command {args.command!r}")
 
 
-def _qualify(args: argparse.Namespace) -> int:
-    import dataclasses as dc
+def _qualify_arms(args: argparse.Namespace) -> tuple[TrainSettings, TrainSettings, TrainSettings]:
+    """(common, baseline, candidate) settings of ``qzero qualify``: each arm's ``KEY=VALUE``
+    settings on top of the flags'. The arms are built from the settings as given, so what
+    ZeroConfig derives (gather-ahead from the quantized gather) follows each arm's own."""
+    given = _given(args, False)
+    base = settings_from(given)
+    baseline = _arm(given, _overrides(args.baseline, "--baseline") or {"zero_quantized_weights": False}, "--baseline")
+    candidate = _arm(given, _overrides(args.candidate, "--candidate") or {"zero_quantized_weights": True}, "--candidate")
+    return base, baseline, candidate
 
+
+def _qualify(args: argparse.Namespace) -> int:
     from .qualify import Thresholds, qualify, verdict, write
 
     if args.repeats < 1 or not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
         raise ValueError(f"--order must use B and C, each at least once (got {args.order!r}), and --repeats >= 1")
-    baseline = _overrides(args.baseline, "--baseline") or {"quantized": False}
-    candidate = _overrides(args.candidate, "--candidate") or {"quantized": True}
-    base = _settings(args, False)
+    base, baseline, candidate = _qualify_arms(args)
     thresholds = Thresholds(max_loss_diff=args.max_loss_diff, atol=args.tolerance, rtol=args.tolerance)
     _check_out_dir(args.out)
-    _preflight(args, [dc.replace(base, **baseline), dc.replace(base, **candidate)])
+    _preflight(args, [baseline, candidate])
     if not _has("matplotlib"):
         _warn("matplotlib is not installed: the report will have no plots (pip install 'qzero[cli]')")
 

@@ -2,10 +2,10 @@
 
 * ``qzero`` — :class:`qzero.ZeroOptimizer` (plain or quantized gather, gather-ahead).
 * ``deepspeed`` — DeepSpeed ZeRO-1/2 as users install it, unmodified (or, with
-  ``quantized``, through :mod:`qzero.integrations.deepspeed`).
+  ``zero_quantized_weights``, through :mod:`qzero.integrations.deepspeed`).
 * ``fsdp2`` — PyTorch FSDP2, ``fully_shard`` per decoder layer and at the root with
   ``reshard_after_forward=False`` (its ZeRO-2-like mode; ``reshard_after_forward`` sets it),
-  fp32 masters, bf16/fp16 compute; with ``quantized``, its weight all-gather carries
+  fp32 masters, bf16/fp16 compute; with ``zero_quantized_weights``, its weight all-gather carries
   qzero's INT8 groups (:func:`qzero.fsdp.quantize_weight_gathers`).
 
 Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
@@ -34,7 +34,7 @@ class QZeroEngine:
         self.model = build(dtype)
         # fused on CUDA, as the peers' arms use it (one kernel over each master shard)
         adamw = functools.partial(torch.optim.AdamW, lr=settings.lr, weight_decay=0.0, fused=device.type == "cuda")
-        self.opt = ZeroOptimizer(self.model, adamw, config=settings.zero_config())
+        self.opt = ZeroOptimizer(self.model, adamw, config=settings.zero)
 
     def backward(self, loss):
         self.opt.backward(loss)
@@ -72,6 +72,7 @@ class DeepSpeedEngine:
 
         self.model = build(dtype)
         world = dist.get_world_size()
+        zero = settings.zero
         config = {
             "train_micro_batch_size_per_gpu": settings.micro_batch,
             "gradient_accumulation_steps": settings.grad_accum,
@@ -79,26 +80,26 @@ class DeepSpeedEngine:
             "bf16": {"enabled": dtype == torch.bfloat16},
             "fp16": {"enabled": dtype == torch.float16},
             "zero_optimization": {
-                "stage": settings.stage,
-                "allgather_bucket_size": settings.allgather_bucket,
-                "reduce_bucket_size": settings.reduce_bucket,
+                "stage": zero.stage,
+                "allgather_bucket_size": zero.allgather_bucket_size,
+                "reduce_bucket_size": zero.reduce_bucket_size,
                 "overlap_comm": True,
                 "contiguous_gradients": True,
             },
         }
-        if settings.quantized:
+        if zero.zero_quantized_weights:
             config["zero_optimization"].update(
                 zero_quantized_weights=True,
-                zero_quantized_weights_group_size=settings.group_size,
-                zero_quantized_weights_format=settings.fmt,
-                zero_quantized_weights_small_param_numel=settings.zero_config().small_param_numel,
+                zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
+                zero_quantized_weights_format=zero.zero_quantized_weights_format,
+                zero_quantized_weights_small_param_numel=zero.small_param_numel,
             )
         fused = device.type == "cuda"
         inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
-        init = qds.initialize if settings.quantized else deepspeed.initialize
+        init = qds.initialize if zero.zero_quantized_weights else deepspeed.initialize
         self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
         self.grad_accum = settings.grad_accum
-        self.stage = settings.stage
+        self.stage = zero.stage
 
     def backward(self, loss):
         # DeepSpeed divides by the accumulation steps itself; the caller already did.
@@ -147,18 +148,19 @@ class FSDP2Engine:
 
         self.model = build(torch.float32)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        if settings.quantized:
+        zero = settings.zero
+        if zero.zero_quantized_weights:
             from .fsdp import quantize_weight_gathers
 
             quantize_weight_gathers(
                 self.model,
-                group_size=settings.group_size,
-                fmt=settings.fmt,
-                small_param_numel=settings.zero_config().small_param_numel,
+                group_size=zero.zero_quantized_weights_group_size,
+                fmt=zero.zero_quantized_weights_format,
+                small_param_numel=zero.small_param_numel,
                 mesh=mesh,
             )
         self._bytes = _fsdp2_gather_bytes(self.model, settings, mesh.size())
-        reduce = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(settings.reduce_dtype, dtype)
+        reduce = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(zero.reduce_dtype, dtype)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
         reshard = settings.reshard_after_forward
         for layer in getattr(getattr(self.model, "model", None), "layers", []):
@@ -219,6 +221,7 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
     from .fsdp.tensor import QuantizedGatherTensor, carries
     from .layout import quantized_payload_layout
 
+    zero = settings.zero
     layers = getattr(getattr(model, "model", None), "layers", [])
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     sent = plain = 0
@@ -228,7 +231,7 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
         shard = -(-full[0] // world) * (p.numel() // full[0] if full[0] else 0)
         mine = shard * 2
         if isinstance(p, QuantizedGatherTensor) and carries(full, world):
-            mine = quantized_payload_layout(shard, settings.group_size, settings.fmt).nbytes
+            mine = quantized_payload_layout(shard, zero.zero_quantized_weights_group_size, zero.zero_quantized_weights_format).nbytes
         sent += times * mine
         plain += times * shard * 2
     return sent, plain

@@ -23,12 +23,29 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .config import ZeroConfig
+from .layout import DEFAULT_SMALL_PARAM_NUMEL
+
 SAMPLE_SIZE = 4096
+
+
+#: Short names for ZeroConfig fields, accepted wherever settings are given as ``KEY=VALUE``
+#: (``qzero qualify --baseline/--candidate``, ``bench/steps_matrix.py --arm``). The one table
+#: of them: records and reports use ZeroConfig's own names.
+ZERO_ALIASES = {
+    "quantized": "zero_quantized_weights",
+    "overlap": "overlap_param_gather",
+    "fmt": "zero_quantized_weights_format",
+    "group_size": "zero_quantized_weights_group_size",
+    "allgather_bucket": "allgather_bucket_size",
+    "reduce_bucket": "reduce_bucket_size",
+}
 
 
 @dataclass
 class TrainSettings:
-    """Everything that defines one training run (one arm of ``qzero qualify``)."""
+    """Everything that defines one training run (one arm of ``qzero qualify``): the workload,
+    and in ``zero`` every setting of the ZeroOptimizer (or of a peer engine's counterpart)."""
 
     engine: str = "qzero"  # qzero | deepspeed | fsdp2 (peers, for side-by-side arms)
     preset: str = "tiny"
@@ -37,16 +54,12 @@ class TrainSettings:
     world_size: int = 2
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "bf16"  # bf16 | fp16
-    stage: int = 2
-    quantized: bool = False
-    overlap: bool | None = None  # gather-ahead: hide the post-step gather under the next forward (None: when quantized)
+    zero: ZeroConfig | dict = field(default_factory=dict)
+    """A :class:`qzero.ZeroConfig`, used as it is, or a dict of its fields by name: the fields
+    not named take ZeroConfig's defaults, except ``small_param_numel``, which takes the
+    preset's own threshold (``qzero.workload.PRESETS``; 65,536 with ``model_config``).
+    Always a ZeroConfig after construction (which validates it)."""
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
-    group_size: int = 64
-    fmt: str = "int8"
-    small_param_numel: int | None = None  # None: the preset's own threshold
-    allgather_bucket: int = 500_000_000
-    reduce_bucket: int = 500_000_000
-    reduce_dtype: str | None = None
     seq_len: int = 64
     micro_batch: int = 4
     grad_accum: int = 1
@@ -55,27 +68,73 @@ class TrainSettings:
     lr: float = 1e-3
     seed: int = 0
     deterministic: bool = True  # CUDA: deterministic kernels, so arms of one setting reproduce exactly
-    extra_config: dict = field(default_factory=dict)  # more ZeroConfig fields, by name
 
-    def zero_config(self):
-        from .config import ZeroConfig
-        from .workload import PRESETS
+    def __post_init__(self) -> None:
+        if isinstance(self.zero, dict):
+            self.zero = _zero_config(self.zero, self.preset, self.model_config)
+        elif not isinstance(self.zero, ZeroConfig):
+            raise TypeError(f"zero must be a ZeroConfig or a dict of its fields, got {type(self.zero).__name__}")
 
-        threshold = self.small_param_numel
-        if threshold is None:
-            threshold = PRESETS[self.preset].small_param_numel if self.preset in PRESETS and not self.model_config else 65_536
-        return ZeroConfig(
-            stage=self.stage,
-            zero_quantized_weights=self.quantized,
-            zero_quantized_weights_group_size=self.group_size,
-            zero_quantized_weights_format=self.fmt,
-            small_param_numel=threshold,
-            allgather_bucket_size=self.allgather_bucket,
-            reduce_bucket_size=self.reduce_bucket,
-            reduce_dtype=self.reduce_dtype,
-            overlap_param_gather=self.overlap,
-            **self.extra_config,
-        )
+
+#: TrainSettings' own fields (the workload) and ZeroConfig's: the names :func:`settings_from` takes.
+WORKLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.name != "zero")
+ZERO_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+
+
+def _zero_config(given: dict, preset: str, model_config: str | None) -> ZeroConfig:
+    from .workload import PRESETS
+
+    unknown = sorted(set(given) - set(ZERO_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown ZeroConfig field(s) {', '.join(map(repr, unknown))}; known: {', '.join(ZERO_FIELDS)}")
+    if "small_param_numel" not in given:  # the preset's threshold, unless set
+        given = dict(given, small_param_numel=(
+            PRESETS[preset].small_param_numel if preset in PRESETS and not model_config else DEFAULT_SMALL_PARAM_NUMEL
+        ))
+    return ZeroConfig(**given)
+
+
+def setting_name(key: str) -> str | None:
+    """The field a ``KEY=VALUE`` key names: a TrainSettings field, a ZeroConfig field, or the
+    ZeroConfig field behind a short name (:data:`ZERO_ALIASES`); ``-`` reads as ``_``; None
+    when it names none of them."""
+    key = key.strip().replace("-", "_")
+    key = ZERO_ALIASES.get(key, key)
+    return key if key in WORKLOAD_FIELDS or key in ZERO_FIELDS else None
+
+
+def settings_from(given: dict) -> TrainSettings:
+    """TrainSettings from one flat dict: its own fields and ZeroConfig's, by name or short
+    name (:data:`ZERO_ALIASES`). A setting named twice (by both names) is refused."""
+    own, zero = {}, {}
+    for key, value in given.items():
+        name = setting_name(key)
+        if name is None:
+            raise ValueError(f"unknown setting {key!r}; settings are {', '.join(WORKLOAD_FIELDS)}, ZeroConfig's fields "
+                             f"({', '.join(ZERO_FIELDS)}) and their short names {', '.join(ZERO_ALIASES)}")
+        target = own if name in WORKLOAD_FIELDS else zero
+        if name in target:
+            raise ValueError(f"setting {name!r} is given twice")
+        target[name] = value
+    return TrainSettings(**own, zero=zero)
+
+
+def flat_settings(settings: TrainSettings | dict) -> dict:
+    """Settings as one flat dict: TrainSettings' own fields and ZeroConfig's, by name. Takes a
+    TrainSettings, or a record's ``settings`` (``dataclasses.asdict``): today's, with ZeroConfig
+    nested under ``zero``, or an older one's, with the ZeRO settings under their short names
+    beside the others and the remaining ZeroConfig fields under ``extra_config``."""
+    d = dataclasses.asdict(settings) if isinstance(settings, TrainSettings) else dict(settings)
+    zero = d.pop("zero", None) or {}
+    extra = d.pop("extra_config", None) or {}
+    out = {}
+    for key, value in d.items():
+        out[ZERO_ALIASES.get(key, key)] = value
+    out.update(extra)
+    out.update(zero)
+    if out.get("overlap_param_gather", False) is None:  # older records: not resolved yet
+        out["overlap_param_gather"] = out.get("zero_quantized_weights") is True
+    return out
 
 
 def resolve_device(settings: TrainSettings) -> str:
@@ -119,10 +178,8 @@ def validate(settings: TrainSettings) -> None:
             f"one's start, so the last is never timed): use --warmup {max(0, settings.steps - 2)} or fewer, "
             f"or more --steps"
         )
-    try:
-        settings.zero_config()
-    except (TypeError, ValueError) as e:
-        raise WorkloadError(str(e)) from None
+    if not isinstance(settings.zero, ZeroConfig):  # set after construction
+        raise WorkloadError(f"zero must be a ZeroConfig, got {type(settings.zero).__name__}")
 
 
 # ---------------------------------------------------------------------- one rank

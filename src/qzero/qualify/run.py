@@ -1,6 +1,6 @@
 """``qzero qualify``: A/B arms in fresh processes, order-balanced, and their verdict.
 
-Two settings that differ in exactly the given keys run as arms in the order given
+Two settings (the common ones, each with its arm's own on top) run as arms in the order given
 (``BCCB`` by default: baseline, candidate, candidate, baseline), each arm in a
 fresh process with the same seed and data. Arms of one setting must reproduce
 each other exactly. The speedup is the ratio of the median measured step times
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from ..train import TrainSettings, resolve_device, validate
+from ..train import TrainSettings, flat_settings, resolve_device, validate
 from . import stats
 from .env import describe
 
@@ -62,17 +62,19 @@ def run_arm(settings: TrainSettings, out_path: str, log_path: str, env: dict[str
 
 def qualify(
     base: TrainSettings,
-    baseline: dict,
-    candidate: dict,
+    baseline: TrainSettings,
+    candidate: TrainSettings,
     *,
     order: str = "BCCB",
     out_dir: str,
     thresholds: Thresholds | None = None,
     progress=None,
 ) -> dict:
-    """Run the arms and build the report (a dict; see :func:`qzero.qualify.report.write`)."""
+    """Run the arms and build the report (a dict; see :func:`qzero.qualify.report.write`).
+    ``base`` holds the settings common to both arms (what the report's scope describes);
+    ``baseline`` and ``candidate`` are the arms' whole settings."""
     thresholds = thresholds or Thresholds()
-    settings = {"B": dataclasses.replace(base, **baseline), "C": dataclasses.replace(base, **candidate)}
+    settings = {"B": baseline, "C": candidate}
     for s in settings.values():
         validate(s)
     os.makedirs(out_dir, exist_ok=True)
@@ -96,7 +98,8 @@ def qualify(
     return report
 
 
-def analyse(arms: list[dict], base: TrainSettings, baseline: dict, candidate: dict, order: str, t: Thresholds) -> dict:
+def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, candidate: TrainSettings, order: str,
+            t: Thresholds) -> dict:
     """Statistics and gates from finished arms (pure: testable on synthetic arms)."""
     b = [a for a in arms if a["role"] == "baseline"]
     c = [a for a in arms if a["role"] == "candidate"]
@@ -132,9 +135,8 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: dict, candidate: di
     between = abs(b_median - c_median) / min(b_median, c_median)
     b_bytes = stats.statistics.median(a["bytes_sent_per_step"] for a in b)
     c_bytes = stats.statistics.median(a["bytes_sent_per_step"] for a in c)
-    differing = {k: (baseline.get(k, getattr(base, k)), candidate.get(k, getattr(base, k)))
-                 for k in sorted(set(baseline) | set(candidate))
-                 if baseline.get(k, getattr(base, k)) != candidate.get(k, getattr(base, k))}
+    b_set, c_set = flat_settings(baseline), flat_settings(candidate)  # ZeroConfig's fields by their names
+    differing = {k: (b_set[k], c_set[k]) for k in sorted(b_set) if b_set[k] != c_set[k]}
     return {
         "speedup": ratio,
         "speedup_ci95": list(ci),
@@ -164,7 +166,7 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: dict, candidate: di
             "seq_len": base.seq_len,
             "micro_batch": base.micro_batch,
             "precision": base.precision,
-            "stage": base.stage,
+            "stage": base.zero.stage,
         },
         "environment": {"link_regime": "unknown"},
         "memory_kind": arms[0]["memory_kind"],
