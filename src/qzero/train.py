@@ -41,6 +41,7 @@ class TrainSettings:
     quantized: bool = False
     overlap: bool | None = None  # gather-ahead: hide the post-step gather under the next forward (None: when quantized)
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
+    offload_optimizer: str = "none"  # deepspeed only: none | cpu | cpu_pinned (DeepSpeedCPUAdam, fp32 state on the host)
     group_size: int = 64
     fmt: str = "int8"
     small_param_numel: int | None = None  # None: the preset's own threshold
@@ -84,6 +85,10 @@ def resolve_device(settings: TrainSettings) -> str:
     return settings.device
 
 
+#: DeepSpeed optimizer offload of the deepspeed engine (``cpu_pinned``: page-locked host buffers).
+OFFLOAD_OPTIMIZER = ("none", "cpu", "cpu_pinned")
+
+
 def validate(settings: TrainSettings) -> None:
     """Check what can be checked before any process starts (raises WorkloadError)."""
     from .workload import WorkloadError, check_corpus, load_corpus, model_config
@@ -104,6 +109,10 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
     if settings.reshard_after_forward and settings.engine != "fsdp2":
         raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 engine, not of {settings.engine!r}")
+    if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
+        raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
+    if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
+        raise WorkloadError(f"offload_optimizer is a setting of the deepspeed engine, not of {settings.engine!r}")
     if settings.precision not in ("bf16", "fp16"):
         raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):

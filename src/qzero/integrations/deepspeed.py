@@ -606,6 +606,10 @@ def enable(
             "overlap_param_gather=True needs the model the engine trains, to hook its modules: pass the engine "
             f"as target or model=..., got model={model!r}"
         )
+    if overlap_param_gather:  # refuse a model that is not the engine's before anything changes
+        from .deepspeed_ahead import model_ranges
+
+        model_ranges(opt, model)
     gather = QuantizedGather(opt, settings)
     _unregister(opt)
     if overlap_param_gather:

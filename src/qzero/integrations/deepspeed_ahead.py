@@ -55,12 +55,25 @@ def param_ranges(opt) -> list[tuple[torch.nn.Parameter, int, int, int]]:
     return ranges
 
 
+def model_ranges(opt, model: torch.nn.Module):
+    """:func:`param_ranges`, checked to be parameters of ``model`` (raises ``ValueError``)."""
+    ranges = param_ranges(opt)
+    trained = {id(p) for p in model.parameters()}
+    stray = sum(1 for p, *_ in ranges if id(p) not in trained)
+    if stray:
+        raise ValueError(
+            f"{stray} of the {len(ranges)} parameters DeepSpeed's optimizer updates are not parameters of the "
+            f"model given ({type(model).__name__}): gather-ahead needs the module the engine trains"
+        )
+    return ranges
+
+
 class AheadWiring:
     """The hooks and wrappers that make reads of the weights wait; :meth:`remove` undoes them."""
 
     def __init__(self, gather, opt, model: torch.nn.Module, engine: torch.nn.Module | None):
         self.gather = gather
-        self.ahead = GatherAhead.from_ranges(model, param_ranges(opt), len(opt.bit16_groups_flat))
+        self.ahead = GatherAhead.from_ranges(model, model_ranges(opt, model), len(opt.bit16_groups_flat))
         self.stepping = False
         wait = self.wait
         self._hooks = [
