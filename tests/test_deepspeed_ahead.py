@@ -219,3 +219,16 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
     assert handle.waited[2:] == [1, 1]  # then lin: weight and bias
     ahead.remove()
     assert handle.waited[-1] == "all"
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [(dict(engine="qzero", offload_optimizer="cpu"), "setting of the deepspeed engine"),
+     (dict(engine="deepspeed", offload_optimizer="nvme"), "none, cpu, cpu_pinned")],
+)
+def test_train_settings_offload_is_checked(kwargs, words):
+    from qzero.train import TrainSettings, validate
+    from qzero.workload import WorkloadError
+
+    with pytest.raises(WorkloadError, match=words):
+        validate(TrainSettings(device="cpu", **kwargs))
