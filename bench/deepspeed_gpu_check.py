@@ -25,6 +25,9 @@ DeepSpeed compiles nothing). For ZeRO stage 2 and stage 1:
     ``all_gather_dp_groups`` call inside its optimizer step, device-synchronised), plain vs
     quantized. Reported, not checked.
 
+``--offload cpu|cpu_pinned`` runs every arm with DeepSpeed's CPU optimizer offload
+(DeepSpeedCPUAdam); ``--overlap`` runs the int8 arm with gather-ahead.
+
 Prints PASS/FAIL per check and a table; ``--out`` writes the result as JSON. Exits non-zero
 on any FAIL.
 """
@@ -64,6 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--bucket", type=int, default=None,
                    help="allgather_bucket_size, elements across all ranks (default 2**22 GPU, 8192 CPU)")
+    p.add_argument("--offload", choices=("none", "cpu", "cpu_pinned"), default="none",
+                   help="every arm with DeepSpeed's CPU optimizer offload (DeepSpeedCPUAdam; cpu_pinned: pinned buffers)")
+    p.add_argument("--overlap", action="store_true",
+                   help="the int8 arm with gather-ahead (overlap_param_gather): its 'post-step gather ms' is then "
+                        "only the launch; the gather runs under the next forward and shows in the step time")
     p.add_argument("--no-deterministic", action="store_true",
                    help="GPU: leave torch.use_deterministic_algorithms off")
     a = p.parse_args(argv)
@@ -133,6 +141,10 @@ def ds_config(args, stage, quant=None):
     if quant is not None:
         zero.update(zero_quantized_weights=quant, zero_quantized_weights_group_size=64,
                     zero_quantized_weights_small_param_numel=small_param_numel(args))
+        if quant and args.overlap:
+            zero["overlap_param_gather"] = True
+    if args.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": args.offload == "cpu_pinned"}
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
@@ -152,8 +164,13 @@ def build(args, device, init, config):
     from qzero.workload import build_model
 
     model = build_model(model_config(args), torch.bfloat16, device, seed=0)
-    kind = dict(foreach=True) if args.cpu else dict(fused=True)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-3, betas=(0.9, 0.95), **kind)
+    if args.offload != "none":  # DeepSpeed's bf16 offload runs its own CPU Adam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(param_groups(model), lr=1e-3, betas=(0.9, 0.95), adamw_mode=True)
+    else:
+        kind = dict(foreach=True) if args.cpu else dict(fused=True)
+        opt = torch.optim.AdamW(param_groups(model), lr=1e-3, betas=(0.9, 0.95), **kind)
     engine, _, _, _ = init(model=model, optimizer=opt, config=config, dist_init_required=False)
     return engine
 
@@ -228,7 +245,7 @@ def own_partition_facts(opt, rank, world, small):
     for i, flat in enumerate(opt.bit16_groups_flat):
         p = flat.numel() // world
         own = flat[rank * p:(rank + 1) * p]
-        master = opt.single_partition_of_fp32_groups[i].detach().to(flat.dtype)
+        master = opt.single_partition_of_fp32_groups[i].detach().to(device=flat.device, dtype=flat.dtype)
         exact = torch.zeros(p, dtype=torch.bool, device=flat.device)
         straddle = False
         for off, meta in zip(opt.round_robin_bit16_offsets[i], opt.round_robin_bit16_meta[i]):
@@ -254,6 +271,8 @@ def snapshot(engine, rank, world, small):
 
     opt = engine.optimizer
     gather = getattr(engine, "qzero_gather", None)
+    if gather is not None:
+        gather.wait_for_weights()  # gather-ahead: the last step's gather may still be running
     flats = [f.detach().clone() for f in opt.bit16_groups_flat]
     # replicas: every rank's full flat groups, compared bitwise (as integers: NaN-proof)
     same = True
@@ -487,7 +506,7 @@ def main(argv=None):
                 device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
                 backend=dist.get_backend(), world=world, deepspeed=deepspeed.__version__, torch=torch.__version__,
                 python=platform.python_version(), hidden=args.hidden, layers=args.layers, seq=args.seq,
-                micro=args.micro, steps=args.steps, timing_steps=args.timing_steps, warmup=args.warmup,
+                micro=args.micro, steps=args.steps, offload=args.offload, overlap=args.overlap, timing_steps=args.timing_steps, warmup=args.warmup,
                 allgather_bucket_size=args.bucket, group_size=64, small_param_numel=small,
                 deterministic=(not args.cpu and not args.no_deterministic),
                 gates=dict(max_loss_diff=gates.max_loss_diff, atol=gates.atol, rtol=gates.rtol,

@@ -26,7 +26,7 @@ from qzero.workload import build_model, global_batch, load_corpus, model_config
 
 ARMS = {
     "plain": {},
-    "int8": {"quantized": True},
+    "int8": {"quantized": True, "overlap": False},
     "int8_ahead": {"quantized": True, "overlap": True},
     "plain_ahead": {"overlap": True},
     # the same gather-ahead with one engine setting changed (ZeroConfig fields)

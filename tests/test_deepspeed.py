@@ -344,9 +344,10 @@ def test_moe_groups_use_their_own_process_group():
     "zero, extra, words",
     [
         (dict(zenflow={"topk_ratio": 0.1}), {}, ["ZenFlow"]),
-        (dict(offload_optimizer={"device": "cpu"}), {}, ["offload_optimizer.device='cpu'"]),
-        (dict(offload_optimizer={"device": "nvme"}), {}, ["'nvme'"]),
-        (dict(cpu_offload=True), {}, ["cpu_offload"]),
+        (dict(offload_optimizer={"device": "nvme"}), {}, ["offload_optimizer.device='nvme'", "device 'cpu'"]),
+        (dict(overlap_param_gather=True, zero_quantized_weights=False), {}, ["overlap_param_gather=true needs"]),
+        (dict(overlap_param_gather="yes"), {}, ["overlap_param_gather", "'yes'"]),
+        (dict(stage=3, overlap_param_gather=True), {}, ["stage 3", "overlap_param_gather=True"]),
         ({}, {"bf16": {"enabled": False}}, ["fp32", "bf16"]),
         (dict(stage=3, zero_quantized_weights_group_size=128), {}, ["stage 3", "group_size=128"]),
         (dict(stage=0), {}, ["stage 1 or 2", "stage 0"]),

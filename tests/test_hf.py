@@ -51,7 +51,7 @@ def dataset():
     return rows
 
 
-def train(tmp, quantize):
+def train(tmp, quantize, offload=False):
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -60,6 +60,9 @@ def train(tmp, quantize):
         # the one key a DeepSpeed user adds; the bucket makes several chunks on this tiny model
         "zero_optimization": {"stage": 2, "zero_quantized_weights": quantize, "allgather_bucket_size": 2048},
     }
+    if offload:  # DeepSpeed's CPU optimizer offload runs its own CPU Adam, built from this section
+        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
     args = transformers.TrainingArguments(
         output_dir=tmp,
         per_device_train_batch_size=2,
@@ -75,12 +78,14 @@ def train(tmp, quantize):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    callback = QZeroCallback(group_size=32, small_param_numel=64)
+    callback = QZeroCallback(group_size=32, small_param_numel=64, overlap_param_gather=offload)
     trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=dataset(), callbacks=[callback])
     trainer.train()
     engine = trainer.model_wrapped
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     gather = callback.gather
+    if gather is not None:
+        gather.wait_for_weights()
     return dict(
         losses=losses,
         optimizer=type(engine.optimizer).__name__,
@@ -90,6 +95,8 @@ def train(tmp, quantize):
         calls=None if gather is None else gather.calls,
         ratio=None if gather is None else gather.bytes_sent / gather.plain_bytes,
         on_engine=getattr(engine, "qzero_gather", None) is not None,
+        offload=bool(getattr(engine.optimizer, "cpu_offload", False)),
+        ahead=gather is not None and gather.wiring is not None,
     )
 
 
@@ -99,7 +106,8 @@ def worker(rank, world, tmp, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     off = train(os.path.join(tmp, "off"), quantize=False)
     on = train(os.path.join(tmp, "on"), quantize=True)
-    return dict(off=off, on=on)
+    offload = train(os.path.join(tmp, "offload"), quantize=True, offload=True)
+    return dict(off=off, on=on, offload=offload)
 
 
 def free_port():
@@ -165,3 +173,16 @@ def test_callback_refusals():
     no_deepspeed = types.SimpleNamespace(hf_deepspeed_config=None)
     with pytest.raises(ValueError, match="needs the Trainer to run DeepSpeed"):
         QZeroCallback(enabled=True).on_train_begin(no_deepspeed, None, None, optimizer=None)
+
+
+def test_callback_with_cpu_offload_and_gather_ahead(runs):
+    r0, r1 = runs
+    for r in runs:
+        run, off = r["offload"], r["off"]
+        assert run["offload"] and run["ahead"] and run["patched"] and run["calls"] == STEPS
+        assert run["ratio"] < 0.8
+        assert max(abs(a - b) for a, b in zip(run["losses"], off["losses"])) < 0.02
+        for name, p in run["params"].items():
+            torch.testing.assert_close(p, off["params"][name], atol=0.02, rtol=0.02, msg=name)
+    for a, b in zip(r0["offload"]["flats"], r1["offload"]["flats"]):
+        assert torch.equal(a, b), "replicas differ"

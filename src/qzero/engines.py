@@ -93,9 +93,19 @@ class DeepSpeedEngine:
                 zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
                 zero_quantized_weights_format=zero.zero_quantized_weights_format,
                 zero_quantized_weights_small_param_numel=zero.small_param_numel,
+                # gather-ahead as for the qzero engine: on by default when quantized
+                overlap_param_gather=zero.overlap_param_gather,
             )
-        fused = device.type == "cuda"
-        inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
+        if settings.offload_optimizer != "none":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            config["zero_optimization"]["offload_optimizer"] = {
+                "device": "cpu", "pin_memory": settings.offload_optimizer == "cpu_pinned"}
+            # DeepSpeed's bf16/fp16 offload runs its own CPU Adam (AdamW with weight_decay=0 as below)
+            inner = DeepSpeedCPUAdam(self.model.parameters(), lr=settings.lr, weight_decay=0.0, adamw_mode=True)
+        else:
+            fused = device.type == "cuda"
+            inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         init = qds.initialize if zero.zero_quantized_weights else deepspeed.initialize
         self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
         self.grad_accum = settings.grad_accum
@@ -132,7 +142,9 @@ class DeepSpeedEngine:
         return plain, plain
 
     def finish(self):
-        pass
+        gather = getattr(self.engine, "qzero_gather", None)
+        if gather is not None:
+            gather.wait_for_weights()
 
     def flats(self):
         return list(self.opt.bit16_groups_flat)

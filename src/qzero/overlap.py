@@ -37,24 +37,51 @@ def last_chunk_needed(plan: GatherPlan, start: int, stop: int) -> int:
     return last
 
 
+def _runs_no_forward(module: torch.nn.Module) -> bool:
+    """Containers (``nn.Module()``, ``ParameterList``, ``ModuleList``) define no forward:
+    whatever parameters they hold are read by an enclosing module's forward."""
+    return type(module).forward is torch.nn.Module.forward
+
+
+def _parameters_read_by(module: torch.nn.Module):
+    """A module's own parameters and those of the containers below it (recursively), which
+    only its forward can read."""
+    yield from module.parameters(recurse=False)
+    for child in module.children():
+        if _runs_no_forward(child):
+            yield from _parameters_read_by(child)
+
+
 class GatherAhead:
     """Forward pre-hooks that wait for exactly the chunks a module's parameters live in."""
 
     def __init__(self, model: torch.nn.Module, groups):
-        self.groups = groups
-        self.pending: list[GatherHandle | None] = [None] * len(groups)
+        """``groups``: flat groups with ``.layout.slots`` and ``.params`` (qzero's own)."""
+        ranges = [(p, gi, slot.start, slot.stop)
+                  for gi, g in enumerate(groups) for slot, p in zip(g.layout.slots, g.params)]
+        self._setup(model, ranges, len(groups))
+
+    @classmethod
+    def from_ranges(cls, model: torch.nn.Module, ranges, num_groups: int) -> GatherAhead:
+        """``ranges``: ``(param, group_index, start, stop)``, each parameter's elements
+        ``[start, stop)`` of flat group ``group_index`` (any flat layout, e.g. DeepSpeed's)."""
+        self = cls.__new__(cls)
+        self._setup(model, ranges, num_groups)
+        return self
+
+    def _setup(self, model: torch.nn.Module, ranges, num_groups: int) -> None:
+        self.pending: list[GatherHandle | None] = [None] * num_groups
         self._warned = False
         self._furthest = -1  # the furthest module (registration order) this forward has reached
         self._active = False
-        index = {}
-        for gi, g in enumerate(groups):
-            for slot, p in zip(g.layout.slots, g.params):
-                index[p] = (gi, slot.start, slot.stop)
+        index = {p: (gi, start, stop) for p, gi, start, stop in ranges}
         self._needs: dict[torch.nn.Module, list[tuple[int, int, int]]] = {}
         self._position: dict[torch.nn.Module, int] = {}
         self._handles = []
         for module in model.modules():
-            ranges = [index[p] for p in module.parameters(recurse=False) if p in index]
+            if _runs_no_forward(module) and module is not model:
+                continue  # its parameters are read by the nearest module that has a forward
+            ranges = [index[p] for p in _parameters_read_by(module) if p in index]
             if ranges:
                 self._needs[module] = ranges
                 self._position[module] = len(self._position)

@@ -60,6 +60,7 @@ class TrainSettings:
     preset's own threshold (``qzero.workload.PRESETS``; 65,536 with ``model_config``).
     Always a ZeroConfig after construction (which validates it)."""
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
+    offload_optimizer: str = "none"  # deepspeed only: none | cpu | cpu_pinned (DeepSpeedCPUAdam, fp32 state on the host)
     seq_len: int = 64
     micro_batch: int = 4
     grad_accum: int = 1
@@ -143,6 +144,10 @@ def resolve_device(settings: TrainSettings) -> str:
     return settings.device
 
 
+#: DeepSpeed optimizer offload of the deepspeed engine (``cpu_pinned``: page-locked host buffers).
+OFFLOAD_OPTIMIZER = ("none", "cpu", "cpu_pinned")
+
+
 def validate(settings: TrainSettings) -> None:
     """Check what can be checked before any process starts (raises WorkloadError)."""
     from .workload import WorkloadError, check_corpus, load_corpus, model_config
@@ -163,6 +168,10 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
     if settings.reshard_after_forward and settings.engine != "fsdp2":
         raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 engine, not of {settings.engine!r}")
+    if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
+        raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
+    if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
+        raise WorkloadError(f"offload_optimizer is a setting of the deepspeed engine, not of {settings.engine!r}")
     if settings.precision not in ("bf16", "fp16"):
         raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):

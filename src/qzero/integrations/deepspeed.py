@@ -41,24 +41,27 @@ import torch
 import torch.distributed as dist
 
 from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise
-from ..config import _as_int
+from ..config import ZeroConfig, _as_int
 from ..engine import CommContext, start_gather
-from ..layout import DEFAULT_SMALL_PARAM_NUMEL, GatherPlan, merge_adjacent, plan_gather
-from ..quant.formats import FORMATS, check_group_size, get_format
+from ..layout import GatherPlan, merge_adjacent, plan_gather
+from ..quant.formats import FORMATS
 
 #: DeepSpeed releases this adapter was tested with (it reads optimizer internals).
 SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
 
-DEFAULT_GROUP_SIZE = 64
-DEFAULT_FORMAT = "int8"
+# The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.
+DEFAULT_GROUP_SIZE = ZeroConfig.zero_quantized_weights_group_size
+DEFAULT_FORMAT = ZeroConfig.zero_quantized_weights_format
+DEFAULT_SMALL_PARAM_NUMEL = ZeroConfig.small_param_numel
 
 ENABLE_KEY = "zero_quantized_weights"
 GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
 FORMAT_KEY = "zero_quantized_weights_format"
 SMALL_PARAM_KEY = "zero_quantized_weights_small_param_numel"
+OVERLAP_KEY = "overlap_param_gather"
 #: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
 #: so they are taken out of (a copy of) the config before DeepSpeed sees it.
-QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY)
+QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY, OVERLAP_KEY)
 #: DeepSpeed's ZeRO++ gradient key (DeepSpeed implements it at stage 3 only) and qzero's two
 #: refinements of it (:attr:`qzero.ZeroConfig.zero_quantized_gradients`), which DeepSpeed does not know.
 GRAD_ENABLE_KEY = "zero_quantized_gradients"
@@ -80,26 +83,38 @@ __all__ = [
 
 @dataclass(frozen=True)
 class QuantizedWeightsSettings:
-    """How the post-step weight gather is quantized. Validated on construction."""
+    """How the post-step weight gather is quantized and scheduled. Validated on construction,
+    by :class:`qzero.ZeroConfig` (whose fields of the same meaning these are)."""
 
     group_size: int = DEFAULT_GROUP_SIZE
     fmt: str = DEFAULT_FORMAT
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
     bucket_numel: int | None = None
     """Elements one chunk gathers across all ranks; None: DeepSpeed's ``allgather_bucket_size``."""
+    overlap_param_gather: bool = False
+    """Gather-ahead: start the gather at the end of the optimizer step and let each module of
+    the next forward wait for its own chunks (:mod:`qzero.integrations.deepspeed_ahead`).
+    Off by default here: DeepSpeed users opt in with ``zero_optimization.overlap_param_gather``."""
 
     def __post_init__(self) -> None:
-        check_group_size(self.group_size)
-        get_format(self.fmt)
-        small = _as_int("small_param_numel", self.small_param_numel)
-        if small < 0:
-            raise ValueError(f"small_param_numel must be >= 0, got {self.small_param_numel!r}")
-        object.__setattr__(self, "small_param_numel", small)
+        core = self.zero_config()
+        object.__setattr__(self, "small_param_numel", core.small_param_numel)
         if self.bucket_numel is not None:
             bucket = _as_int("bucket_numel", self.bucket_numel)
             if bucket <= 0:
                 raise ValueError(f"bucket_numel must be positive, got {self.bucket_numel!r}")
             object.__setattr__(self, "bucket_numel", bucket)
+
+    def zero_config(self) -> ZeroConfig:
+        """These settings as the core's :class:`qzero.ZeroConfig` (which validates them)."""
+        return ZeroConfig(
+            zero_quantized_weights=True,
+            zero_quantized_weights_group_size=self.group_size,
+            zero_quantized_weights_format=self.fmt,
+            small_param_numel=self.small_param_numel,
+            overlap_param_gather=self.overlap_param_gather,
+            allgather_bucket_size=max(self.bucket_numel or 0, self.group_size),
+        )
 
     def is_default(self) -> bool:
         return self == QuantizedWeightsSettings()
@@ -146,6 +161,11 @@ def prepare_config(config: dict) -> PreparedConfig:
             )
         return PreparedConfig(ds_config, stage, False, settings)  # DeepSpeed's own quantized weights
     if not enabled:
+        if settings.overlap_param_gather:
+            raise ValueError(
+                f"zero_optimization.{OVERLAP_KEY}=true needs {ENABLE_KEY}=true: gather-ahead runs on qzero's "
+                "quantized gather (DeepSpeed's own gather is synchronous)"
+            )
         return PreparedConfig(ds_config, stage, False, settings)
     if stage not in (1, 2):
         raise ValueError(
@@ -166,6 +186,7 @@ def _settings_from(zero: dict) -> QuantizedWeightsSettings:
             group_size=values.get(GROUP_SIZE_KEY, DEFAULT_GROUP_SIZE),
             fmt=values.get(FORMAT_KEY, DEFAULT_FORMAT),
             small_param_numel=values.get(SMALL_PARAM_KEY, DEFAULT_SMALL_PARAM_NUMEL),
+            overlap_param_gather=values.get(OVERLAP_KEY, False),
         )
     except ValueError as e:
         raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
@@ -215,6 +236,8 @@ def _describe_non_default(settings: QuantizedWeightsSettings) -> str:
         parts.append(f"{FORMAT_KEY}={settings.fmt!r}")
     if settings.small_param_numel != default.small_param_numel:
         parts.append(f"{SMALL_PARAM_KEY}={settings.small_param_numel}")
+    if settings.overlap_param_gather != default.overlap_param_gather:
+        parts.append(f"{OVERLAP_KEY}={settings.overlap_param_gather}")
     return ", ".join(parts)
 
 
@@ -227,13 +250,12 @@ def _reject_unsupported_config(ds_config: dict, zero: dict) -> None:
         )
     offload = zero.get("offload_optimizer")
     device = offload.get("device") if isinstance(offload, dict) else offload
-    if device not in (None, "none"):
+    if device not in (None, "none", "cpu"):
         raise ValueError(
-            f"zero_optimization.offload_optimizer.device={device!r}: CPU/NVMe optimizer offload is not "
-            "supported with qzero's quantized weights (not proven correct)"
+            f"zero_optimization.offload_optimizer.device={device!r} is not supported with qzero's quantized "
+            "weights: DeepSpeed's ZeRO-1/2 has no NVMe optimizer offload of its own (it would run CPU offload "
+            "under that name); use device 'cpu'"
         )
-    if zero.get("cpu_offload"):
-        raise ValueError("zero_optimization.cpu_offload=true: optimizer offload is not supported with qzero")
     if not _half_precision_requested(ds_config):
         raise ValueError(
             "neither bf16.enabled nor fp16.enabled is true: the flat groups would be fp32, which has nothing "
@@ -312,8 +334,9 @@ def _check_optimizer_class(opt: Any) -> None:
 
 
 def _check_optimizer_state(opt) -> None:
-    if getattr(opt, "cpu_offload", False):
-        raise ValueError("optimizer offload (offload_optimizer) is not supported with qzero's quantized weights")
+    # CPU optimizer offload needs nothing of its own: DeepSpeed's CPU update copies each rank's
+    # bf16/fp16 partition back into the device's flat group (on the current stream) before it
+    # calls the gather, exactly where the update without offload writes it.
     for i, flat in enumerate(opt.bit16_groups_flat):
         if flat.dtype not in QUANTIZABLE_DTYPES:
             raise ValueError(
@@ -413,11 +436,14 @@ class QuantizedGather:
 
     ``calls`` counts gathers run; ``last_stats`` has one :class:`~qzero.GatherStats` per
     gathered flat group (per-rank bytes of the last gather); ``bytes_sent`` and
-    ``plain_bytes`` are per-rank totals over all calls.
+    ``plain_bytes`` are per-rank totals over all calls. Under gather-ahead, ``wiring`` holds
+    the hooks that make reads of the weights wait (:mod:`.deepspeed_ahead`);
+    :meth:`wait_for_weights` finishes a running gather by hand.
     """
 
     def __init__(self, optimizer, settings: QuantizedWeightsSettings):
         self.settings = settings
+        self.wiring = None
         self.groups_flat = optimizer.bit16_groups_flat  # the very list DeepSpeed passes to its gather
         self.groups: list[GroupGather | None] = []
         self.calls = 0
@@ -450,14 +476,25 @@ class QuantizedGather:
     def owns(self, groups_flat) -> bool:
         return groups_flat is self.groups_flat
 
+    def wait_for_weights(self) -> None:
+        """Finish a gather still running under gather-ahead (a no-op otherwise)."""
+        if self.wiring is not None:
+            self.wiring.wait()
+
     def __call__(self, groups_flat, dp_process_group) -> None:
+        self.wait_for_weights()
+        # Only the gather at the end of the optimizer step runs ahead (not the one after a load).
+        ahead = self.wiring is not None and self.wiring.stepping
         stats = []
         for g, flat, group in zip(self.groups, groups_flat, dp_process_group):
             if g is None:
                 continue
             self._check_call(g, flat, group)
-            handle = start_gather(flat, g.plan, g.process_group, self.context)
-            handle.wait()
+            handle = start_gather(flat, g.plan, g.process_group, self.context, ahead=ahead)
+            if ahead:
+                self.wiring.ahead.start(g.index, handle)
+            else:
+                handle.wait()
             stats.append(handle.stats)
         self.calls += 1
         self.bytes_sent += sum(s.bytes_sent for s in stats)
@@ -542,6 +579,8 @@ def enable(
     fmt: str = DEFAULT_FORMAT,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     bucket_numel: int | None = None,
+    overlap_param_gather: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> QuantizedGather:
     """Quantize the post-step weight gather of an existing DeepSpeed ZeRO-1/2 engine.
 
@@ -549,13 +588,34 @@ def enable(
     Collective: call it on every rank. Calling it again replaces the settings. The
     returned :class:`QuantizedGather` (also ``engine.qzero_gather`` and
     ``optimizer.qzero_gather``) records what each gather moved.
+
+    ``overlap_param_gather``: gather-ahead (see :mod:`qzero.integrations.deepspeed_ahead`).
+    It hooks the model's modules: the model is ``target.module`` when ``target`` is the
+    engine, else ``model`` (the module the engine trains) must be given.
     """
-    settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel)
+    settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel, overlap_param_gather)
     check_deepspeed_version()
     opt = find_zero_optimizer(target)
     _check_optimizer_state(opt)
+    engine = target if isinstance(target, torch.nn.Module) and isinstance(target._modules.get("module"),
+                                                                          torch.nn.Module) else None
+    if model is None and engine is not None:
+        model = engine._modules["module"]
+    if overlap_param_gather and not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            "overlap_param_gather=True needs the model the engine trains, to hook its modules: pass the engine "
+            f"as target or model=..., got model={model!r}"
+        )
+    if overlap_param_gather:  # refuse a model that is not the engine's before anything changes
+        from .deepspeed_ahead import model_ranges
+
+        model_ranges(opt, model)
     gather = QuantizedGather(opt, settings)
     _unregister(opt)
+    if overlap_param_gather:
+        from .deepspeed_ahead import AheadWiring
+
+        gather.wiring = AheadWiring(gather, opt, model, engine)
     opt.qzero_gather = gather
     _REGISTRY[id(gather.groups_flat)] = gather
     _install()
@@ -576,6 +636,9 @@ def disable(target: Any) -> None:
 def _unregister(opt) -> None:
     old = getattr(opt, "qzero_gather", None)
     if old is not None:
+        if old.wiring is not None:  # finish its gather and take its hooks off
+            old.wiring.remove()
+            old.wiring = None
         if _REGISTRY.get(id(old.groups_flat)) is old:
             del _REGISTRY[id(old.groups_flat)]
         del opt.qzero_gather
@@ -588,7 +651,8 @@ def initialize(*args, **kwargs):
     The config (``config=``, ``config_params=`` or ``args.deepspeed_config``; a dict or a
     path) is read for ``zero_optimization.zero_quantized_weights`` and qzero's keys
     ``zero_quantized_weights_group_size`` / ``_format`` / ``_small_param_numel``, which are
-    removed from a copy before DeepSpeed validates it. At ZeRO stage 1 or 2 with
+    removed from a copy before DeepSpeed validates it, as is ``overlap_param_gather``
+    (gather-ahead; off unless true). At ZeRO stage 1 or 2 with
     quantization on, the engine's post-step gather is replaced; otherwise nothing is.
     """
     import deepspeed
@@ -606,7 +670,8 @@ def initialize(*args, **kwargs):
     if prepared.quantize:
         engine = result[0]
         s = prepared.settings
-        enable(engine, group_size=s.group_size, fmt=s.fmt, small_param_numel=s.small_param_numel)
+        enable(engine, group_size=s.group_size, fmt=s.fmt, small_param_numel=s.small_param_numel,
+               overlap_param_gather=s.overlap_param_gather)
     return result
 
 

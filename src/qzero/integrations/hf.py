@@ -11,7 +11,9 @@ on the engine's optimizer when training begins, before the first step::
                       callbacks=[QZeroCallback(group_size=64)])
 
 DeepSpeed accepts ``zero_quantized_weights`` (and ignores it below stage 3) but rejects
-unknown keys, so qzero's other settings are the callback's arguments. By default the
+unknown keys, so qzero's other settings are the callback's arguments
+(``overlap_param_gather=True`` for gather-ahead). CPU optimizer offload
+(``offload_optimizer: {"device": "cpu"}``) works as with ``initialize``. By default the
 callback follows ``zero_quantized_weights`` in the Trainer's DeepSpeed config; at ZeRO
 stage 3 it leaves DeepSpeed's own quantized weights alone.
 """
@@ -22,7 +24,6 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..layout import DEFAULT_SMALL_PARAM_NUMEL
 from . import deepspeed as qds
 
 __all__ = ["QZeroCallback"]
@@ -43,17 +44,19 @@ class QZeroCallback(TrainerCallback):
         enabled: bool | None = None,
         group_size: int = qds.DEFAULT_GROUP_SIZE,
         fmt: str = qds.DEFAULT_FORMAT,
-        small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+        small_param_numel: int = qds.DEFAULT_SMALL_PARAM_NUMEL,
         bucket_numel: int | None = None,
+        overlap_param_gather: bool = False,
     ):
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"enabled must be None, True or False, got {enabled!r}")
         # validated now, so a bad value fails when the Trainer is built, not mid-launch
-        self.settings = qds.QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel)
+        self.settings = qds.QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel,
+                                                     overlap_param_gather)
         self.enabled = enabled
         self.gather: qds.QuantizedGather | None = None
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
         if not self._wanted(args):
             return
         if optimizer is None or getattr(args, "hf_deepspeed_config", None) is None:
@@ -69,6 +72,8 @@ class QZeroCallback(TrainerCallback):
             fmt=s.fmt,
             small_param_numel=s.small_param_numel,
             bucket_numel=s.bucket_numel,
+            overlap_param_gather=s.overlap_param_gather,
+            model=model,  # the module DeepSpeed trains: gather-ahead hooks its modules
         )
 
     def _wanted(self, args) -> bool:
