@@ -531,6 +531,7 @@ def subgroup_run(rank, world, steps, cfg_kwargs):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    opt.wait_for_weights()  # a quantized gather runs ahead by default
     return {"losses": losses, "flats": [g.flat.clone() for g in opt.groups]}
 
 
