@@ -40,6 +40,10 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         opt.backward(loss)
         opt.step()
+        # a collective of the user's while the gather may still run ahead: the ranks must
+        # have issued the same gather collectives before it, or they hang
+        mean = loss.detach().reshape(1).clone()
+        dist.all_reduce(mean)
         opt.zero_grad()
         losses.append(loss.detach())
     opt.wait_for_weights()

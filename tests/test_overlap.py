@@ -74,6 +74,11 @@ def run(rank, world, cfg_kwargs, steps, reverse=False, delays=False):
             opt.step()
             if opt.ahead is not None and opt.ahead.busy:
                 pending_seen = True
+            # a collective of the user's while the gather runs ahead: it must not be
+            # matched against a gather chunk of another rank (the ranks would hang)
+            if world > 1:
+                mean = loss.detach().reshape(1).clone()
+                torch.distributed.all_reduce(mean)
             opt.zero_grad()
             losses.append(loss.item())
     opt.wait_for_weights()

@@ -22,9 +22,8 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
         comm stream        G0  G1 ...     Gk waits for Pk
         unpack stream          U0 ...     Uk waits for Gk
 
-    The host *enqueues* chunks lazily: at the start, the first ``LOOKAHEAD`` and then
-    more for as long as the device is still busy with the prepare (the optimizer's update);
-    each ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
+    The host *enqueues* chunks lazily: the first ``LOOKAHEAD`` at the start, and each
+    ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
     chunk costs the host a few kernel and collective launches (measured: about 1 ms per
     chunk with the update sliced per chunk, on an H200 host); enqueuing all of them at the
     end of ``step()`` held the next forward back by that much (184 ms of host time in
@@ -35,6 +34,13 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
     Pack and unpack run on the current stream; collectives are launched asynchronously
     and waited for in order, with up to ``depth`` chunks in flight (2 under gather-ahead:
     each ``wait_until`` also launches the next chunks).
+
+The same on every rank: collectives are matched across ranks by the order they are issued
+in, and a user may issue their own (a loss all-reduce, say) while a gather runs ahead. So
+how many chunks have been launched or enqueued at any point is decided by the sequence of
+calls alone (``start_gather``, ``wait_until(k)``, ``wait``), never by timing: an earlier
+version enqueued "while the device is still busy with the update", and the ranks then
+disagreed on the order of the next collectives and hung.
 
 Memory: whatever the schedule, the receive buffers alive at once together hold at most
 ``plan.bucket_numel * elem_size`` bytes (what a plain gather of one bucket receives).
@@ -303,12 +309,8 @@ class _Streamed(GatherHandle):
             self._ready.append(event)
         self._packed, self._gathered, self._unpacked = [None] * n, [None] * n, [None] * n
         self._enqueued = self.finished = 0
+        # Never more, never fewer, depending on timing: see "the same on every rank" above.
         self._enqueue_through(min(LOOKAHEAD, n) - 1)
-        # While the device still runs the prepare (the optimizer's update), the host would
-        # otherwise wait for it: enqueue more chunks until it is done. The rest are enqueued
-        # by wait_until, inside the forward, where the host runs ahead of the device.
-        while self._enqueued < n and not event.query():
-            self._enqueue_through(self._enqueued)
 
     def _buffer(self, k: int) -> torch.Tensor:
         return self._recv[k % 2][: self.world * self.plan.chunks[k].payload_bytes]
