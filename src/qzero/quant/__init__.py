@@ -27,15 +27,31 @@ __all__ = [
 ]
 
 
-def _triton_kernels():
+KERNELS = ("auto", "triton", "reference")
+
+
+def _triton_module(name: str):
+    """The Triton kernel module ``name`` of this package, or None where Triton cannot run."""
+    import importlib
+
     try:
-        from . import triton as triton_kernels
+        mod = importlib.import_module(f"{__name__}.{name}")
     except ImportError:
         return None
-    return triton_kernels if triton_kernels.AVAILABLE else None
+    return mod if mod.AVAILABLE else None
 
 
-KERNELS = ("auto", "triton", "reference")
+def _choose(device: torch.device, choice: str, reference_module, triton_name: str):
+    if choice not in KERNELS:
+        raise ValueError(f"quantization kernels must be one of {KERNELS}, got {choice!r}")
+    if choice == "reference":
+        return reference_module
+    mod = _triton_module(triton_name)
+    if choice == "triton":
+        if mod is None:
+            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
+        return mod
+    return mod if device.type == "cuda" and mod is not None else reference_module
 
 
 def kernels_for(device: torch.device, choice: str = "auto"):
@@ -45,43 +61,12 @@ def kernels_for(device: torch.device, choice: str = "auto"):
     torch reference everywhere else; ``reference``: the torch reference; ``triton``: the
     Triton kernels, refused where they cannot run. All produce the same bytes.
     """
-    if choice not in KERNELS:
-        raise ValueError(f"quantization kernels must be one of {KERNELS}, got {choice!r}")
-    if choice == "reference":
-        return reference
-    mod = _triton_kernels()
-    if choice == "triton":
-        if mod is None:
-            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
-        return mod
-    if device.type == "cuda" and mod is not None:
-        return mod
-    return reference
-
-
-def _gradient_triton_kernels():
-    try:
-        from . import gradients_triton
-    except ImportError:
-        return None
-    return gradients_triton if gradients_triton.AVAILABLE else None
+    return _choose(device, choice, reference, "triton")
 
 
 def gradient_kernels_for(device: torch.device, choice: str = "auto"):
     """The module whose ``pack_gradient``/``dequantize_sum`` serve gradient pieces on ``device``,
-    chosen as :func:`kernels_for` chooses: the Triton kernels on CUDA, else the torch reference
-    (:mod:`qzero.quant.gradients`)."""
+    chosen as :func:`kernels_for` chooses (the torch reference: :mod:`qzero.quant.gradients`)."""
     from . import gradients
 
-    if choice not in KERNELS:
-        raise ValueError(f"quantization kernels must be one of {KERNELS}, got {choice!r}")
-    if choice == "reference":
-        return gradients
-    mod = _gradient_triton_kernels()
-    if choice == "triton":
-        if mod is None:
-            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
-        return mod
-    if device.type == "cuda" and mod is not None:
-        return mod
-    return gradients
+    return _choose(device, choice, gradients, "gradients_triton")
