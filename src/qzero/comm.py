@@ -195,22 +195,20 @@ def _cached_plan(numel, world, elem_size, bucket_numel, fmt, group_size, exact_r
     )
 
 
-_FIELDS = ("arguments valid", "flat numel", "flat dtype", "format", "group size", "bucket_numel", "exact ranges")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
 
 
-def _signature(plan: GatherPlan, dtype: torch.dtype) -> list[int]:
+def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
+    """What every rank of a gather must agree on, as named integers (for :func:`agree_or_raise`)."""
     digest = hashlib.blake2b(repr(plan.exact_ranges).encode(), digest_size=7).digest()
-    fmt_code = 0 if plan.fmt is None else 1 + sorted(("fp8", "int4", "int8")).index(plan.fmt)
-    return [
-        1,
-        plan.numel,
-        _DTYPE_CODES.get(dtype, 99),
-        fmt_code,
-        plan.group_size,
-        plan.bucket_numel,
-        int.from_bytes(digest, "little"),
-    ]
+    return {
+        "flat numel": plan.numel,
+        "flat dtype": _DTYPE_CODES.get(dtype, 99),
+        "format": 0 if plan.fmt is None else 1 + sorted(("fp8", "int4", "int8")).index(plan.fmt),
+        "group size": plan.group_size,
+        "bucket_numel": plan.bucket_numel,
+        "exact ranges": int.from_bytes(digest, "little"),
+    }
 
 
 def _agreed_plan(build, flat, group, world: int, what: str) -> GatherPlan:
@@ -220,7 +218,7 @@ def _agreed_plan(build, flat, group, world: int, what: str) -> GatherPlan:
     except (TypeError, ValueError) as e:
         plan, error = None, e
     device = flat.device if isinstance(flat, torch.Tensor) else None
-    fields = dict(zip(_FIELDS[1:], _signature(plan, flat.dtype)[1:])) if plan is not None else None
+    fields = plan_fields(plan, flat.dtype) if plan is not None else None
     agree_or_raise(group, world, device, error, fields, what)
     return plan
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise
+from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, plan_fields
 from ..config import ZeroConfig, _as_int
 from ..engine import CommContext, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
@@ -415,17 +415,8 @@ def _plan_group(opt, index: int, settings: QuantizedWeightsSettings) -> tuple[Gr
 
 
 def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSettings) -> dict[str, int]:
-    """What every rank of a group must agree on, as integers."""
-    digest = hashlib.blake2b(repr(plan.exact_ranges).encode(), digest_size=7).digest()
-    return {
-        "flat numel": plan.numel,
-        "flat dtype": QUANTIZABLE_DTYPES.index(dtype),
-        "format": sorted(FORMATS).index(plan.fmt),
-        "group size": plan.group_size,
-        "bucket": plan.bucket_numel,
-        "small-param threshold": settings.small_param_numel,
-        "exact ranges": int.from_bytes(digest, "little"),
-    }
+    """What every rank of a group must agree on, as integers: the plan's, and the threshold."""
+    return {**plan_fields(plan, dtype), "small-param threshold": settings.small_param_numel}
 
 
 # --------------------------------------------------------------------------- the replacement gather
