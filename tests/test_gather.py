@@ -135,6 +135,42 @@ def test_plain_gather_is_exact(world):
         for truth, flat, stats in by_rank[r]:
             assert torch.equal(flat, truth)
             assert stats.bytes_sent == stats.plain_bytes == 333 * truth.element_size()
+            # one in-place collective whatever the bucket: no receive buffer at all
+            assert stats.num_chunks == 1 and stats.max_recv_bytes == 0
+
+
+def engine_worker(rank, world, seed):
+    """The engine's two uses of one plan: synchronous, and chunk by chunk as gather-ahead does."""
+    from qzero.engine import CommContext, recv_budget_bytes, start_gather
+    from qzero.layout import plan_gather
+
+    numel, gs = 64 * 30 * world, 16
+    exact = ((0, 40), (500, 530), (numel - 20, numel))
+    truth = make_truth(world, numel, torch.bfloat16, seed)
+    context = CommContext("cpu")
+    out = {}
+    for fmt in ("int8", None):
+        plan = plan_gather(numel, world, bucket_numel=world * 64 * 5, fmt=fmt, group_size=gs,
+                           exact_ranges=exact if fmt else ())
+        whole = poisoned_copy(truth, rank, world)
+        start_gather(whole, plan, None, context).wait()
+        ahead = poisoned_copy(truth, rank, world)
+        handle = start_gather(ahead, plan, None, context, ahead=True)
+        for k in range(len(handle.plan.chunks)):
+            handle.wait_until(k)
+        assert handle.done
+        out[fmt] = (whole, ahead, handle.plan.max_recv_bytes, recv_budget_bytes(plan), len(handle.plan.chunks),
+                    len(plan.chunks))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_engine_ahead_is_the_synchronous_gather_within_the_bucket(world):
+    for res in run_distributed(engine_worker, world, 5):
+        for fmt, (whole, ahead, recv, budget, n_ahead, n_plan) in res.items():
+            assert torch.equal(whole.view(torch.int16), ahead.view(torch.int16)), fmt
+            assert 2 * recv <= budget  # two chunks in flight, together within the bucket
+            assert n_ahead >= n_plan  # cut smaller where two would not fit, never larger
 
 
 def test_bytes_sent_default_settings():
