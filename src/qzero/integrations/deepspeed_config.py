@@ -1,0 +1,228 @@
+"""The DeepSpeed adapter's settings: qzero's keys in a DeepSpeed config, parsed and checked.
+
+``prepare_config`` takes a DeepSpeed config dictionary, validates qzero's keys through
+:class:`qzero.ZeroConfig` (one vocabulary with the core), takes them out of a copy (DeepSpeed's
+config model refuses keys it does not know) and refuses what the adapter cannot do, by name.
+Used by :mod:`qzero.integrations.deepspeed`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from ..config import ZeroConfig, _as_int
+
+# The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.
+DEFAULT_GROUP_SIZE = ZeroConfig.zero_quantized_weights_group_size
+DEFAULT_FORMAT = ZeroConfig.zero_quantized_weights_format
+DEFAULT_SMALL_PARAM_NUMEL = ZeroConfig.small_param_numel
+
+ENABLE_KEY = "zero_quantized_weights"
+GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
+FORMAT_KEY = "zero_quantized_weights_format"
+SMALL_PARAM_KEY = "zero_quantized_weights_small_param_numel"
+OVERLAP_KEY = "overlap_param_gather"
+#: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
+#: so they are taken out of (a copy of) the config before DeepSpeed sees it.
+QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY, OVERLAP_KEY)
+#: DeepSpeed's ZeRO++ gradient key (DeepSpeed implements it at stage 3 only) and qzero's two
+#: refinements of it (:attr:`qzero.ZeroConfig.zero_quantized_gradients`), which DeepSpeed does not know.
+GRAD_ENABLE_KEY = "zero_quantized_gradients"
+GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_format")
+
+
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class QuantizedWeightsSettings:
+    """How the post-step weight gather is quantized and scheduled. Validated on construction,
+    by :class:`qzero.ZeroConfig` (whose fields of the same meaning these are)."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+    fmt: str = DEFAULT_FORMAT
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
+    bucket_numel: int | None = None
+    """Elements one chunk gathers across all ranks; None: DeepSpeed's ``allgather_bucket_size``."""
+    overlap_param_gather: bool = False
+    """Gather-ahead: start the gather at the end of the optimizer step and let each module of
+    the next forward wait for its own chunks (:mod:`qzero.integrations.deepspeed_ahead`).
+    Off by default here: DeepSpeed users opt in with ``zero_optimization.overlap_param_gather``."""
+
+    def __post_init__(self) -> None:
+        core = self.zero_config()
+        object.__setattr__(self, "small_param_numel", core.small_param_numel)
+        if self.bucket_numel is not None:
+            bucket = _as_int("bucket_numel", self.bucket_numel)
+            if bucket <= 0:
+                raise ValueError(f"bucket_numel must be positive, got {self.bucket_numel!r}")
+            object.__setattr__(self, "bucket_numel", bucket)
+
+    def zero_config(self) -> ZeroConfig:
+        """These settings as the core's :class:`qzero.ZeroConfig` (which validates them)."""
+        return ZeroConfig(
+            zero_quantized_weights=True,
+            zero_quantized_weights_group_size=self.group_size,
+            zero_quantized_weights_format=self.fmt,
+            small_param_numel=self.small_param_numel,
+            overlap_param_gather=self.overlap_param_gather,
+            allgather_bucket_size=max(self.bucket_numel or 0, self.group_size),
+        )
+
+    def is_default(self) -> bool:
+        return self == QuantizedWeightsSettings()
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class PreparedConfig:
+    """A user's DeepSpeed config split into what DeepSpeed sees and what qzero does."""
+
+    ds_config: dict
+    stage: int
+    quantize: bool
+    """True: patch the engine's post-step gather after DeepSpeed built it."""
+    settings: QuantizedWeightsSettings
+
+
+def prepare_config(config: dict) -> PreparedConfig:
+    """Read qzero's keys from a DeepSpeed config dict and reject what it cannot do.
+
+    Works on a deep copy; ``config`` is never modified. Raises ``ValueError`` naming the
+    offending key and value.
+    """
+    if not isinstance(config, dict):
+        raise TypeError(f"expected a DeepSpeed config dict, got {type(config).__name__}")
+    ds_config = copy.deepcopy(config)
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict):  # absent, or the deprecated boolean form: nothing for qzero
+        return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
+    settings = _settings_from(zero)
+    _check_gradient_keys(zero, _stage_of(zero))
+    enabled = zero.get(ENABLE_KEY, False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"zero_optimization.{ENABLE_KEY} must be true or false, got {enabled!r}")
+    stage = _stage_of(zero)
+    if stage == 3:
+        if not settings.is_default():
+            raise ValueError(
+                f"ZeRO stage 3 with {_describe_non_default(settings)} is not supported: at stage 3 "
+                f"DeepSpeed's own {ENABLE_KEY} applies, with its fixed group size; remove the qzero keys "
+                f"{list(QZERO_KEYS)}"
+            )
+        return PreparedConfig(ds_config, stage, False, settings)  # DeepSpeed's own quantized weights
+    if not enabled:
+        if settings.overlap_param_gather:
+            raise ValueError(
+                f"zero_optimization.{OVERLAP_KEY}=true needs {ENABLE_KEY}=true: gather-ahead runs on qzero's "
+                "quantized gather (DeepSpeed's own gather is synchronous)"
+            )
+        return PreparedConfig(ds_config, stage, False, settings)
+    if stage not in (1, 2):
+        raise ValueError(
+            f"zero_optimization.{ENABLE_KEY}=true needs ZeRO stage 1 or 2, got stage {stage}: "
+            "without ZeRO partitions there is no post-step weight gather to quantize"
+        )
+    # DeepSpeed ignores this key below stage 3; qzero implements it there.
+    del zero[ENABLE_KEY]
+    _reject_unsupported_config(ds_config, zero)
+    return PreparedConfig(ds_config, stage, True, settings)
+
+
+def _settings_from(zero: dict) -> QuantizedWeightsSettings:
+    """Pop qzero's keys from ``zero`` (a copy) and validate them."""
+    values = {key: zero.pop(key) for key in QZERO_KEYS if key in zero}
+    try:
+        return QuantizedWeightsSettings(
+            group_size=values.get(GROUP_SIZE_KEY, DEFAULT_GROUP_SIZE),
+            fmt=values.get(FORMAT_KEY, DEFAULT_FORMAT),
+            small_param_numel=values.get(SMALL_PARAM_KEY, DEFAULT_SMALL_PARAM_NUMEL),
+            overlap_param_gather=values.get(OVERLAP_KEY, False),
+        )
+    except ValueError as e:
+        raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
+
+
+def _check_gradient_keys(zero: dict, stage: int) -> None:
+    """Validate the quantized-gradient keys (as :class:`qzero.ZeroConfig` does) and pop qzero's
+    own ones from ``zero`` (a copy). This adapter quantizes DeepSpeed's weight gather, not its
+    gradient reduction: below stage 3, where DeepSpeed ignores ``zero_quantized_gradients``,
+    asking for it is refused rather than silently dropped (``qzero.ZeroOptimizer`` does it)."""
+    from ..config import ZeroConfig
+
+    given = {key: zero.pop(key) for key in GRAD_KEYS if key in zero}
+    enabled = zero.get(GRAD_ENABLE_KEY, False)
+    try:
+        ZeroConfig(**{GRAD_ENABLE_KEY: enabled}, **given)
+    except ValueError as e:
+        raise ValueError(f"zero_optimization: {e}") from None
+    if stage == 3:
+        if given:
+            raise ValueError(
+                f"ZeRO stage 3 with {sorted(given)}: at stage 3 DeepSpeed's own {GRAD_ENABLE_KEY} applies, with "
+                "its fixed settings; remove these qzero keys"
+            )
+        return
+    if enabled:
+        raise ValueError(
+            f"zero_optimization.{GRAD_ENABLE_KEY}=true at stage {stage}: DeepSpeed implements it at stage 3 only, "
+            "and this adapter quantizes the weight gather, not DeepSpeed's gradient reduction; use "
+            "qzero.ZeroOptimizer (ZeroConfig.from_dict takes this zero_optimization dict) or remove the key"
+        )
+
+
+def _stage_of(zero: dict) -> int:
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return int(stage)
+
+
+def _describe_non_default(settings: QuantizedWeightsSettings) -> str:
+    default = QuantizedWeightsSettings()
+    parts = []
+    if settings.group_size != default.group_size:
+        parts.append(f"{GROUP_SIZE_KEY}={settings.group_size}")
+    if settings.fmt != default.fmt:
+        parts.append(f"{FORMAT_KEY}={settings.fmt!r}")
+    if settings.small_param_numel != default.small_param_numel:
+        parts.append(f"{SMALL_PARAM_KEY}={settings.small_param_numel}")
+    if settings.overlap_param_gather != default.overlap_param_gather:
+        parts.append(f"{OVERLAP_KEY}={settings.overlap_param_gather}")
+    return ", ".join(parts)
+
+
+def _reject_unsupported_config(ds_config: dict, zero: dict) -> None:
+    """Config-level refusals, before DeepSpeed builds anything."""
+    if zero.get("zenflow") is not None:
+        raise ValueError(
+            "zero_optimization.zenflow is set: ZenFlow is not supported with qzero's quantized weights "
+            "(its optimizer updates and gathers weights its own way)"
+        )
+    offload = zero.get("offload_optimizer")
+    device = offload.get("device") if isinstance(offload, dict) else offload
+    if device not in (None, "none", "cpu"):
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device={device!r} is not supported with qzero's quantized "
+            "weights: DeepSpeed's ZeRO-1/2 has no NVMe optimizer offload of its own (it would run CPU offload "
+            "under that name); use device 'cpu'"
+        )
+    if not _half_precision_requested(ds_config):
+        raise ValueError(
+            "neither bf16.enabled nor fp16.enabled is true: the flat groups would be fp32, which has nothing "
+            f"to gain from quantization and would lose precision; enable bf16 or fp16, or set {ENABLE_KEY}=false"
+        )
+
+
+def _half_precision_requested(ds_config: dict) -> bool:
+    """True when bf16/fp16 is on, or left to be decided later ("auto")."""
+    for key in ("bf16", "bfloat16", "fp16"):
+        section = ds_config.get(key)
+        if isinstance(section, dict) and section.get("enabled", False) in (True, "auto"):
+            return True
+    return False
