@@ -420,6 +420,13 @@ def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str 
         train_worker(settings, out_path, show)
     finally:
         dist.destroy_process_group()
+    # Done, record written: leave without the interpreter's finalization. Gloo's worker
+    # threads can still hold tensors of finished collectives there, and freeing them while
+    # the interpreter shuts down aborts the process now and then ("terminate called without
+    # an active exception", SIGABRT), which would fail a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(settings: TrainSettings, out_path: str | None = None, show_progress: bool = True) -> dict | None:
