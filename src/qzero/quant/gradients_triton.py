@@ -153,8 +153,8 @@ def pack_gradient(
 
     fp8, and fp32 sources, on a GPU run the torch reference: the kernel matches it under
     Triton's interpreter, but compiled on an H200 6 of the 18 cases of
-    ``tests/test_grad_quant.py -k kernels`` failed, and 3 still did with fp8 routed here (fp32
-    sources are the likeliest rest). INT8 from bf16/fp16 keeps the kernel."""
+    ``tests/test_grad_quant.py -k kernels`` failed (fp8 from fp32 among them), and 3 with fp8
+    routed here: by their count, INT8 from fp32. INT8 from bf16/fp16 keeps the kernel."""
     if src.device.type == "cuda" and (fmt == "fp8" or src.dtype == torch.float32):
         return ref.pack_gradient(src, out, layout, group_size, fmt, exact_index)
     ref._check_source(src)
