@@ -198,3 +198,50 @@ def test_close_finishes_the_gather_and_removes_the_hooks():
     assert not opt.ahead.busy
     assert all(not m._forward_pre_hooks for m in model.modules())
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if p._post_accumulate_grad_hooks is not None)
+
+
+class AttnNet(torch.nn.Module):
+    """``nn.MultiheadAttention`` reads its ``out_proj`` Linear's weight inside its own forward,
+    without calling ``out_proj``: no hook of ``out_proj`` ever runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(41, 32)
+        self.attn = torch.nn.ModuleList(torch.nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(3))
+        self.head = torch.nn.Linear(32, 41, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for a in self.attn:
+            x = x + a(x, x, x, need_weights=False)[0]
+        return self.head(x)
+
+
+def attn_run(rank, world, cfg_kwargs, steps):
+    torch.manual_seed(0)
+    model = AttnNet().bfloat16()
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=qzero.ZeroConfig(**cfg_kwargs))
+    losses = []
+    for step in range(steps):
+        tokens = torch.randint(0, 41, (world * 2, 9), generator=torch.Generator().manual_seed(step))[rank * 2 : rank * 2 + 2]
+        loss = F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 41), tokens[:, 1:].reshape(-1))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.wait_for_weights()
+    return losses, [g.flat.clone() for g in opt.groups]
+
+
+def test_parameters_read_inside_another_modules_forward_are_waited_for():
+    """The first forward (before any gather runs ahead) shows which modules' forwards run;
+    parameters of modules whose forward never runs are waited for by the closest enclosing
+    module that runs (here each MultiheadAttention waits for its out_proj)."""
+    for order in ("interleaved", "contiguous"):
+        cfg = dict(stage=2, zero_quantized_weights=True, small_param_numel=40, allgather_bucket_size=2 * 64 * 4,
+                   flat_order=order)
+        sync = run_distributed(attn_run, 2, {**cfg, "overlap_param_gather": False}, 4)
+        ahead = run_distributed(attn_run, 2, {**cfg, "overlap_param_gather": True}, 4)
+        for (l0, f0), (l1, f1) in zip(sync, ahead):
+            assert l0 == l1, f"{order}: a stale out_proj weight was read under gather-ahead"
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(f0, f1))

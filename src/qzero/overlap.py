@@ -77,22 +77,50 @@ class GatherAhead:
         index = {p: (gi, start, stop) for p, gi, start, stop in ranges}
         self._needs: dict[torch.nn.Module, list[tuple[int, int, int]]] = {}
         self._position: dict[torch.nn.Module, int] = {}
-        self._handles = []
+        self._parent: dict[torch.nn.Module, torch.nn.Module] = {}
+        self._handles: dict[torch.nn.Module, object] = {}
         for module in model.modules():
+            for child in module.children():
+                self._parent.setdefault(child, module)
             if _runs_no_forward(module) and module is not model:
                 continue  # its parameters are read by the nearest module that has a forward
             ranges = [index[p] for p in _parameters_read_by(module) if p in index]
             if ranges:
                 self._needs[module] = ranges
-                self._position[module] = len(self._position)
-                self._handles.append(module.register_forward_pre_hook(self._hook))
+            # Every module gets a hook until the first forward has shown which ones run (see
+            # _learn); afterwards only those that wait for something keep theirs.
+            self._position[module] = len(self._position)
+            self._handles[module] = module.register_forward_pre_hook(self._hook)
+        #: Modules whose forward ran before the first gather was started; None once learnt.
+        self._ran: set[torch.nn.Module] | None = set()
 
     def start(self, gi: int, pending: GatherHandle) -> None:
+        if self._ran is not None:
+            self._learn()
         self.pending[gi] = pending
         self._furthest = -1
         self._active = True  # the next forward is the one that overlaps this gather
 
+    def _learn(self) -> None:
+        """A module whose forward did not run in the forwards before the first gather (say
+        ``nn.MultiheadAttention``'s ``out_proj``, whose weight its parent reads directly) has
+        its parameters read by an enclosing module: the closest one whose forward ran waits
+        for them from now on. (No forward before the first step: nothing to learn from, each
+        module keeps its own parameters.)"""
+        ran, self._ran = self._ran, None
+        if ran:
+            for module in [m for m in self._needs if m not in ran]:
+                up = self._parent.get(module)
+                while up is not None and up not in ran:
+                    up = self._parent.get(up)
+                if up is not None:
+                    self._needs.setdefault(up, []).extend(self._needs.pop(module))
+        for module in [m for m in self._handles if m not in self._needs]:
+            self._handles.pop(module).remove()
+
     def _hook(self, module: torch.nn.Module, args) -> None:
+        if self._ran is not None:
+            self._ran.add(module)
         position = self._position[module]
         if self._active and position < self._furthest - REORDER_TOLERANCE and not self._warned:
             warnings.warn(
@@ -102,7 +130,7 @@ class GatherAhead:
             )
             self._warned = True
         self._furthest = max(self._furthest, position)
-        for gi, start, stop in self._needs[module]:
+        for gi, start, stop in self._needs.get(module, ()):
             pending = self.pending[gi]
             if pending is not None:
                 pending.wait_until(last_chunk_needed(pending.plan, start, stop))
@@ -123,6 +151,6 @@ class GatherAhead:
     def remove(self) -> None:
         """Finish the gather, then take the hooks off the model."""
         self.wait_all()
-        for h in self._handles:
+        for h in self._handles.values():
             h.remove()
-        self._handles = []
+        self._handles = {}
