@@ -38,7 +38,9 @@ done
 python3 - "$out" <<'EOF'
 import glob, json, os, statistics, sys
 out = sys.argv[1]
-rows = ["| cell | regime | plain_ahead / plain | int8_ahead / int8 | int8_ahead vs fsdp2 | int8_ahead / gpu1 |", "|---|---|---|---|---|---|"]
+# speedups are median(other) / median(arm) (> 1: faster); the last column is a step-time ratio
+rows = ["| cell | regime | plain: gather-ahead speedup | int8: gather-ahead speedup | int8_ahead speedup over fsdp2 "
+        "| int8_ahead step / 1-GPU step |", "|---|---|---|---|---|---|"]
 for path in sorted(glob.glob(os.path.join(out, "*", "matrix_dp*_*", "matrix.json"))):
     m = json.load(open(path))
     med = {a["arm"]: a.get("median_step_s") for a in m.get("analysis", {}).get("arms", [])}
