@@ -7,7 +7,7 @@
 chunks ``0..k`` in ``flat``; ``handle.wait()`` does it for every chunk. The synchronous
 gather is ``start_gather(...).wait()``; gather-ahead keeps the handle and lets each
 module's forward pre-hook wait for its own chunks (:mod:`qzero.overlap`); the DeepSpeed
-adapter uses the synchronous form. Chunks finish strictly in order, and the bits do not
+adapter uses either form on DeepSpeed's flat buffers. Chunks finish strictly in order, and the bits do not
 depend on the schedule: every schedule packs and unpacks the same groups with the same
 functions (:mod:`qzero.chunks`).
 
@@ -41,6 +41,10 @@ how many chunks have been launched or enqueued at any point is decided by the se
 calls alone (``start_gather``, ``wait_until(k)``, ``wait``), never by timing: an earlier
 version enqueued "while the device is still busy with the update", and the ranks then
 disagreed on the order of the next collectives and hung.
+
+A plain gather with nothing to overlap (no ``prepare``, not ahead: ``qzero.all_gather``, the
+exact re-gather) is one in-place collective over the whole buffer: each partition already
+sits where every rank receives it, so there is no receive buffer and no copy at all.
 
 Memory: whatever the schedule, the receive buffers alive at once together hold at most
 ``plan.bucket_numel * elem_size`` bytes (what a plain gather of one bucket receives).
