@@ -126,10 +126,19 @@ if triton is not None:
 
     @triton.jit
     def _widen(bits, IS_BF16: tl.constexpr):
-        """fp32 value of bf16/fp16 bit patterns (int16)."""
-        if IS_BF16:
-            return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+        """fp32 value of bf16/fp16 bit patterns (int16); fp32 values pass through.
+
+        One ``if``/``elif``/``else`` with a single return: the compiler keeps only the
+        branch the (compile-time) type selects, but code after an early ``return`` inside
+        such an ``if`` is still compiled for every type (and a 32-to-16-bit bitcast there
+        is an error)."""
+        if bits.dtype == tl.float32:
+            x = bits
+        elif IS_BF16:
+            x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+        return x
 
     @triton.jit
     def _narrow(v, IS_BF16: tl.constexpr, SOFT: tl.constexpr):
@@ -476,12 +485,8 @@ def pack_payload(
     """Kernel twin of :func:`qzero.quant.reference.pack_payload`: same arguments, same bytes.
 
     ``src`` may also be fp32 (quantized as it is, with no rounding to 16 bits first) when
-    it has no exact elements; that case runs the torch reference itself (the kernel reads
-    16-bit sources only)."""
-    if src.dtype == torch.float32 and (exact_index is None or exact_index.numel() == 0):
-        from . import reference
-
-        return reference.pack_payload(src, out, layout, group_size, fmt, exact_index)
+    it has no exact elements: the kernel then reads the fp32 values directly (FSDP2's
+    master shards travel this way)."""
     f = get_format(fmt)
     count = 0 if exact_index is None else exact_index.numel()
     wide = src.dtype == torch.float32

@@ -1,0 +1,92 @@
+"""Compile qzero's Triton kernels for an NVIDIA GPU target, without a GPU.
+
+Run as a script by ``test_kernel_compile.py`` (in a process of its own: the kernel tests
+run Triton's interpreter, and a process that imported Triton in that mode cannot compile).
+The interpreter runs a kernel as Python and misses errors that only compilation finds (a
+bitcast between types of different widths in a branch a type never takes, for example);
+this compiles every source type and format the launchers use, through ptxas, for sm_90.
+Prints one JSON object: ``{variant: "ok" | error text}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import warnings
+
+os.environ.pop("TRITON_INTERPRET", None)
+warnings.filterwarnings("ignore")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from qzero.quant import gradients_triton as gt  # noqa: E402
+from qzero.quant import triton as qt  # noqa: E402
+from qzero.quant.reference import FLT_MIN  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+FMTS = {"int8": (0, 127.0), "fp8": (1, 448.0), "int4": (2, 7.0)}
+SRC = {"bf16": "*i16", "fp16": "*i16", "fp32": "*fp32"}
+
+
+def build(fn, sig: dict, const: dict, **options) -> str:
+    sig = dict(sig)
+    for k in const:
+        sig[k] = "constexpr"
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    try:
+        triton.compile(src, target=TARGET, options={"num_warps": 4, **options})
+        return "ok"
+    except Exception as e:  # the message of a compilation error is the point of this script
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text[-600:]}"
+
+
+def main(quick: bool) -> dict:
+    results = {}
+    # Weight pack: every source type and format; exact elements only from 16-bit sources.
+    for src, fmt, exact in itertools.product(SRC, FMTS, (False, True)):
+        if src == "fp32" and exact:
+            continue
+        if quick and src == "fp16" and fmt != "fp8":
+            continue
+        code, qmax = FMTS[fmt]
+        pairs = src != "fp32"
+        sig = dict(src_ptr=SRC[src], values_ptr="*u8", scales_ptr="*fp32", side_ptr="*i16" if exact else "*fp32",
+                   idx_ptr="*i64" if exact else "*fp32", blk_ptr="*i64" if exact else "*fp32", n="i64")
+        const = dict(IS_BF16=src == "bf16", SOFT=False, PAIRS=pairs, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64,
+                     GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11)
+        results[f"pack {src} {fmt} exact={exact}"] = build(qt._pack_kernel, sig, const, **qt.PACK_OPTIONS)
+    # Weight unpack: 16-bit destinations, every format.
+    for dst, fmt in itertools.product(("bf16", "fp16"), FMTS):
+        if quick and dst == "fp16" and fmt != "fp8":
+            continue
+        code, _ = FMTS[fmt]
+        sig = dict(values_ptr="*u8", scales_ptr="*fp32", dst_ptr="*i16", n="i64")
+        const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
+        results[f"unpack {dst} {fmt}"] = build(qt._unpack_kernel, sig, const)
+    # Gradient pack and dequantize-sum: every source type (fp32 as int32 bits), 8-bit formats.
+    for (kind, name), fmt in itertools.product(enumerate(("bf16", "fp16", "fp32")), ("int8", "fp8")):
+        if quick and name == "fp16" and fmt != "fp8":
+            continue
+        code, qmax = FMTS[fmt]
+        bits = "*i32" if kind == 2 else "*i16"
+        sig = dict(src_ptr=bits, values_ptr="*u8", scales_ptr="*fp32", side_ptr=bits, idx_ptr="*i64",
+                   blk_ptr="*i64", n="i64")
+        const = dict(KIND=kind, SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16,
+                     HAS_EXACT=True, STEPS=11)
+        results[f"gradient pack {name} {fmt}"] = build(gt._grad_pack_kernel, sig, const, **qt.PACK_OPTIONS)
+        sig = dict(payloads_ptr="*u8", own_ptr=bits, out_ptr="*fp32", n="i64", nbytes="i64", scales_offset="i64",
+                   rank="i32", world="i32")
+        const = dict(KIND=kind, SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
+        results[f"gradient dequantize-sum {name} {fmt}"] = build(gt._dequantize_sum_kernel, sig, const,
+                                                                 **qt.PACK_OPTIONS)
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(quick="--quick" in sys.argv)))
