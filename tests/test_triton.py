@@ -187,10 +187,12 @@ def test_fp32_source_matches_reference(fmt, n, tile):
     gen = torch.Generator().manual_seed(n)
     x = weights(n, torch.float32, gen) * (1 + torch.rand(n, generator=gen) * 2**-10)
     assert not torch.equal(x, x.bfloat16().float())
+    x = x.to("cuda" if CUDA else "cpu")  # compiled kernels launch on the GPU
     payload, layout = check_pack(x, fmt, 64, None, gen)
     check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, None, gen)
     with pytest.raises(ValueError, match="fp32 source cannot have exact"):
-        kernels.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])), 64, fmt, torch.tensor([0]))
+        kernels.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])), 64, fmt,
+                             torch.tensor([0], device=x.device))
 
 
 @cpu_only
