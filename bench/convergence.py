@@ -1,16 +1,21 @@
-"""Convergence study: does training with the quantized weight gather reach the loss of bf16?
+"""Convergence study: does training with the quantized weight gather (and, at DP2, the quantized
+gradient reduction) reach the loss of bf16?
 
 Arms (default): ``bf16`` (plain gather, ``quantized=false``), ``int8-g64``, ``int8-g8192``,
-``fp8-g64`` and ``int4-g64``. Every arm trains the same randomly initialised Qwen3-shaped
+``fp8-g64`` and ``int4-g64``. An arm name is a weight spec (``bf16`` or ``<fmt>-g<group size>``)
+optionally followed by ``+gq-<fmt>-g<group size>``, the quantized gradient reduction
+(``zero_quantized_gradients=true`` with that format, int8 or fp8, and group size), e.g.
+``int8-g64+gq-int8-g64``. Every arm trains the same randomly initialised Qwen3-shaped
 model (preset ``qwen3-125m-byte``: hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64,
 MLP 3840, byte vocabulary, 125,456,640 parameters) on the same batches of real text (by
 default :func:`qzero.workload.load_corpus`: this Python's standard-library ``*.py`` sources,
 byte level, 8 MB) with the same seed, in bf16, ZeRO-2, AdamW (constant LR, no weight decay)
 with global-norm clipping, through :func:`qzero.train.launch` (which records the loss of every
-step). Nothing is downloaded.
+step). Nothing is downloaded. ``--micro-batch`` is the global batch of a step (sequences, all
+ranks together).
 
-Each arm runs as its own single-process run at world size 1, all arms at once (on a GPU host
-spread round-robin over the visible GPUs: 3 on GPU 0 and 2 on GPU 1 with two GPUs). qzero
+World size 1 (the default): each arm runs as its own single-process run, all arms at once (on a
+GPU host spread round-robin over the visible GPUs: 3 on GPU 0 and 2 on GPU 1 with two GPUs). qzero
 quantizes at world size 1 exactly as at DP2: the optimizer runs the same reduce / update /
 gather phases, and the gather quantizes the rank's own partition and dequantizes it into the
 flat buffer (``tests/test_convergence.py`` checks that the weights after a step are the
@@ -22,14 +27,29 @@ size 1 and at DP2 alike. With group 8192 the 768-element norms between the matri
 alignment: the groups equal those of DP2 in the contiguous flat order (every parameter at the
 same offset), while DP2's interleaved order (``flat_order="auto"``'s usual choice at DP2)
 cuts the 8192-element groups at other places (same size, other neighbours). A world-1 arm
-with micro-batch 16 sees the global batch of a DP2 run with micro-batch 8.
+with micro-batch 16 sees the global batch of a DP2 run with micro-batch 8 per rank.
+
+``--world-size N`` (N > 1; needed by the ``+gq`` arms: at world size 1 the gradient reduction
+sends nothing, a rank's own slice is never quantized): every arm is one data-parallel job of N
+processes (gloo on the CPU, NCCL on CUDA, its own rendezvous port), all arms at once; on CUDA
+rank r of every arm uses the r-th GPU of ``--gpus`` (N = 2 on a 2-GPU host: every arm on both
+GPUs). Each rank trains on ``micro-batch / N`` sequences of the step's global batch, so
+``--world-size 2 --micro-batch 16`` trains on exactly the batches of ``--micro-batch 16`` at
+world size 1 (8 per rank). Default arms at N > 1: ``bf16,int8-g64,int8-g64+gq-int8-g64,
+int8-g64+gq-int8-g256`` (the gradient study). For the ``+gq`` arms the gradient error of the
+quantized reduction is measured every ``--grad-error-every`` steps (and at the last):
+``reduced_rel_err`` = ||Q - E|| / ||E||, Q the fp32 sums the reduction gave the owners, E the
+exact fp32 sums of the same staged gradients, and ``payload_rel_err`` = ||deq(payload) - g|| /
+||g|| of what was sent (see :class:`GradErrorProbe`). The table adds the gradient bytes a rank
+sends per step relative to the plain reduction and the mean ``reduced_rel_err``.
 
 Outputs in ``--out``: ``convergence.png`` (raw and smoothed loss of every arm, and the
 smoothed difference from bf16), ``convergence.md`` (final loss = mean of the last 100 steps,
-its difference from bf16 in absolute and %), ``convergence.json`` (every per-step loss,
-gradient norm and step time, the settings, versions, date) and per-arm logs. The table is
-printed last. With ``--time-limit`` the arms still running when it expires are stopped and
-the report compares all arms over the steps every arm completed.
+its difference from bf16 in absolute and %, each arm against the 0.5% target), ``convergence.json``
+(every per-step loss, gradient norm and step time, gradient errors, the settings, versions, date)
+and per-arm logs (every rank's stderr). The table is printed last. With ``--time-limit`` the arms
+still running when it expires are stopped and the report compares all arms over the steps every
+arm completed.
 
 ``--from-arms DIR`` rebuilds ``convergence.json`` (in ``--out``) from the per-arm records
 ``DIR/arm_<name>.json`` of a run whose combined output was lost, and renders it: the settings,
@@ -37,9 +57,13 @@ losses, gradient norms, bytes and memory come from the records; what only the pa
 knew (the run's wall time, environment, per-arm GPUs, exit codes and streamed step times) comes
 from ``--wall-s``, ``--env KEY=VALUE`` and ``--gpus`` or is left null; ``--note`` says why.
 
-    python bench/convergence.py                      # the GPU study (defaults)
+    python bench/convergence.py                      # the world-1 GPU study (defaults)
+    python bench/convergence.py --world-size 2 --micro-batch 8 --time-limit 330 \\
+        --out OUT                                    # the DP2 gradient study on a 2-GPU host
     python bench/convergence.py --preset tiny --steps 20 --seq-len 64 --micro-batch 4 \\
         --arms bf16,int8-g64 --device cpu --out /tmp/conv   # a CPU smoke run
+    python bench/convergence.py --world-size 2 --preset tiny --steps 20 --seq-len 64 --micro-batch 4 \\
+        --arms bf16,int8-g64+gq-int8-g64 --device cpu --out /tmp/conv2   # a DP2 CPU smoke run
     python bench/convergence.py --from-arms OUT --gpus 0,1 --wall-s 188 --env torch=2.11.0+cu130 \\
         --note "..." --out OUT                             # rebuild OUT/convergence.json from OUT/arm_*.json
 """
@@ -68,6 +92,7 @@ DP_ARMS = "bf16,int8-g64,int8-g64+gq-int8-g64,int8-g64+gq-int8-g256"  # the grad
 FORMATS = ("int8", "fp8", "int4")
 TARGET_ARM, TARGET_PCT = "int8-g64", 0.5  # INT8 g64 must finish within 0.5% of bf16
 MARK = "@@conv"  # progress lines a worker prints on stdout
+GRAD_MARK = "@@gerr"  # gradient-error lines (step, reduced and payload error, gradient bytes sent and plain)
 GROUPS_NOTE = (
     "qzero quantizes the rank's own partition at world size 1 exactly as each rank does at DP2, with DP2's "
     "groups (preset qwen3-125m-byte): the g64 arms' groups are each matrix's aligned 64-element blocks in either flat order; the g8192 "
@@ -408,10 +433,18 @@ class GradErrorProbe:
 
         def probed_step(opt, *a, **k):
             took = step(opt, *a, **k)
-            if probe.active:
-                acc = probe.acc if probe.acc is not None else torch.zeros(4, dtype=torch.float64)
-                probe.records.append((probe.step, acc))
+            if probe.active:  # every rank's sums added up (every rank is here: same steps)
+                sums = probe.acc if probe.acc is not None else torch.zeros(4, dtype=torch.float64)
                 probe.acc = None
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.all_reduce(sums)
+                e_r, r_r, e_p, r_p = sums.tolist()
+                reduced = math.sqrt(e_r / r_r) if r_r > 0 else None
+                payload = math.sqrt(e_p / r_p) if r_p > 0 else None
+                sent, plain = sum(x.bytes_sent for x in opt.last_reduce), sum(x.plain_bytes for x in opt.last_reduce)
+                probe.records.append((probe.step + 1, reduced, payload))
+                if not dist.is_initialized() or dist.get_rank() == 0:  # the study reads it even if the arm is stopped
+                    print(f"{GRAD_MARK} {probe.step + 1} {reduced!r} {payload!r} {sent} {plain}", flush=True)
             probe.step += 1
             probe.active = probe.step in probe.steps
             return took
@@ -419,28 +452,22 @@ class GradErrorProbe:
         QuantizedExchange.launch, QuantizedExchange.finish = probed_launch, probed_finish
         zero.ZeroOptimizer.step = probed_step
 
-    def result(self, device, every: int) -> dict | None:
-        """Every rank's sums added up (a collective: call on every rank); the figures per step."""
-        import torch
-        import torch.distributed as dist
-
+    def result(self, every: int) -> dict | None:
+        """The figures per measured step (1-based steps, as the loss curves)."""
         if not self.records:
             return None
-        sums = torch.stack([a.to(device) for _, a in self.records])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums)
-        sums = sums.cpu().tolist()
+        return grad_error_record(self.records, every)
 
-        def ratio(e, r):
-            return math.sqrt(e / r) if r > 0 else None
 
-        return {
-            "steps": [s + 1 for s, _ in self.records],  # 1-based, as the loss curves
-            "reduced_rel_err": [ratio(x[0], x[1]) for x in sums],
-            "payload_rel_err": [ratio(x[2], x[3]) for x in sums],
-            "every": every,
-            "definition": GRAD_ERROR_NOTE,
-        }
+def grad_error_record(rows, every: int) -> dict:
+    """``rows``: ``(step, reduced_rel_err, payload_rel_err)`` per measured step."""
+    return {
+        "steps": [r[0] for r in rows],
+        "reduced_rel_err": [r[1] for r in rows],
+        "payload_rel_err": [r[2] for r in rows],
+        "every": every,
+        "definition": GRAD_ERROR_NOTE,
+    }
 
 
 GRAD_ERROR_NOTE = (
@@ -500,8 +527,7 @@ def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port:
         return
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank) if train.resolve_device(settings) == "cuda" else torch.device("cpu")
-    grad_error = probe.result(device, grad_every) if probe is not None else None
+    grad_error = probe.result(grad_every) if probe is not None else None
     if rank == 0 and grad_error is not None:
         with open(out_path) as f:
             record = json.load(f)
@@ -530,6 +556,8 @@ class Running:
         self.terminated = False
         self.losses: list[float] = []
         self.seconds: list[float] = []
+        self.grad_rows: list[tuple] = []  # streamed gradient-error lines: (step, reduced, payload)
+        self.grad_bytes: tuple[int, int] | None = None  # (sent, plain) of the last measured step
         self.lines: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -551,6 +579,11 @@ class Running:
                 _, step, loss, secs = line.split()
                 self.losses.append(float(loss))
                 self.seconds.append(float(secs))
+            elif line.startswith(GRAD_MARK):
+                _, step, reduced, payload, sent, plain = line.split()
+                num = lambda x: None if x == "None" else float(x)  # noqa: E731
+                self.grad_rows.append((int(step), num(reduced), num(payload)))
+                self.grad_bytes = (int(sent), int(plain))
             else:
                 self.log.write(line)
                 self.log.flush()
@@ -839,8 +872,8 @@ def main(argv=None) -> int:
                      for r in running},
         "target": {"arm": TARGET_ARM, "max_abs_diff_pct": TARGET_PCT},
         "arms": {
-            r.arm.name: arm_entry(r.arm, records.get(r.arm.name, {}), losses=r.losses, exit_code=r.poll(),
-                                  step_seconds=r.seconds)
+            r.arm.name: arm_entry(r.arm, records.get(r.arm.name) or streamed_record(r, args.grad_error_every),
+                                  losses=r.losses, exit_code=r.poll(), step_seconds=r.seconds)
             for r in running
         },
         "environment": env_info,
@@ -855,6 +888,16 @@ def main(argv=None) -> int:
         json.dump(study, f, indent=1)
     render(study, args.out)
     return 0 if not failed else 1
+
+
+def streamed_record(r: Running, every: int) -> dict:
+    """What an arm without a record (stopped by --time-limit) streamed: its gradient errors and bytes."""
+    out = {}
+    if r.grad_rows:
+        out["grad_error"] = grad_error_record(r.grad_rows, every)
+    if r.grad_bytes is not None:
+        out["grad_bytes_sent_per_step"], out["grad_plain_bytes_per_step"] = r.grad_bytes
+    return out
 
 
 def world_note(world: int) -> str:

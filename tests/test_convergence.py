@@ -123,6 +123,29 @@ def test_dp2_with_quantized_gradients_on_the_cpu(tmp_path):
         conv.study_from_records(records, conv.parse_arms("bf16,int8-g64+gq-int8-g256"))
 
 
+def test_streamed_lines_of_a_stopped_arm(tmp_path):
+    """An arm stopped by --time-limit writes no record: its losses, gradient errors and gradient
+    bytes come from the lines rank 0 streamed."""
+    import io
+    import types
+
+    conv = load_script()
+    lines = (f"{conv.MARK} 1 5.5 0.01\n{conv.GRAD_MARK} 1 0.0035 0.0056 700 1300\nsome log line\n"
+             f"{conv.MARK} 2 5.25 0.02\n{conv.GRAD_MARK} 2 None 0.005 702 1300\n")
+    proc = types.SimpleNamespace(stdout=io.StringIO(lines), poll=lambda: -15)
+    log = open(tmp_path / "log", "w")
+    r = conv.Running(conv.parse_arm("int8-g64+gq-int8-g64"), [proc], log, "cpu", str(tmp_path / "none.json"))
+    r.reader.join(timeout=10)
+    r.drain()
+    log.close()
+    assert r.losses == [5.5, 5.25] and r.seconds == [0.01, 0.02] and r.poll() == -15
+    assert (tmp_path / "log").read_text() == "some log line\n"
+    rec = conv.streamed_record(r, 1)
+    assert rec["grad_error"]["steps"] == [1, 2] and rec["grad_error"]["reduced_rel_err"] == [0.0035, None]
+    assert rec["grad_error"]["payload_rel_err"] == [0.0056, 0.005]
+    assert (rec["grad_bytes_sent_per_step"], rec["grad_plain_bytes_per_step"]) == (702, 1300)
+
+
 def test_final_loss_table_on_synthetic_losses():
     conv = load_script()
     n = 300
