@@ -434,7 +434,8 @@ class GradErrorProbe:
         def probed_step(opt, *a, **k):
             took = step(opt, *a, **k)
             if probe.active:  # every rank's sums added up (every rank is here: same steps)
-                sums = probe.acc if probe.acc is not None else torch.zeros(4, dtype=torch.float64)
+                sums = probe.acc if probe.acc is not None else torch.zeros(4, dtype=torch.float64,
+                                                                                device=opt.groups[0].device)
                 probe.acc = None
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.all_reduce(sums)
