@@ -1,16 +1,21 @@
-"""Convergence study: does training with the quantized weight gather reach the loss of bf16?
+"""Convergence study: does training with the quantized weight gather (and, at DP2, the quantized
+gradient reduction) reach the loss of bf16?
 
 Arms (default): ``bf16`` (plain gather, ``quantized=false``), ``int8-g64``, ``int8-g8192``,
-``fp8-g64`` and ``int4-g64``. Every arm trains the same randomly initialised Qwen3-shaped
+``fp8-g64`` and ``int4-g64``. An arm name is a weight spec (``bf16`` or ``<fmt>-g<group size>``)
+optionally followed by ``+gq-<fmt>-g<group size>``, the quantized gradient reduction
+(``zero_quantized_gradients=true`` with that format, int8 or fp8, and group size), e.g.
+``int8-g64+gq-int8-g64``. Every arm trains the same randomly initialised Qwen3-shaped
 model (preset ``qwen3-125m-byte``: hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64,
 MLP 3840, byte vocabulary, 125,456,640 parameters) on the same batches of real text (by
 default :func:`qzero.workload.load_corpus`: this Python's standard-library ``*.py`` sources,
 byte level, 8 MB) with the same seed, in bf16, ZeRO-2, AdamW (constant LR, no weight decay)
 with global-norm clipping, through :func:`qzero.train.launch` (which records the loss of every
-step). Nothing is downloaded.
+step). Nothing is downloaded. ``--micro-batch`` is the global batch of a step (sequences, all
+ranks together).
 
-Each arm runs as its own single-process run at world size 1, all arms at once (on a GPU host
-spread round-robin over the visible GPUs: 3 on GPU 0 and 2 on GPU 1 with two GPUs). qzero
+World size 1 (the default): each arm runs as its own single-process run, all arms at once (on a
+GPU host spread round-robin over the visible GPUs: 3 on GPU 0 and 2 on GPU 1 with two GPUs). qzero
 quantizes at world size 1 exactly as at DP2: the optimizer runs the same reduce / update /
 gather phases, and the gather quantizes the rank's own partition and dequantizes it into the
 flat buffer (``tests/test_convergence.py`` checks that the weights after a step are the
@@ -22,14 +27,29 @@ size 1 and at DP2 alike. With group 8192 the 768-element norms between the matri
 alignment: the groups equal those of DP2 in the contiguous flat order (every parameter at the
 same offset), while DP2's interleaved order (``flat_order="auto"``'s usual choice at DP2)
 cuts the 8192-element groups at other places (same size, other neighbours). A world-1 arm
-with micro-batch 16 sees the global batch of a DP2 run with micro-batch 8.
+with micro-batch 16 sees the global batch of a DP2 run with micro-batch 8 per rank.
+
+``--world-size N`` (N > 1; needed by the ``+gq`` arms: at world size 1 the gradient reduction
+sends nothing, a rank's own slice is never quantized): every arm is one data-parallel job of N
+processes (gloo on the CPU, NCCL on CUDA, its own rendezvous port), all arms at once; on CUDA
+rank r of every arm uses the r-th GPU of ``--gpus`` (N = 2 on a 2-GPU host: every arm on both
+GPUs). Each rank trains on ``micro-batch / N`` sequences of the step's global batch, so
+``--world-size 2 --micro-batch 16`` trains on exactly the batches of ``--micro-batch 16`` at
+world size 1 (8 per rank). Default arms at N > 1: ``bf16,int8-g64,int8-g64+gq-int8-g64,
+int8-g64+gq-int8-g256`` (the gradient study). For the ``+gq`` arms the gradient error of the
+quantized reduction is measured every ``--grad-error-every`` steps (and at the last):
+``reduced_rel_err`` = ||Q - E|| / ||E||, Q the fp32 sums the reduction gave the owners, E the
+exact fp32 sums of the same staged gradients, and ``payload_rel_err`` = ||deq(payload) - g|| /
+||g|| of what was sent (see :class:`GradErrorProbe`). The table adds the gradient bytes a rank
+sends per step relative to the plain reduction and the mean ``reduced_rel_err``.
 
 Outputs in ``--out``: ``convergence.png`` (raw and smoothed loss of every arm, and the
 smoothed difference from bf16), ``convergence.md`` (final loss = mean of the last 100 steps,
-its difference from bf16 in absolute and %), ``convergence.json`` (every per-step loss,
-gradient norm and step time, the settings, versions, date) and per-arm logs. The table is
-printed last. With ``--time-limit`` the arms still running when it expires are stopped and
-the report compares all arms over the steps every arm completed.
+its difference from bf16 in absolute and %, each arm against the 0.5% target), ``convergence.json``
+(every per-step loss, gradient norm and step time, gradient errors, the settings, versions, date)
+and per-arm logs (every rank's stderr). The table is printed last. With ``--time-limit`` the arms
+still running when it expires are stopped and the report compares all arms over the steps every
+arm completed.
 
 ``--from-arms DIR`` rebuilds ``convergence.json`` (in ``--out``) from the per-arm records
 ``DIR/arm_<name>.json`` of a run whose combined output was lost, and renders it: the settings,
@@ -37,9 +57,13 @@ losses, gradient norms, bytes and memory come from the records; what only the pa
 knew (the run's wall time, environment, per-arm GPUs, exit codes and streamed step times) comes
 from ``--wall-s``, ``--env KEY=VALUE`` and ``--gpus`` or is left null; ``--note`` says why.
 
-    python bench/convergence.py                      # the GPU study (defaults)
+    python bench/convergence.py                      # the world-1 GPU study (defaults)
+    python bench/convergence.py --world-size 2 --micro-batch 8 --time-limit 330 \\
+        --out OUT                                    # the DP2 gradient study on a 2-GPU host
     python bench/convergence.py --preset tiny --steps 20 --seq-len 64 --micro-batch 4 \\
         --arms bf16,int8-g64 --device cpu --out /tmp/conv   # a CPU smoke run
+    python bench/convergence.py --world-size 2 --preset tiny --steps 20 --seq-len 64 --micro-batch 4 \\
+        --arms bf16,int8-g64+gq-int8-g64 --device cpu --out /tmp/conv2   # a DP2 CPU smoke run
     python bench/convergence.py --from-arms OUT --gpus 0,1 --wall-s 188 --env torch=2.11.0+cu130 \\
         --note "..." --out OUT                             # rebuild OUT/convergence.json from OUT/arm_*.json
 """
@@ -64,21 +88,27 @@ except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 DEFAULT_ARMS = "bf16,int8-g64,int8-g8192,fp8-g64,int4-g64"
+DP_ARMS = "bf16,int8-g64,int8-g64+gq-int8-g64,int8-g64+gq-int8-g256"  # the gradient study, --world-size 2
 FORMATS = ("int8", "fp8", "int4")
 TARGET_ARM, TARGET_PCT = "int8-g64", 0.5  # INT8 g64 must finish within 0.5% of bf16
 MARK = "@@conv"  # progress lines a worker prints on stdout
+GRAD_MARK = "@@gerr"  # gradient-error lines (step, reduced and payload error, gradient bytes sent and plain)
 GROUPS_NOTE = (
     "qzero quantizes the rank's own partition at world size 1 exactly as each rank does at DP2, with DP2's "
     "groups (preset qwen3-125m-byte): the g64 arms' groups are each matrix's aligned 64-element blocks in either flat order; the g8192 "
     "arm's groups are those of DP2 in the contiguous flat order (DP2's interleaved order cuts the 8192-element "
     "groups at other places)."
 )
-# Throughput assumed for the wall-time estimate: training costs ~6 * params FLOPs per token.
-# The default study: 125.5M parameters x 16 x 512 = 8192 tokens per step = 6.17 TFLOP per step,
-# ~31 ms at 200 TFLOP/s effective; 2000 steps = ~62 s per arm on a GPU of its own, ~185 s for the
-# three arms sharing GPU 0 (~123 s for the two on GPU 1), plus ~30-60 s of start-up (imports,
-# CUDA and NCCL init, model build): about 4 minutes of wall time on a 2 x H200 host.
-EFFECTIVE_FLOPS = 200e12
+# Throughput assumed for the wall-time estimate: training costs ~6 * params FLOPs per token, and
+# arms sharing a GPU take turns. EFFECTIVE_FLOPS is what the world-1 study of 2026-11-30 reached
+# (bench/results/convergence): three arms of 8 x 512 tokens sharing one H200 at a median step of
+# ~83 ms = 3 x 6 x 125.5M x 4096 / 0.083 s = ~111 TFLOP/s per GPU, with every step's progress
+# sync and small-batch overheads included. At DP2 each rank also sends, per step, about half the
+# parameters' bf16 gradients and receives half the weights (less when quantized), taken at
+# LINK_BYTES_PER_S over NVLink for each arm in turn. Start-up (imports, CUDA and NCCL init, model
+# build, compile of the quantization kernels) adds ~30-60 s.
+EFFECTIVE_FLOPS = 110e12
+LINK_BYTES_PER_S = 100e9
 
 
 # ---------------------------------------------------------------------- arms
@@ -90,22 +120,58 @@ class Arm:
     quantized: bool
     fmt: str = "int8"
     group_size: int = 64
+    grad_quantized: bool = False  # zero_quantized_gradients (does something only at world size >= 2)
+    grad_fmt: str = "int8"
+    grad_group_size: int = 64
 
     @property
     def label(self) -> str:
-        return "bf16 (plain gather)" if not self.quantized else f"{self.fmt.upper()} g{self.group_size}"
+        weights = "bf16 (plain gather)" if not self.quantized else f"{self.fmt.upper()} g{self.group_size}"
+        if not self.grad_quantized:
+            return weights
+        return ("bf16 gather" if not self.quantized else weights) + f" + grad {self.grad_fmt.upper()} g{self.grad_group_size}"
+
+    def zero_fields(self) -> dict:
+        """The arm's own ZeroConfig fields (every other setting is shared by all arms)."""
+        return {
+            "zero_quantized_weights": self.quantized,
+            "zero_quantized_weights_format": self.fmt,
+            "zero_quantized_weights_group_size": self.group_size,
+            "zero_quantized_gradients": self.grad_quantized,
+            "zero_quantized_gradients_format": self.grad_fmt,
+            "zero_quantized_gradients_group_size": self.grad_group_size,
+        }
+
+
+def _spec(text: str, formats: tuple[str, ...], arm: str, what: str) -> tuple[str, int]:
+    fmt, _, group = text.partition("-g")
+    if fmt not in formats or not group.isdigit() or int(group) <= 0 or int(group) % 8:
+        raise ValueError(f"arm {arm!r}: {what} {text!r} is not <fmt>-g<group size> with fmt in {formats} and a "
+                         "group size that is a positive multiple of 8, e.g. int8-g64")
+    return fmt, int(group)
 
 
 def parse_arm(name: str) -> Arm:
-    """``bf16`` (the plain gather) or ``<fmt>-g<group size>``, e.g. ``int8-g64``, ``fp8-g64``."""
+    """``<weights>`` or ``<weights>+gq-<gradients>``. Weights: ``bf16`` (the plain gather) or
+    ``<fmt>-g<group size>`` (``int8-g64``, ``fp8-g64``, ``int4-g64``). Gradients (the quantized
+    gradient reduction, ``zero_quantized_gradients``): ``gq-<fmt>-g<group size>`` with fmt
+    int8 or fp8, e.g. ``int8-g64+gq-int8-g64`` or ``bf16+gq-int8-g256``."""
+    from qzero.config import GRADIENT_FORMATS
+
     name = name.strip()
-    if name == "bf16":
-        return Arm(name, quantized=False)
-    fmt, _, group = name.partition("-g")
-    if fmt not in FORMATS or not group.isdigit() or int(group) <= 0 or int(group) % 8:
-        raise ValueError(f"arm {name!r}: expected bf16 or <fmt>-g<group size> with fmt in {FORMATS} "
-                         "and a group size that is a positive multiple of 8, e.g. int8-g64")
-    return Arm(name, quantized=True, fmt=fmt, group_size=int(group))
+    weights, plus, grads = name.partition("+")
+    if weights == "bf16":
+        arm = dict(quantized=False)
+    else:
+        fmt, group = _spec(weights, FORMATS, name, "weight spec")
+        arm = dict(quantized=True, fmt=fmt, group_size=group)
+    if plus:
+        if not grads.startswith("gq-"):
+            raise ValueError(f"arm {name!r}: after '+' expected a gradient spec gq-<fmt>-g<group size>, "
+                             f"e.g. int8-g64+gq-int8-g64, got {grads!r}")
+        fmt, group = _spec(grads[3:], GRADIENT_FORMATS, name, "gradient spec")
+        arm.update(grad_quantized=True, grad_fmt=fmt, grad_group_size=group)
+    return Arm(name, **arm)
 
 
 def parse_arms(text: str) -> list[Arm]:
@@ -117,23 +183,24 @@ def parse_arms(text: str) -> list[Arm]:
 
 
 def arm_settings(arm: Arm, args):
+    """The arm's TrainSettings. ``args.micro_batch`` is the global batch of a step; each of
+    ``args.world_size`` ranks trains on its share (the same sequences at any world size)."""
     from qzero.train import TrainSettings
 
+    world = getattr(args, "world_size", 1)
     return TrainSettings(
         preset=args.preset,
         data=args.data,
-        world_size=1,
+        world_size=world,
         device=args.device,
         precision="bf16",
         zero={
             "stage": 2,
-            "zero_quantized_weights": arm.quantized,
-            "zero_quantized_weights_format": arm.fmt,
-            "zero_quantized_weights_group_size": arm.group_size,
+            **arm.zero_fields(),
             **({"gradient_clipping": args.clip} if args.clip > 0 else {}),
         },
         seq_len=args.seq_len,
-        micro_batch=args.micro_batch,
+        micro_batch=args.micro_batch // world,
         steps=args.steps,
         warmup=max(0, min(10, args.steps - 2)),  # steps left out of the step-time median only
         lr=args.lr,
@@ -181,16 +248,20 @@ def final_losses(losses: dict[str, list[float]], reference: str, last: int = 100
     return {"steps_compared": common, "window": [lo, common], "reference": reference, "arms": rows}
 
 
-def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | None = None) -> str:
+def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | None = None,
+                   grad: dict[str, tuple[float | None, float | None]] | None = None) -> str:
     """The results table; ``payload`` (optional): gather bytes per step relative to a plain
-    gather, per arm (evidence that the arm's weights really went through the quantizer)."""
+    gather, per arm (evidence that the arm's weights really went through the quantizer);
+    ``grad`` (optional, DP runs): per arm, the gradient bytes a rank sent per step relative to
+    the plain reduction, and the gradient error of the quantized reduction (None: not measured)."""
     lo, hi = summary["window"]
     ref = summary["reference"]
     extra = payload is not None
     lines = [
         f"| arm | final loss (mean of steps {lo + 1}–{hi}) | Δ vs {ref} | Δ % | paired SE of Δ |"
-        + (" gather bytes vs plain |" if extra else ""),
-        "|---|---|---|---|---|" + ("---|" if extra else ""),
+        + (" gather bytes vs plain |" if extra else "")
+        + (" grad bytes vs plain | grad rel. error |" if grad is not None else ""),
+        "|---|---|---|---|---|" + ("---|" if extra else "") + ("---|---|" if grad is not None else ""),
     ]
     for arm in arms:
         r = summary["arms"][arm.name]
@@ -202,17 +273,33 @@ def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | N
         if extra:
             ratio = payload.get(arm.name)
             row += f" {ratio:.3f} |" if ratio is not None else " — |"
+        if grad is not None:
+            ratio, err = grad.get(arm.name, (None, None))
+            row += (f" {ratio:.3f} |" if ratio is not None else " — |") + (f" {err:.4f} |" if err is not None else " — |")
         lines.append(row)
     return "\n".join(lines)
+
+
+def _verdict_line(label: str, r: dict) -> str:
+    ok = abs(r["diff_pct"]) <= TARGET_PCT
+    return f"{label} vs bf16: {r['diff_pct']:+.2f}% — {'within' if ok else 'OUTSIDE'} the {TARGET_PCT}% target"
 
 
 def verdict(summary: dict) -> str | None:
     r = summary["arms"].get(TARGET_ARM)
     if r is None or summary["reference"] != "bf16":
         return None
-    ok = abs(r["diff_pct"]) <= TARGET_PCT
-    return (f"INT8 g64 vs bf16: {r['diff_pct']:+.2f}% — {'within' if ok else 'OUTSIDE'} the {TARGET_PCT}% target "
-            f"(mean of the last {summary['window'][1] - summary['window'][0]} steps).")
+    return (_verdict_line("INT8 g64", r)
+            + f" (mean of the last {summary['window'][1] - summary['window'][0]} steps).")
+
+
+def verdicts(summary: dict, arms: list[Arm]) -> list[str]:
+    """One line per arm other than bf16: its Δ % and whether it is within the target."""
+    if summary["reference"] != "bf16":
+        return []
+    n = summary["window"][1] - summary["window"][0]
+    return [_verdict_line(a.label, summary["arms"][a.name]) + f" (mean of the last {n} steps)."
+            for a in arms if a.name != "bf16" and a.name in summary["arms"]]
 
 
 def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: str, window: int, title: str):
@@ -257,16 +344,162 @@ def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: 
 # ---------------------------------------------------------------------- one arm (a worker process)
 
 
-def worker(settings_json: str, out_path: str, threads: int) -> None:
-    """Run one arm in this process as rank 0 of 1 through qzero.train.launch, printing a
-    progress line per step on stdout."""
+class GradErrorProbe:
+    """What the quantized gradient reduction produced, against the exact reduction of the same
+    gradients, at chosen steps (0-based step indices), measured from outside the optimizer.
+
+    At a measured step, for every bucket (and solo parameter) a rank hands to the quantized
+    exchange (:class:`qzero.optim.quantized_reduce.QuantizedExchange`):
+
+    * **reduced**: before the exchange starts, each piece of the staged bucket (the rank's
+      own gradient values in the reduce dtype) is also summed exactly, in fp32, to its owner
+      (``dist.reduce``). When the exchange finishes, the owner's fp32 sum ``Q`` (its own piece
+      unquantized plus the others' dequantized payloads) is compared with that exact sum ``E``.
+    * **payload**: each payload the rank sends is dequantized with the torch reference
+      (:func:`qzero.quant.gradients.dequantize_piece`; exact elements from the side channel,
+      as the owner takes them) and compared with the piece it was packed from.
+
+    Per step, the squared error norms and squared reference norms are summed over every piece
+    on every rank; the figures are ``sqrt(sum ||Q - E||^2 / sum ||E||^2)`` and the same for
+    the payloads. Exact (small-parameter) elements count in both norms with error zero. The
+    training itself is unchanged: the probe only reads the buffers."""
+
+    def __init__(self, steps: set[int]):
+        self.steps = steps
+        self.step = 0
+        self.active = 0 in steps
+        self.acc = None  # [reduced err^2, reduced ref^2, payload err^2, payload ref^2], float64, on the device
+        self.records: list[tuple[int, object]] = []
+        self._exact: dict = {}
+
+    def _add(self, i: int, value) -> None:
+        import torch
+
+        if self.acc is None:
+            self.acc = torch.zeros(4, dtype=torch.float64, device=value.device)
+        self.acc[i] += value.to(torch.float64)
+
+    def install(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from qzero.optim import zero
+        from qzero.optim.quantized_reduce import QuantizedExchange
+        from qzero.quant.gradients import dequantize_piece
+
+        probe = self
+        launch, finish, step = QuantizedExchange.launch, QuantizedExchange.finish, zero.ZeroOptimizer.step
+
+        def exact_index(piece, device):
+            if not piece.exact:
+                return None
+            return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in piece.exact]).to(device)
+
+        def probed_launch(ex, buf, key, parts):
+            if not probe.active:
+                return launch(ex, buf, key, parts)
+            pieces = ex.pieces(key, parts)
+            for p in pieces:  # the exact fp32 sum of every piece, to its owner (same order on every rank)
+                t = buf[p.offset : p.offset + p.numel].to(torch.float32, copy=True)
+                dst = p.dest if ex.pg is None else dist.get_global_rank(ex.pg, p.dest)
+                dist.reduce(t, dst=dst, group=ex.pg)
+                if p.dest == ex.rank:
+                    probe._exact[(id(ex), key)] = t
+            pending, sent = launch(ex, buf, key, parts)
+            at = 0
+            for p in pieces:
+                if p.dest == ex.rank:
+                    continue
+                payload = pending.send[at : at + p.layout.nbytes]
+                at += p.layout.nbytes
+                src = buf[p.offset : p.offset + p.numel].to(torch.float32)
+                got = dequantize_piece(payload, p.layout, p.numel, ex.group_size, ex.fmt)
+                idx = exact_index(p, src.device)
+                if idx is not None:
+                    got[idx] = src[idx]
+                d = got - src
+                probe._add(2, d.dot(d))
+                probe._add(3, src.dot(src))
+            return pending, sent
+
+        def probed_finish(ex, pending, key):
+            res = finish(ex, pending, key)
+            exact = probe._exact.pop((id(ex), key), None)
+            if exact is not None and res is not None:
+                d = res[0] - exact
+                probe._add(0, d.dot(d))
+                probe._add(1, exact.dot(exact))
+            return res
+
+        def probed_step(opt, *a, **k):
+            took = step(opt, *a, **k)
+            if probe.active:  # every rank's sums added up (every rank is here: same steps)
+                sums = probe.acc if probe.acc is not None else torch.zeros(4, dtype=torch.float64,
+                                                                                device=opt.groups[0].device)
+                probe.acc = None
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.all_reduce(sums)
+                e_r, r_r, e_p, r_p = sums.tolist()
+                reduced = math.sqrt(e_r / r_r) if r_r > 0 else None
+                payload = math.sqrt(e_p / r_p) if r_p > 0 else None
+                sent, plain = sum(x.bytes_sent for x in opt.last_reduce), sum(x.plain_bytes for x in opt.last_reduce)
+                probe.records.append((probe.step + 1, reduced, payload))
+                if not dist.is_initialized() or dist.get_rank() == 0:  # the study reads it even if the arm is stopped
+                    print(f"{GRAD_MARK} {probe.step + 1} {reduced!r} {payload!r} {sent} {plain}", flush=True)
+            probe.step += 1
+            probe.active = probe.step in probe.steps
+            return took
+
+        QuantizedExchange.launch, QuantizedExchange.finish = probed_launch, probed_finish
+        zero.ZeroOptimizer.step = probed_step
+
+    def result(self, every: int) -> dict | None:
+        """The figures per measured step (1-based steps, as the loss curves)."""
+        if not self.records:
+            return None
+        return grad_error_record(self.records, every)
+
+
+def grad_error_record(rows, every: int) -> dict:
+    """``rows``: ``(step, reduced_rel_err, payload_rel_err)`` per measured step."""
+    return {
+        "steps": [r[0] for r in rows],
+        "reduced_rel_err": [r[1] for r in rows],
+        "payload_rel_err": [r[2] for r in rows],
+        "every": every,
+        "definition": GRAD_ERROR_NOTE,
+    }
+
+
+GRAD_ERROR_NOTE = (
+    "reduced_rel_err: ||Q - E|| / ||E|| over every rank's pieces, Q = the fp32 sum the quantized reduction gave the "
+    "owner (its own piece unquantized plus the other ranks' dequantized payloads), E = the exact fp32 sum of the same "
+    "staged gradients (an extra dist.reduce at measured steps only). payload_rel_err: ||deq(payload) - g|| / ||g|| "
+    "over every payload sent (torch-reference dequantization of the bytes actually sent, exact elements from the "
+    "side channel). Both before averaging and clipping; both over all elements, small parameters (sent exactly) "
+    "included."
+)
+
+
+def grad_error_steps(steps: int, every: int) -> set[int]:
+    """0-based steps measured: 0, every, 2 * every, ... and the last."""
+    if every <= 0:
+        return set()
+    return set(range(0, steps, every)) | {steps - 1}
+
+
+def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port: int = 0, grad_every: int = 0) -> None:
+    """Run one rank of one arm in this process through qzero.train.launch (rank 0 prints a
+    progress line per step on stdout). World size 1: the process sets up its own rank 0 of 1.
+    Larger: the study started ``world_size`` such processes with ``rank`` and one ``port``."""
     import torch
 
     from qzero import train
 
     settings = train.TrainSettings(**json.loads(settings_json))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(train._free_port()))
+    world = settings.world_size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port or train._free_port()))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     if threads > 0:
@@ -286,18 +519,46 @@ def worker(settings_json: str, out_path: str, threads: int) -> None:
     if not hasattr(train, "_progress"):
         print("note: qzero.train has no _progress to replace: no per-step progress from this arm", file=sys.stderr)
     train._progress = Report
+    probe = None
+    if world > 1 and settings.zero.zero_quantized_gradients and grad_every > 0:
+        probe = GradErrorProbe(grad_error_steps(settings.steps, grad_every))
+        probe.install()
     train.launch(settings, out_path, show_progress=True)
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    grad_error = probe.result(grad_every) if probe is not None else None
+    if rank == 0 and grad_error is not None:
+        with open(out_path) as f:
+            record = json.load(f)
+        record["grad_error"] = grad_error
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(out_path + ".tmp", out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+    # as qzero.train's own ranks do: leave without the interpreter's finalization (gloo's
+    # threads can abort it now and then after a run that succeeded)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------- the study
 
 
 class Running:
-    def __init__(self, arm: Arm, proc: subprocess.Popen, log, device_label: str, record: str):
-        self.arm, self.proc, self.log, self.device_label, self.record = arm, proc, log, device_label, record
+    """One arm: its processes (rank 0 first; rank 0's stdout carries the progress lines)."""
+
+    def __init__(self, arm: Arm, procs: list[subprocess.Popen], log, device_label: str, record: str):
+        self.arm, self.procs, self.log, self.device_label, self.record = arm, procs, log, device_label, record
+        self.proc = procs[0]
         self.terminated = False
         self.losses: list[float] = []
         self.seconds: list[float] = []
+        self.grad_rows: list[tuple] = []  # streamed gradient-error lines: (step, reduced, payload)
+        self.grad_bytes: tuple[int, int] | None = None  # (sent, plain) of the last measured step
         self.lines: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -319,9 +580,31 @@ class Running:
                 _, step, loss, secs = line.split()
                 self.losses.append(float(loss))
                 self.seconds.append(float(secs))
+            elif line.startswith(GRAD_MARK):
+                _, step, reduced, payload, sent, plain = line.split()
+                num = lambda x: None if x == "None" else float(x)  # noqa: E731
+                self.grad_rows.append((int(step), num(reduced), num(payload)))
+                self.grad_bytes = (int(sent), int(plain))
             else:
                 self.log.write(line)
                 self.log.flush()
+
+    def poll(self) -> int | None:
+        """None while any rank runs; then the first non-zero exit status (rank order), else 0."""
+        codes = [p.poll() for p in self.procs]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def failed_rank(self) -> bool:
+        """A rank ended with an error while another still runs (it would wait for it forever)."""
+        codes = [p.poll() for p in self.procs]
+        return any(c not in (None, 0) for c in codes) and any(c is None for c in codes)
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
 
 
 def count_params(preset: str) -> int:
@@ -335,19 +618,30 @@ def count_params(preset: str) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def estimate_seconds(params: int, tokens_per_step: int, steps: int, arms_per_device: int) -> float:
-    """6 N T FLOPs per step at EFFECTIVE_FLOPS, arms sharing a device one after another."""
-    return 6 * params * tokens_per_step * steps * arms_per_device / EFFECTIVE_FLOPS
+def estimate_seconds(params: int, tokens_per_rank: int, steps: int, arms_per_device: int, world: int = 1) -> float:
+    """6 N T FLOPs per rank and step at EFFECTIVE_FLOPS, arms sharing a device one after another;
+    at world > 1 plus each rank's plain bf16 gradient and weight traffic at LINK_BYTES_PER_S."""
+    compute = 6 * params * tokens_per_rank * steps * arms_per_device / EFFECTIVE_FLOPS
+    link = 0.0 if world == 1 else 2 * params * 2 * (world - 1) / world * steps * arms_per_device / LINK_BYTES_PER_S
+    return compute + link
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma list: bf16 or <fmt>-g<N> (default {DEFAULT_ARMS})")
+    ap.add_argument("--arms", default=None,
+                    help=f"comma list: bf16 or <fmt>-g<N>, each optionally +gq-<fmt>-g<N> (quantized gradient "
+                         f"reduction, world size >= 2 only) (default: {DEFAULT_ARMS}; with --world-size 2 or "
+                         f"more: {DP_ARMS})")
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="data-parallel ranks per arm (default 1: every arm one process). N > 1: every arm is one "
+                         "DP-N job; on CUDA rank r of every arm uses GPU r (of --gpus)")
     ap.add_argument("--preset", default="qwen3-125m-byte")
     ap.add_argument("--data", default=None, help="text file to train on (default: the stdlib sources corpus)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=16,
+                    help="sequences per step, all ranks together (the global batch); each of --world-size ranks "
+                         "trains on micro-batch / world-size of them, the same sequences at any world size")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     ap.add_argument("--seed", type=int, default=0)
@@ -357,6 +651,9 @@ def parse_args(argv=None):
     ap.add_argument("--last", type=int, default=100, help="final loss = mean of this many last steps")
     ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the smoothed curves")
     ap.add_argument("--time-limit", type=float, default=0, help="stop arms after this many seconds (0: none)")
+    ap.add_argument("--grad-error-every", type=int, default=100,
+                    help="gradient-quantization arms: measure the gradient error every this many steps (and at "
+                         "the last; 0: never)")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--out", default="bench/results/convergence")
     ap.add_argument("--render", default=None, metavar="JSON",
@@ -368,8 +665,11 @@ def parse_args(argv=None):
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="with --from-arms: an environment field of the run (repeatable; date= also sets the date)")
     ap.add_argument("--note", default=None, help="with --from-arms: a note stored in the JSON and shown in the .md")
-    ap.add_argument("--worker", nargs=3, metavar=("SETTINGS", "OUT", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=6, metavar=("SETTINGS", "OUT", "THREADS", "RANK", "PORT", "GRAD_EVERY"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.arms is None:
+        args.arms = DEFAULT_ARMS if args.world_size == 1 else DP_ARMS
     if args.worker is None and args.render is None:
         for name in ("steps", "seq_len", "micro_batch", "last", "smooth"):
             if getattr(args, name) < 1:
@@ -378,6 +678,17 @@ def parse_args(argv=None):
             args.arm_list = parse_arms(args.arms)
         except ValueError as e:
             ap.error(str(e))
+        if args.world_size < 1:
+            ap.error(f"--world-size must be at least 1, got {args.world_size}")
+        if args.micro_batch % args.world_size:
+            ap.error(f"--micro-batch {args.micro_batch} (the global batch) is not a multiple of --world-size "
+                     f"{args.world_size}")
+        if args.grad_error_every < 0:
+            ap.error(f"--grad-error-every must be 0 or more, got {args.grad_error_every}")
+        gq = [a.name for a in args.arm_list if a.grad_quantized]
+        if gq and args.world_size < 2 and args.from_arms is None:
+            ap.error(f"arm(s) {', '.join(gq)} quantize the gradient reduction, which sends nothing at world size 1 "
+                     "(a rank's own slice is never quantized): use --world-size 2")
     args.env_fields = {}
     for item in args.env:
         key, sep, value = item.partition("=")
@@ -390,7 +701,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        settings, out, threads, rank, port, every = args.worker
+        worker(settings, out, int(threads), int(rank), int(port), int(every))
         return 0
     if args.render is not None:
         with open(args.render) as f:
@@ -422,60 +734,84 @@ def main(argv=None) -> int:
     from qzero.train import resolve_device, validate
 
     arms: list[Arm] = args.arm_list
+    world = args.world_size
     first = arm_settings(arms[0], args)
     device = resolve_device(first)
     args.device = device
     validate(dataclasses.replace(first, device=device))
     if device == "cuda":
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
-        slots = arm_slots(len(arms), "cuda", gpus)  # 5 arms on 2 GPUs: 3 + 2
+        if len(gpus) < world:
+            raise SystemExit(f"--world-size {world} needs {world} GPUs; --gpus / the visible GPUs give {gpus}")
+        slots = arm_slots(len(arms), "cuda", gpus, world)  # world 1: 5 arms on 2 GPUs, 3 + 2; world 2: all on both
         visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     else:
         slots, visible = ["cpu"] * len(arms), []
-    threads = args.threads or max(1, (os.cpu_count() or 1) // len(arms))  # the arms share the cores
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (len(arms) * world))  # the ranks share the cores
     os.makedirs(args.out, exist_ok=True)
     params = count_params(args.preset)
     tokens = args.micro_batch * args.seq_len
     per_device = max(slots.count(s) for s in set(slots))
-    est = estimate_seconds(params, tokens, args.steps, per_device)
-    print(f"convergence: preset {args.preset} ({params:,} parameters), {len(arms)} arms at world size 1, "
-          f"{args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, bf16, device {device}", flush=True)
+    est = estimate_seconds(params, tokens // world, args.steps, per_device, world)
+    print(f"convergence: preset {args.preset} ({params:,} parameters), {len(arms)} arms at world size {world}, "
+          f"{args.steps} steps of {args.micro_batch} x {args.seq_len} tokens"
+          + (f" ({args.micro_batch // world} sequences per rank)" if world > 1 else "")
+          + f", bf16, device {device}", flush=True)
     if device == "cuda":
-        print(f"  estimate: 6 x {params / 1e6:.1f}M x {tokens} tokens = {6 * params * tokens / 1e12:.2f} TFLOP/step; "
-              f"at {EFFECTIVE_FLOPS / 1e12:.0f} TFLOP/s effective per GPU and {per_device} arms on the busiest GPU: "
-              f"~{est:.0f} s of training", flush=True)
+        print(f"  estimate: 6 x {params / 1e6:.1f}M x {tokens // world} tokens = "
+              f"{6 * params * tokens / world / 1e12:.2f} TFLOP/step per rank; at {EFFECTIVE_FLOPS / 1e12:.0f} TFLOP/s "
+              f"effective per GPU and {per_device} arms on the busiest GPU"
+              + (f", plus {2 * params * 2 * (world - 1) / world / 1e6:.0f} MB of plain gradient and weight traffic "
+                 f"per rank and step at {LINK_BYTES_PER_S / 1e9:.0f} GB/s" if world > 1 else "")
+              + f": ~{est:.0f} s of training (plus ~30-60 s of start-up)", flush=True)
 
     started = time.time()
     running: list[Running] = []
+    ports: set[int] = set()
     for arm, slot in zip(arms, slots):
         settings = dataclasses.replace(arm_settings(arm, args), device=device)
         env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
-        if slot.startswith("cuda:"):  # each arm sees one GPU (an index into the visible ones)
-            index = int(slot.split(":")[1])
-            env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+        if slot.startswith("cuda:"):  # the arm sees its GPUs (indices into the visible ones); rank r uses the r-th
+            indices = [int(i) for i in slot.split(":")[1].split(",")]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if i < len(visible) else str(i) for i in indices)
         record = os.path.join(args.out, f"arm_{arm.name}.json")
         if os.path.exists(record):
             os.remove(record)
-        log = open(os.path.join(args.out, f"arm_{arm.name}.log"), "w")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker",
-               json.dumps(dataclasses.asdict(settings)), record, str(threads)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        running.append(Running(arm, proc, log, slot, record))
-        print(f"  started {arm.name:12s} on {slot} (pid {proc.pid})", flush=True)
+        log = open(os.path.join(args.out, f"arm_{arm.name}.log"), "a")  # every rank appends to it
+        log.truncate(0)
+        port = 0
+        if world > 1:  # one rendezvous port per arm
+            from qzero.train import _free_port
+
+            port = _free_port()
+            while port in ports:
+                port = _free_port()
+            ports.add(port)
+        procs = []
+        for rank in range(world):
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(dataclasses.asdict(settings)),
+                   record, str(threads), str(rank), str(port), str(args.grad_error_every)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True,
+                                          env=env))
+        running.append(Running(arm, procs, log, slot, record))
+        print(f"  started {arm.name:12s} on {slot} (pid{'s' if world > 1 else ''} "
+              f"{' '.join(str(p.pid) for p in procs)})", flush=True)
 
     stopped = False
     last_report = 0.0
     while True:
         for r in running:
             r.drain()
-        done = all(r.proc.poll() is not None for r in running)
+            if r.failed_rank():  # its other ranks would wait for it until a collective times out
+                r.terminate()
+        done = all(r.poll() is not None for r in running)
         now = time.time() - started
         if done or now - last_report >= args.progress_every:
             last_report = now
             parts = [f"{r.arm.name} {len(r.losses)}/{args.steps}"
                      + (f" loss {r.losses[-1]:.3f}" if r.losses else "")
-                     + ("" if r.proc.poll() is None else
-                        " done" if r.proc.returncode == 0 else " stopped" if r.terminated else " FAILED")
+                     + ("" if r.poll() is None else
+                        " done" if r.poll() == 0 else " stopped" if r.terminated else " FAILED")
                      for r in running]
             print(f"  [{now:5.0f} s] " + " | ".join(parts), flush=True)
         if done:
@@ -483,13 +819,14 @@ def main(argv=None) -> int:
         if args.time_limit and now > args.time_limit and not stopped:
             print(f"  time limit {args.time_limit:.0f} s reached: stopping the arms still running", flush=True)
             for r in running:
-                if r.proc.poll() is None:
-                    r.proc.terminate()
+                if r.poll() is None:
+                    r.terminate()
                     r.terminated = True
             stopped = True
         time.sleep(0.5)
     for r in running:
-        r.proc.wait()
+        for p in r.procs:
+            p.wait()
         r.reader.join(timeout=10)  # the rest of its stdout
         r.drain()
         r.log.close()
@@ -501,9 +838,9 @@ def main(argv=None) -> int:
             with open(r.record) as f:
                 records[r.arm.name] = json.load(f)
             r.losses = records[r.arm.name]["losses"]  # the run's own record (the same values as streamed)
-    failed = [r for r in running if not r.losses or (r.proc.returncode != 0 and not r.terminated)]
+    failed = [r for r in running if not r.losses or (r.poll() != 0 and not r.terminated)]
     for r in failed:
-        print(f"arm {r.arm.name} failed (exit {r.proc.returncode}); last lines of {r.log.name}:", file=sys.stderr)
+        print(f"arm {r.arm.name} failed (exit {r.poll()}); last lines of {r.log.name}:", file=sys.stderr)
         with open(r.log.name) as f:
             print("".join(f.readlines()[-15:]), file=sys.stderr)
     if not any(r.losses for r in running):
@@ -527,32 +864,23 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "last": args.last,
         "smooth": args.smooth,
-        "world_size": 1,
-        "world_size_note": GROUPS_NOTE,
+        "world_size": world,
+        "world_size_note": world_note(world),
         "arm_devices": {r.arm.name: r.device_label for r in running},
         "estimate_s": est if device == "cuda" else None,
-        "estimate_basis": f"6 * params * tokens/step FLOPs at {EFFECTIVE_FLOPS:.3g} FLOP/s per GPU, "
-                          f"{per_device} arms sharing the busiest device",
+        "estimate_basis": estimate_basis(per_device, world),
         "settings": {r.arm.name: dataclasses.asdict(dataclasses.replace(arm_settings(r.arm, args), device=device))
                      for r in running},
         "target": {"arm": TARGET_ARM, "max_abs_diff_pct": TARGET_PCT},
         "arms": {
-            r.arm.name: {
-                "label": r.arm.label,
-                "steps_completed": len(r.losses),
-                "exit_code": r.proc.returncode,
-                "losses": r.losses,
-                "step_seconds": r.seconds,
-                "grad_norms": records.get(r.arm.name, {}).get("grad_norms"),
-                "peak_allocated_bytes": records.get(r.arm.name, {}).get("peak_allocated_bytes"),
-                "bytes_sent_per_step": records.get(r.arm.name, {}).get("bytes_sent_per_step"),
-                "plain_bytes_per_step": records.get(r.arm.name, {}).get("plain_bytes_per_step"),
-                "median_step_s": _median(records.get(r.arm.name, {}).get("step_times")),
-            }
+            r.arm.name: arm_entry(r.arm, records.get(r.arm.name) or streamed_record(r, args.grad_error_every),
+                                  losses=r.losses, exit_code=r.poll(), step_seconds=r.seconds)
             for r in running
         },
         "environment": env_info,
     }
+    if world > 1:
+        study["micro_batch_per_rank"] = args.micro_batch // world
     usable = [a for a in arms if study["arms"][a.name]["losses"]]
     losses = {a.name: study["arms"][a.name]["losses"] for a in usable}
     study["summary"] = final_losses(losses, "bf16" if "bf16" in losses else usable[0].name, args.last)
@@ -563,13 +891,63 @@ def main(argv=None) -> int:
     return 0 if not failed else 1
 
 
-def arm_slots(n_arms: int, device: str, gpus: list[int] | None) -> list[str | None]:
-    """The device of each arm as the study assigns them: round-robin over ``gpus`` (5 arms on 2 GPUs: 3 + 2)."""
+def streamed_record(r: Running, every: int) -> dict:
+    """What an arm without a record (stopped by --time-limit) streamed: its gradient errors and bytes."""
+    out = {}
+    if r.grad_rows:
+        out["grad_error"] = grad_error_record(r.grad_rows, every)
+    if r.grad_bytes is not None:
+        out["grad_bytes_sent_per_step"], out["grad_plain_bytes_per_step"] = r.grad_bytes
+    return out
+
+
+def world_note(world: int) -> str:
+    if world == 1:
+        return GROUPS_NOTE
+    return (f"ZeRO-2 partitions over {world} ranks, the gradients reduced and the weights gathered between them "
+            f"(on CUDA rank r on the r-th GPU of the arm's, the arms sharing the GPUs). The global batch of a step "
+            f"is split evenly over the ranks, so every arm trains on the sequences a world-1 run of the same "
+            f"--micro-batch does.")
+
+
+def estimate_basis(per_device, world: int) -> str:
+    return (f"6 * params * tokens/step/rank FLOPs at {EFFECTIVE_FLOPS:.3g} FLOP/s per GPU, {per_device} arms "
+            f"sharing the busiest device"
+            + (f", plus plain bf16 gradient + weight bytes per rank at {LINK_BYTES_PER_S:.3g} B/s" if world > 1 else ""))
+
+
+def arm_entry(arm: Arm, record: dict, *, losses, exit_code, step_seconds) -> dict:
+    """The study's entry for one arm: what the run streamed and what its record holds."""
+    return {
+        "label": arm.label,
+        "steps_completed": len(losses),
+        "exit_code": exit_code,
+        "losses": losses,
+        "step_seconds": step_seconds,
+        "grad_norms": record.get("grad_norms"),
+        "peak_allocated_bytes": record.get("peak_allocated_bytes"),
+        "bytes_sent_per_step": record.get("bytes_sent_per_step"),
+        "plain_bytes_per_step": record.get("plain_bytes_per_step"),
+        "grad_bytes_sent_per_step": record.get("grad_bytes_sent_per_step"),
+        "grad_plain_bytes_per_step": record.get("grad_plain_bytes_per_step"),
+        "grad_error": record.get("grad_error"),
+        "replicas_identical": record.get("replicas_identical"),
+        "median_step_s": _median(record.get("step_times")),
+    }
+
+
+def arm_slots(n_arms: int, device: str, gpus: list[int] | None, world: int = 1) -> list[str | None]:
+    """The devices of each arm as the study assigns them: world 1, round-robin over ``gpus`` (5 arms
+    on 2 GPUs: 3 + 2); world N, round-robin over consecutive groups of N of ``gpus`` (``cuda:0,1``:
+    rank r on the r-th), every arm on both GPUs of a 2-GPU host at N = 2."""
     if device != "cuda":
         return [device] * n_arms
     if not gpus:
         return [None] * n_arms
-    return [f"cuda:{gpus[i % len(gpus)]}" for i in range(n_arms)]
+    if world == 1:
+        return [f"cuda:{gpus[i % len(gpus)]}" for i in range(n_arms)]
+    groups = [gpus[i : i + world] for i in range(0, len(gpus) - world + 1, world)]
+    return [f"cuda:{','.join(map(str, groups[i % len(groups)]))}" for i in range(n_arms)]
 
 
 def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: list[int] | None = None,
@@ -589,8 +967,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     first = records[present[0].name]
     flat = {a.name: flat_settings(records[a.name]["settings"]) for a in present}  # older records too
     # what the arms share: every setting but the gather's format (and gather-ahead, which follows it)
-    own = ("zero_quantized_weights", "zero_quantized_weights_format", "zero_quantized_weights_group_size",
-           "overlap_param_gather")
+    own = (*Arm("", False).zero_fields(), "overlap_param_gather")
     for arm in present:
         s, f = flat[arm.name], flat[present[0].name]
         diff = [k for k in sorted(set(s) | set(f)) if k not in own and s.get(k) != f.get(k)]
@@ -599,13 +976,19 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
         q, fmt, group = s["zero_quantized_weights"], s["zero_quantized_weights_format"], s["zero_quantized_weights_group_size"]
         if bool(q) != arm.quantized or (arm.quantized and (fmt, group) != (arm.fmt, arm.group_size)):
             raise ValueError(f"arm {arm.name}: its record's settings are quantized={q} fmt={fmt} group_size={group}")
+        gq = bool(s.get("zero_quantized_gradients", False))
+        gfmt, ggroup = s.get("zero_quantized_gradients_format"), s.get("zero_quantized_gradients_group_size")
+        if gq != arm.grad_quantized or (gq and (gfmt, ggroup) != (arm.grad_fmt, arm.grad_group_size)):
+            raise ValueError(f"arm {arm.name}: its record's settings are zero_quantized_gradients={gq} "
+                             f"format={gfmt} group_size={ggroup}")
     st = flat[present[0].name]
     device = st["device"]
-    slots = dict(zip([a.name for a in arm_order], arm_slots(len(arm_order), device, gpus)))
+    world = st.get("world_size") or first.get("world_size") or 1
+    slots = dict(zip([a.name for a in arm_order], arm_slots(len(arm_order), device, gpus, world)))
     known = [s for s in slots.values() if s]
     per_device = max(known.count(s) for s in set(known)) if known else None
     params = first["params"]
-    est = (estimate_seconds(params, st["micro_batch"] * st["seq_len"], st["steps"], per_device)
+    est = (estimate_seconds(params, st["micro_batch"] * st["seq_len"], st["steps"], per_device, world)
            if device == "cuda" and per_device else None)
     env_info = dict(environment or {})
     clip = st.get("gradient_clipping", 0.0)
@@ -618,35 +1001,22 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
         "data": st["data"] or DEFAULT_DATA,
         "steps": st["steps"],
         "seq_len": st["seq_len"],
-        "micro_batch": st["micro_batch"],
+        "micro_batch": st["micro_batch"] * world,  # the global batch (the records hold a rank's)
         "lr": st["lr"],
         "clip": clip,
         "seed": st["seed"],
         "last": last,
         "smooth": smooth_window,
-        "world_size": 1,
-        "world_size_note": GROUPS_NOTE,
+        "world_size": world,
+        "world_size_note": world_note(world),
         "arm_devices": {a.name: slots[a.name] for a in present},
         "estimate_s": est,
-        "estimate_basis": f"6 * params * tokens/step FLOPs at {EFFECTIVE_FLOPS:.3g} FLOP/s per GPU, "
-                          f"{per_device} arms sharing the busiest device",
+        "estimate_basis": estimate_basis(per_device, world),
         "settings": {a.name: records[a.name]["settings"] for a in present},
         "target": {"arm": TARGET_ARM, "max_abs_diff_pct": TARGET_PCT},
-        "arms": {
-            a.name: {
-                "label": a.label,
-                "steps_completed": len(records[a.name]["losses"]),
-                "exit_code": None,
-                "losses": records[a.name]["losses"],
-                "step_seconds": None,
-                "grad_norms": records[a.name].get("grad_norms"),
-                "peak_allocated_bytes": records[a.name].get("peak_allocated_bytes"),
-                "bytes_sent_per_step": records[a.name].get("bytes_sent_per_step"),
-                "plain_bytes_per_step": records[a.name].get("plain_bytes_per_step"),
-                "median_step_s": _median(records[a.name].get("step_times")),
-            }
-            for a in present
-        },
+        "arms": {a.name: arm_entry(a, records[a.name], losses=records[a.name]["losses"], exit_code=None,
+                                   step_seconds=None)
+                 for a in present},
         "environment": env_info,
         "rebuilt_from": {
             "records": [f"arm_{a.name}.json" for a in present],
@@ -656,6 +1026,8 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
                               "step_times (warm-up steps left out); arm_devices follow --arms and --gpus",
         },
     }
+    if world > 1:
+        study["micro_batch_per_rank"] = st["micro_batch"]
     if note:
         study["note"] = note
     losses = {a.name: study["arms"][a.name]["losses"] for a in present}
@@ -675,27 +1047,38 @@ def render(study: dict, out: str) -> None:
     reference = summary["reference"]
     payload = {name: a["bytes_sent_per_step"] / a["plain_bytes_per_step"] for name, a in study["arms"].items()
                if a.get("bytes_sent_per_step") and a.get("plain_bytes_per_step")}
-    table = markdown_table(summary, arms, payload)
-    line = verdict(summary)
+    world = study.get("world_size", 1)
+    grad = None
+    if world > 1:  # the gradient reduction sends something only between ranks
+        grad = {}
+        for name, a in study["arms"].items():
+            sent, plain = a.get("grad_bytes_sent_per_step"), a.get("grad_plain_bytes_per_step")
+            errs = [e for e in ((a.get("grad_error") or {}).get("reduced_rel_err") or []) if e is not None]
+            grad[name] = (sent / plain if sent is not None and plain else None, sum(errs) / len(errs) if errs else None)
+    table = markdown_table(summary, arms, payload, grad)
+    lines = verdicts(summary, arms)
     env_info = study["environment"]
     wall = f"{study['wall_s']:.0f} s" if study.get("wall_s") is not None else "not recorded"
     steps_done = ", ".join(f"{name} {a['steps_completed']}" for name, a in study["arms"].items())
     try:
         title = (f"{study['preset']} ({study['params'] / 1e6:.1f}M params), {study['micro_batch']}x{study['seq_len']} "
-                 f"tokens/step, bf16, lr {study['lr']:g}")
+                 f"tokens/step, bf16, lr {study['lr']:g}" + (f", DP{world}" if world > 1 else ""))
         plot(os.path.join(out, "convergence.png"), losses, arms, reference, study["smooth"], title)
         plotted = "Curves: `convergence.png`"
     except ImportError as e:  # no matplotlib here: render the plot elsewhere with --render
         print(f"no plot ({e}); run bench/convergence.py --render {out}/convergence.json where matplotlib is installed")
         plotted = "No plot (matplotlib missing)"
     md = [
-        f"# Convergence: quantized weight gather vs bf16 ({study['date']})",
+        f"# Convergence: quantized weight gather{' and gradient reduction' if world > 1 else ''} vs bf16 "
+        f"({study['date']})",
         "",
         f"Model `{study['preset']}` ({study['params']:,} parameters, Qwen3-shaped, random init), data: "
         f"{study['data']}; {study['steps']} steps of {study['micro_batch']} x {study['seq_len']} tokens, bf16, "
         f"ZeRO-2, AdamW lr {study['lr']:g} (constant, no weight decay), gradient clipping {study['clip']:g}, "
-        f"seed {study['seed']} — the same model, batches and seed in every arm. Each arm is an independent "
-        f"world-size-1 run: {study['world_size_note']} Devices: "
+        f"seed {study['seed']} — the same model, batches and seed in every arm. "
+        + ("Each arm is an independent world-size-1 run: " if world == 1 else
+           f"Each arm is a DP{world} run ({study['micro_batch'] // world} sequences per rank): ")
+        + f"{study['world_size_note']} Devices: "
         + ", ".join(f"{name} {dev or 'not recorded'}" for name, dev in study["arm_devices"].items()) + ".",
         "",
         f"Environment: {env_info.get('device', 'not recorded')}, torch {env_info.get('torch', 'not recorded')}, "
@@ -709,21 +1092,32 @@ def render(study: dict, out: str) -> None:
         md += [f"**Incomplete:** steps completed per arm: {steps_done}; the arms are compared over the first "
                f"{summary['steps_compared']} steps.", ""]
     md += [table, ""]
-    if line:
-        md += [line, ""]
+    if lines:
+        md += ["\n".join(f"- {x}" for x in lines), ""]
     md += [f"Δ = arm − {reference}; paired SE = standard error of the per-step differences over the window "
            "(the arms see the same batches; steps are autocorrelated, so read it as a lower bound); gather "
            "bytes vs plain = the payload of the post-step gather per step relative to a plain bf16 gather "
            "(below 1: the weights went through the quantizer). "
            f"{plotted}; every per-step loss: `convergence.json`.", ""]
+    if grad is not None:
+        md += [f"Grad bytes vs plain = the gradient bytes a rank sends per step relative to the plain bf16 reduction "
+               f"(below 1: the gradients went through the quantizer). Grad rel. error = the mean over the measured "
+               f"steps of {GRAD_ERROR_NOTE}", ""]
+        for name, a in study["arms"].items():
+            ge = a.get("grad_error")
+            if ge:
+                fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
+                md += [f"Gradient error of {a['label']} (step: reduced / payload): " + ", ".join(
+                    f"{st}: {fmt(r)} / {fmt(p)}"
+                    for st, r, p in zip(ge["steps"], ge["reduced_rel_err"], ge["payload_rel_err"])) + ".", ""]
     with open(os.path.join(out, "convergence.md"), "w") as f:
         f.write("\n".join(md))
     print(f"wrote {out}/convergence.json, convergence.md, convergence.png (wall {wall})")
     if not study["complete"]:
         print(f"INCOMPLETE: steps completed per arm: {steps_done}; compared over the first "
               f"{summary['steps_compared']} steps")
-    if line:
-        print(line)
+    for x in lines:
+        print(x)
     print(table)
 
 

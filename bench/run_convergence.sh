@@ -5,7 +5,20 @@
 # arms at once as world-size-1 runs (3 on GPU 0, 2 on GPU 1). Estimated ~4 min of wall time
 # (see bench/convergence.py); TIME_LIMIT (default 520 s) stops the arms early, and the report
 # then compares them over the steps all of them completed.
+#
+# WORLD=2: the gradient study instead. Every arm is one DP2 job on both GPUs (rank r on GPU r),
+# four at once: ARMS (default bf16,int8-g64,int8-g64+gq-int8-g64,int8-g64+gq-int8-g256; "+gq-..."
+# quantizes the gradient reduction), 2000 steps of a global batch of MICRO_BATCH (default 8, the
+# global batch of the committed world-1 study: 4 x 512 bytes per rank) sequences. Expected wall
+# time ~3-4 min: ~130 s of training estimated from the world-1 study's measured ~111 TFLOP/s per
+# shared H200 (4 arms x 2048 tokens per rank and step on each GPU, plus each rank's ~250 MB of plain
+# gradient and weight traffic per step at 100 GB/s), plus ~60 s of start-up; arms of two ranks that
+# wait for each other while sharing GPUs with three other arms may well run slower, so TIME_LIMIT
+# defaults to 330 s there (report after ~5.5-6 min at the latest).
+#
 # Usage (repository root, on the GPU machine): bash bench/run_convergence.sh [OUTDIR] [convergence.py args...]
+#   WORLD=2 bash bench/run_convergence.sh OUTDIR
+#   WORLD=2 ARMS=bf16,int8-g64+gq-int8-g64 MICRO_BATCH=16 TIME_LIMIT=480 bash bench/run_convergence.sh OUTDIR
 set -u
 out=${1:-bench/results/convergence}
 shift || true
@@ -15,4 +28,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 qzero_install || exit 1
 nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, matplotlib; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'matplotlib', matplotlib.__version__)"
-python3 "$here/convergence.py" --device cuda --out "$out" --time-limit "${TIME_LIMIT:-520}" "$@"
+world=${WORLD:-1}
+if [ "$world" -gt 1 ]; then
+    python3 "$here/convergence.py" --device cuda --out "$out" --world-size "$world" \
+        --micro-batch "${MICRO_BATCH:-8}" --time-limit "${TIME_LIMIT:-330}" ${ARMS:+--arms "$ARMS"} "$@"
+else
+    python3 "$here/convergence.py" --device cuda --out "$out" --time-limit "${TIME_LIMIT:-520}" \
+        ${ARMS:+--arms "$ARMS"} ${MICRO_BATCH:+--micro-batch "$MICRO_BATCH"} "$@"
+fi

@@ -75,6 +75,77 @@ def test_end_to_end_on_the_cpu(tmp_path):
     assert res.stdout.strip().splitlines()[-1].startswith("| INT8 g64 |")
 
 
+def test_dp2_with_quantized_gradients_on_the_cpu(tmp_path):
+    """--world-size 2: every arm one DP2 job (gloo); the gq arm's gradients travel quantized (fewer bytes
+    than plain), its gradient error against the exact reduction is measured and reported, and both arms
+    train on the global batch split over the ranks (step 1: the same loss)."""
+    conv = load_script()
+    out = tmp_path / "conv2"
+    steps = 5
+    rc = conv.main(["--world-size", "2", "--preset", "tiny", "--steps", str(steps), "--seq-len", "32",
+                    "--micro-batch", "4", "--arms", "bf16,int8-g64+gq-int8-g64", "--device", "cpu", "--last", "3",
+                    "--smooth", "2", "--grad-error-every", "2", "--threads", "1", "--out", str(out)])
+    assert rc == 0, (out / "arm_int8-g64+gq-int8-g64.log").read_text()[-3000:]
+    study = json.loads((out / "convergence.json").read_text())
+    assert study["complete"] and study["world_size"] == 2 and study["micro_batch"] == 4
+    assert study["micro_batch_per_rank"] == 2
+    settings = study["settings"]["int8-g64+gq-int8-g64"]
+    assert settings["world_size"] == 2 and settings["micro_batch"] == 2
+    assert settings["zero"]["zero_quantized_gradients"] is True
+    assert settings["zero"]["zero_quantized_gradients_group_size"] == 64
+    assert study["settings"]["bf16"]["zero"]["zero_quantized_gradients"] is False
+    bf16, gq = study["arms"]["bf16"], study["arms"]["int8-g64+gq-int8-g64"]
+    for arm in (bf16, gq):
+        assert arm["exit_code"] == 0 and len(arm["losses"]) == steps and all(map(math.isfinite, arm["losses"]))
+        assert arm["replicas_identical"] is True
+    assert bf16["losses"][0] == pytest.approx(gq["losses"][0], abs=1e-6)  # same weights and batch at step 1
+    assert bf16["grad_bytes_sent_per_step"] == bf16["grad_plain_bytes_per_step"] > 0
+    assert 0 < gq["grad_bytes_sent_per_step"] < 0.6 * gq["grad_plain_bytes_per_step"]
+    assert bf16["grad_error"] is None
+    ge = gq["grad_error"]
+    assert ge["steps"] == [1, 3, 5] and ge["every"] == 2  # 0-based 0, 2 and the last
+    for err in ge["reduced_rel_err"] + ge["payload_rel_err"]:
+        assert math.isfinite(err) and 0 < err < 0.1
+    md = (out / "convergence.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert rows[0].endswith("| gather bytes vs plain | grad bytes vs plain | grad rel. error |")
+    mean = sum(ge["reduced_rel_err"]) / 3
+    assert rows[2].startswith("| INT8 g64 + grad INT8 g64 |") and rows[2].endswith(f" {mean:.4f} |")
+    assert rows[1].endswith("| 1.000 | 1.000 | — |")
+    assert "INT8 g64 + grad INT8 g64 vs bf16:" in md and "DP2 run (2 sequences per rank)" in md
+    # --from-arms rebuilds the same study from the DP2 records (they hold a rank's micro-batch)
+    records = {name: json.loads((out / f"arm_{name}.json").read_text()) for name in study["arms"]}
+    rebuilt = conv.study_from_records(records, conv.parse_arms("bf16,int8-g64+gq-int8-g64"), last=3, smooth_window=2)
+    assert rebuilt["summary"] == study["summary"] and rebuilt["world_size"] == 2 and rebuilt["micro_batch"] == 4
+    assert rebuilt["arms"]["int8-g64+gq-int8-g64"]["grad_error"] == ge
+    records["int8-g64+gq-int8-g256"] = records.pop("int8-g64+gq-int8-g64")
+    with pytest.raises(ValueError, match="group_size=64"):
+        conv.study_from_records(records, conv.parse_arms("bf16,int8-g64+gq-int8-g256"))
+
+
+def test_streamed_lines_of_a_stopped_arm(tmp_path):
+    """An arm stopped by --time-limit writes no record: its losses, gradient errors and gradient
+    bytes come from the lines rank 0 streamed."""
+    import io
+    import types
+
+    conv = load_script()
+    lines = (f"{conv.MARK} 1 5.5 0.01\n{conv.GRAD_MARK} 1 0.0035 0.0056 700 1300\nsome log line\n"
+             f"{conv.MARK} 2 5.25 0.02\n{conv.GRAD_MARK} 2 None 0.005 702 1300\n")
+    proc = types.SimpleNamespace(stdout=io.StringIO(lines), poll=lambda: -15)
+    log = open(tmp_path / "log", "w")
+    r = conv.Running(conv.parse_arm("int8-g64+gq-int8-g64"), [proc], log, "cpu", str(tmp_path / "none.json"))
+    r.reader.join(timeout=10)
+    r.drain()
+    log.close()
+    assert r.losses == [5.5, 5.25] and r.seconds == [0.01, 0.02] and r.poll() == -15
+    assert (tmp_path / "log").read_text() == "some log line\n"
+    rec = conv.streamed_record(r, 1)
+    assert rec["grad_error"]["steps"] == [1, 2] and rec["grad_error"]["reduced_rel_err"] == [0.0035, None]
+    assert rec["grad_error"]["payload_rel_err"] == [0.0056, 0.005]
+    assert (rec["grad_bytes_sent_per_step"], rec["grad_plain_bytes_per_step"]) == (702, 1300)
+
+
 def test_final_loss_table_on_synthetic_losses():
     conv = load_script()
     n = 300
@@ -123,6 +194,37 @@ def test_arm_names():
     for bad in ("int3-g64", "int8-g60", "int8", "bf16,bf16", ""):
         with pytest.raises(ValueError):
             conv.parse_arms(bad)
+    gq = conv.parse_arm("int8-g64+gq-int8-g256")
+    assert gq == conv.Arm("int8-g64+gq-int8-g256", quantized=True, fmt="int8", group_size=64, grad_quantized=True,
+                          grad_fmt="int8", grad_group_size=256)
+    assert gq.label == "INT8 g64 + grad INT8 g256"
+    assert conv.parse_arm("bf16+gq-fp8-g64").zero_fields() == {
+        "zero_quantized_weights": False, "zero_quantized_weights_format": "int8",
+        "zero_quantized_weights_group_size": 64, "zero_quantized_gradients": True,
+        "zero_quantized_gradients_format": "fp8", "zero_quantized_gradients_group_size": 64}
+    assert [a.name for a in conv.parse_arms(conv.DP_ARMS)] == ["bf16", "int8-g64", "int8-g64+gq-int8-g64",
+                                                               "int8-g64+gq-int8-g256"]
+    for bad, word in (("int8-g64+gq-int4-g64", "gq-int4-g64"), ("int8-g64+int8-g64", "int8-g64"),
+                      ("int8-g64+gq-int8-g60", "int8-g60"), ("int8-g64+gq-int8", "int8")):
+        with pytest.raises(ValueError, match=word):
+            conv.parse_arms(bad)
+
+
+def test_arguments_are_checked_before_any_work(capsys):
+    """A gq arm at world size 1, a global batch the ranks cannot share, a bad arm: refused by name."""
+    conv = load_script()
+    for argv, word in ((["--arms", "bf16,int8-g64+gq-int8-g64"], "use --world-size 2"),
+                       (["--world-size", "2", "--micro-batch", "5"], "--micro-batch 5"),
+                       (["--world-size", "0"], "--world-size must be at least 1"),
+                       (["--world-size", "2", "--arms", "bf16,int8-g64+gq-int9-g64"], "int9")):
+        with pytest.raises(SystemExit):
+            conv.parse_args(argv)
+        assert word in capsys.readouterr().err
+    assert conv.parse_args(["--world-size", "2"]).arms == conv.DP_ARMS
+    assert conv.parse_args([]).arms == conv.DEFAULT_ARMS
+    assert conv.arm_slots(4, "cuda", [0, 1], world=2) == ["cuda:0,1"] * 4
+    assert conv.arm_slots(3, "cuda", [0, 1, 2, 3], world=2) == ["cuda:0,1", "cuda:2,3", "cuda:0,1"]
+    assert conv.arm_slots(5, "cuda", [0, 1]) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", 64), ("int8", 8192), ("fp8", 64), ("int4", 64)])
