@@ -5,7 +5,8 @@ same Qwen3-shaped model trains a few steps back to back (no synchronisation betw
 them, so a gather that runs ahead lands in the next forward, as in training); CUDA
 events on the compute stream split each step into forward, backward and ``step()``,
 "total" runs from one forward's start to the next, and the host time spent inside
-``step()`` and the forward is recorded. One step of each arm is then profiled with torch.profiler and the
+the forward, the backward and ``step()`` is recorded (host time close to the device time:
+the host is what the step waits for). One step of each arm is then profiled with torch.profiler and the
 top operations by host and by device time are printed (rank 0).
 """
 
@@ -32,6 +33,11 @@ ARMS = {
     # the same gather-ahead with one engine setting changed (ZeroConfig fields)
     "int8_ahead_inline": {"quantized": True, "overlap": True, "gather_schedule": "inline"},
     "int8_ahead_whole": {"quantized": True, "overlap": True, "sliced_update": False},
+    # PyTorch FSDP2, plain and with qzero.fsdp's quantized gather, both reshard modes
+    "fsdp2": {"engine": "fsdp2"},
+    "fsdp2_int8": {"engine": "fsdp2", "quantized": True},
+    "fsdp2_rs": {"engine": "fsdp2", "reshard_after_forward": True},
+    "fsdp2_rs_int8": {"engine": "fsdp2", "reshard_after_forward": True, "quantized": True},
 }
 
 
@@ -67,7 +73,7 @@ def main() -> None:
                                    micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket),
                                    reduce_bucket_size=int(a.reduce_bucket), lr=1e-4, **ARMS[name]))
             engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
-            t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": []}
+            t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": [], "host_bwd": []}
             # No synchronisation between measured steps: a gather that runs ahead (on the
             # compute stream's NCCL side or on the side streams) must show up in the next
             # forward, as in training. A step's "total" runs from its forward's start to the
@@ -108,16 +114,17 @@ def main() -> None:
                         print(f"--- {name} det={det}: top device time")
                         print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
                     continue
-                marks.append((ev, 1e3 * (h1 - h0), 1e3 * (h3 - h2)))
+                marks.append((ev, 1e3 * (h1 - h0), 1e3 * (h3 - h2), 1e3 * (h2 - h1)))
             torch.cuda.synchronize()
             # steps 0-1 warm up; the last mark only closes the step before it
-            for (ev, host_fwd, host_step), (nxt, _, _) in list(zip(marks, marks[1:]))[2:]:
+            for (ev, host_fwd, host_step, host_bwd), (nxt, *_) in list(zip(marks, marks[1:]))[2:]:
                 t["fwd"].append(ev[0].elapsed_time(ev[1]))
                 t["bwd"].append(ev[1].elapsed_time(ev[2]))
                 t["step"].append(ev[2].elapsed_time(ev[3]))
                 t["total"].append(ev[0].elapsed_time(nxt[0]))
                 t["host_fwd"].append(host_fwd)
                 t["host_step"].append(host_step)
+                t["host_bwd"].append(host_bwd)
             engine.finish()
             row = {"arm": name, "deterministic": det, **{k: statistics.median(v) for k, v in t.items()}}
             rows.append(row)
@@ -127,10 +134,10 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     if rank == 0:
-        print(f"{'arm':12s} {'det':>3s} {'fwd':>7s} {'bwd':>7s} {'step':>7s} {'total':>7s} {'host fwd':>9s} {'host step':>9s}  (ms, medians)")
+        print(f"{'arm':12s} {'det':>3s} {'fwd':>7s} {'bwd':>7s} {'step':>7s} {'total':>7s} {'host fwd':>9s} {'host bwd':>9s} {'host step':>9s}  (ms, medians)")
         for r in rows:
             print(f"{r['arm']:12s} {r['deterministic']:>3s} {r['fwd']:7.1f} {r['bwd']:7.1f} {r['step']:7.1f} {r['total']:7.1f}"
-                  f" {r['host_fwd']:9.1f} {r['host_step']:9.1f}")
+                  f" {r['host_fwd']:9.1f} {r['host_bwd']:9.1f} {r['host_step']:9.1f}")
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)
