@@ -400,3 +400,39 @@ def test_exact_tables_are_reused_and_follow_in_place_changes():
     starts = torch.arange(shape.programs + 1, dtype=torch.int64) * shape.span
     assert torch.equal(c[1], torch.searchsorted(idx, starts))
     assert c[1] is not a[1]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_ranks_unpack_is_the_per_rank_unpack(fmt, dtype, tile):
+    """One launch over every source rank's payload (and one scatter of all their exact
+    elements), Triton and reference, writes the bits the per-rank unpack writes, with world
+    3, a short last chunk, exact elements on every rank, and poisoned flat buffers."""
+    from qzero.chunks import exact_index, exact_scatter, slot
+
+    world, gs = 3, 64
+    numel = world * (64 * 7 + 40)  # a short group at the end of every partition
+    exact = [(0, 10), (60, 200), (470, 520), (700, 701), (numel - 30, numel)]
+    plan = plan_gather(numel, world, fmt=fmt, group_size=gs, exact_ranges=exact, bucket_numel=world * 64 * 3)
+    assert len(plan.chunks) >= 3
+    gen = torch.Generator().manual_seed(11)
+    truth = weights(numel, dtype, gen)
+    p = plan.partition_numel
+    for chunk in plan.chunks:
+        buf = torch.zeros(world * chunk.payload_bytes, dtype=torch.uint8)
+        for r in range(world):
+            src = truth[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+            reference.pack_payload(src, slot(plan, chunk, r, buf), chunk.payload, gs, fmt, exact_index(plan, chunk, r, "cpu"))
+        poisoned = poison(numel * 2, gen).view(dtype)
+        want = poisoned.clone()
+        for r in range(world):
+            dst = want[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+            reference.unpack_payload(slot(plan, chunk, r, buf), dst, chunk.payload, gs, fmt, exact_index(plan, chunk, r, "cpu"))
+        pair = exact_scatter(plan, chunk, torch.device("cpu"))
+        assert pair[0].numel() == sum(exact_index(plan, chunk, r, "cpu").numel() for r in range(world))
+        for impl in (reference, kernels):
+            got = poisoned.clone()
+            impl.unpack_payloads(buf, got, p, chunk.offset, chunk.numel, world, chunk.payload, gs, fmt, pair)
+            bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
+            assert bad.numel() == 0, f"{impl.__name__} chunk {chunk.index}: {bad.numel()} differ, first {bad[:8].tolist()}"
