@@ -136,3 +136,35 @@ def test_streams_schedule_host_protocol(world, fmt):
         assert sum(e[0] == "wait" and e[1] == "compute" for e in log) == n  # each wait_until(k) waits once
         sets = [e[1] for e in log if e[0] == "set"]
         assert sets.count("pack") == n and sets.count("unpack") == n  # two switches per chunk
+
+
+def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
+    """bench/step_profile.py's ``int8_ahead_nowait`` arm: inside the forward the hooks enqueue
+    every chunk but the compute stream waits for none; the wait after the forward waits;
+    leaving the arm restores the product's hooks."""
+    import bench_scripts
+    from qzero import engine, overlap
+    from qzero.engine import CommContext, start_gather
+    from qzero.layout import plan_gather
+
+    sp = bench_scripts.load("step_profile")
+    log = []
+    streams, state = fake_cuda(monkeypatch.setattr, log)
+    real_hook, real_wait = overlap.GatherAhead._hook, engine._Streamed.wait_until
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    plan = plan_gather(64 * 24, 1, fmt="int8", group_size=16, bucket_numel=64 * 4)
+    params = list(model.parameters())
+    ranges = [(p, 0, i * plan.numel // len(params), (i + 1) * plan.numel // len(params)) for i, p in enumerate(params)]
+    context = CommContext("cpu", schedule="inline")
+    context.schedule, context.streams = "streams", {"pack": streams["pack"], "unpack": streams["unpack"]}
+    with sp.forward_never_waits():
+        ahead = overlap.GatherAhead.from_ranges(model, ranges, 1)
+        handle = start_gather(torch.zeros(plan.numel, dtype=torch.bfloat16), plan, None, context, ahead=True)
+        ahead.start(0, handle)
+        del log[:]
+        model(torch.zeros(2, 4))
+        assert handle._enqueued == len(handle.plan.chunks) > 4 and handle.finished == 0
+        assert not any(e[0] == "wait" and e[1] == "compute" for e in log)
+        ahead.wait_all()
+        assert handle.done and any(e[0] == "wait" and e[1] == "compute" for e in log)
+    assert overlap.GatherAhead._hook is real_hook and engine._Streamed.wait_until is real_wait
