@@ -14,6 +14,13 @@ Same contract and the same bytes as :func:`qzero.quant.reference.pack_payload` a
 * ``unpack``: read values and scales, write ``q * scale`` (fp32, one rounding)
   straight into the bf16/fp16 destination; exact elements are then put back from
   the side channel by a scatter on the same stream (see :func:`unpack_payload`).
+  The gather unpacks every source rank's payload of a chunk in one launch (a 2-D grid:
+  tiles x ranks, :func:`unpack_payloads`) and puts all their exact elements back with
+  one more (indices precomputed once per plan): two launches per chunk, whatever the
+  world size.
+
+Launches: Triton's own launch costs tens of microseconds of host time per call; after
+the first launch of a specialization, :func:`_launch` calls the compiled kernel directly.
 
 Work split: each program owns ``G`` whole groups, laid out as a ``[G, GS_PAD]``
 tile (``GS_PAD`` is the group size rounded up to a power of two; the extra columns
@@ -494,7 +501,7 @@ class _At(NamedTuple):
 #: same arguments' specialization (see :func:`_launch`). Never under the interpreter.
 FAST_LAUNCH = True
 
-#: ``kernel -> {specialization key: compiled kernel}`` (see :func:`_launch`).
+#: ``id(kernel) -> {specialization key: compiled kernel}`` (see :func:`_launch`; the kernels live as long as the module).
 _COMPILED: dict = {}
 #: Triton's driver calls for the current device and stream, looked up once.
 _DRIVER: list = []
@@ -549,7 +556,7 @@ def _launch(kernel, grid: tuple, args: tuple, consts: dict, options: dict) -> No
         _DRIVER.extend((drv.get_current_device, drv.get_current_stream))
     device = _DRIVER[0]()
     key = (device, tuple(consts.items()), tuple(options.items()), tuple(map(_spec, args)))
-    cache = _COMPILED.setdefault(kernel, {})
+    cache = _COMPILED.setdefault(id(kernel), {})  # by identity: hashing a JITFunction takes a lock
     compiled = cache.get(key)
     if compiled is not None:
         compiled[grid](*map(_address, args), *consts.values(), stream=_DRIVER[1](device))
