@@ -409,28 +409,46 @@ def test_all_ranks_unpack_is_the_per_rank_unpack(fmt, dtype, tile):
     """One launch over every source rank's payload (and one scatter of all their exact
     elements), Triton and reference, writes the bits the per-rank unpack writes, with world
     3, a short last chunk, exact elements on every rank, and poisoned flat buffers."""
+    check_all_ranks_unpack(fmt, dtype, "cpu", 64 * 7 + 40)
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_all_ranks_unpack_and_fast_launch(fmt):
+    """The same on the GPU, at a size with many programs per rank; every launch after the
+    first of a specialization goes through the compiled kernel (the cache fills)."""
+    kernels._COMPILED.clear()
+    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40)
+    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40)  # now all through the compiled kernels
+    for k in (kernels._unpack_ranks_kernel, kernels._copy_indexed_kernel):
+        assert kernels._COMPILED.get(id(k)), k
+
+
+def check_all_ranks_unpack(fmt, dtype, device, per_rank):
     from qzero.chunks import exact_index, exact_scatter, slot
 
     world, gs = 3, 64
-    numel = world * (64 * 7 + 40)  # a short group at the end of every partition
+    numel = world * per_rank  # a short group at the end of every partition
     exact = [(0, 10), (60, 200), (470, 520), (700, 701), (numel - 30, numel)]
-    plan = plan_gather(numel, world, fmt=fmt, group_size=gs, exact_ranges=exact, bucket_numel=world * 64 * 3)
+    plan = plan_gather(numel, world, fmt=fmt, group_size=gs, exact_ranges=exact,
+                       bucket_numel=world * (per_rank // 3 // gs * gs))
     assert len(plan.chunks) >= 3
     gen = torch.Generator().manual_seed(11)
-    truth = weights(numel, dtype, gen)
+    truth = weights(numel, dtype, gen, device)
     p = plan.partition_numel
+    dev = torch.device(device)
     for chunk in plan.chunks:
-        buf = torch.zeros(world * chunk.payload_bytes, dtype=torch.uint8)
+        buf = torch.zeros(world * chunk.payload_bytes, dtype=torch.uint8, device=device)
         for r in range(world):
             src = truth[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-            reference.pack_payload(src, slot(plan, chunk, r, buf), chunk.payload, gs, fmt, exact_index(plan, chunk, r, "cpu"))
-        poisoned = poison(numel * 2, gen).view(dtype)
+            reference.pack_payload(src, slot(plan, chunk, r, buf), chunk.payload, gs, fmt, exact_index(plan, chunk, r, dev))
+        poisoned = poison(numel * 2, gen, device).view(dtype)
         want = poisoned.clone()
         for r in range(world):
             dst = want[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-            reference.unpack_payload(slot(plan, chunk, r, buf), dst, chunk.payload, gs, fmt, exact_index(plan, chunk, r, "cpu"))
-        pair = exact_scatter(plan, chunk, torch.device("cpu"))
-        assert pair[0].numel() == sum(exact_index(plan, chunk, r, "cpu").numel() for r in range(world))
+            reference.unpack_payload(slot(plan, chunk, r, buf), dst, chunk.payload, gs, fmt, exact_index(plan, chunk, r, dev))
+        pair = exact_scatter(plan, chunk, dev)
+        assert pair[0].numel() == sum(exact_index(plan, chunk, r, dev).numel() for r in range(world))
         for impl in (reference, kernels):
             got = poisoned.clone()
             impl.unpack_payloads(buf, got, p, chunk.offset, chunk.numel, world, chunk.payload, gs, fmt, pair)
