@@ -69,6 +69,15 @@ def main(quick: bool) -> dict:
         sig = dict(values_ptr="*u8", scales_ptr="*fp32", dst_ptr="*i16", n="i64")
         const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
         results[f"unpack {dst} {fmt}"] = build(qt._unpack_kernel, sig, const)
+        # every source rank's payload of a chunk in one launch (2-D grid); offsets of 32 and 64 bits
+        for wide in (False, True):
+            ints = "i64" if wide else "i32"
+            sig = dict(buf_ptr="*u8", flat_ptr="*i16", n="i32", offset=ints, partition=ints, payload_bytes="i32",
+                       scales_offset="i32")
+            results[f"unpack all ranks {dst} {fmt} {ints}"] = build(qt._unpack_ranks_kernel, sig, const)
+    # the scatter of every rank's exact elements
+    sig = dict(src_ptr="*i16", dst_ptr="*i16", src_idx_ptr="*i64", dst_idx_ptr="*i64", count="i32")
+    results["exact scatter"] = build(qt._copy_indexed_kernel, sig, dict(BLOCK=qt.COPY_BLOCK))
     # Gradient pack and dequantize-sum: every source type (fp32 as int32 bits), 8-bit formats.
     for (kind, name), fmt in itertools.product(enumerate(("bf16", "fp16", "fp32")), ("int8", "fp8")):
         if quick and name == "fp16" and fmt != "fp8":

@@ -215,8 +215,11 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
     handle = _Handle()
     ahead.start(0, handle)
     model(torch.ones(2, 4))
-    assert handle.waited[:2] == [9, 6]  # the root's hook: box.p (chunk 9), plist[0] (chunk 6)
-    assert handle.waited[2:] == [1, 1]  # then lin: weight and bias
+    # one wait per module and flat group, for the last chunk of its ranges there (chunks
+    # finish in order): the root's hook for box.p (chunk 9) and plist[0] (chunk 6), then lin's
+    assert handle.waited == [9, 1]
+    model(torch.ones(2, 4))  # the next forward waits for the same chunks (resolved once per plan)
+    assert handle.waited == [9, 1, 9, 1]
     ahead.remove()
     assert handle.waited[-1] == "all"
 

@@ -402,3 +402,166 @@ def test_exact_tables_are_reused_and_follow_in_place_changes():
     starts = torch.arange(shape.programs + 1, dtype=torch.int64) * shape.span
     assert torch.equal(c[1], torch.searchsorted(idx, starts))
     assert c[1] is not a[1]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_ranks_unpack_is_the_per_rank_unpack(fmt, dtype, tile):
+    """One launch over every source rank's payload (and one scatter of all their exact
+    elements), Triton and reference, writes the bits the per-rank unpack writes, with world
+    3, a short last chunk, exact elements on every rank, and poisoned flat buffers."""
+    check_all_ranks_unpack(fmt, dtype, "cpu", 64 * 7 + 40)
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_all_ranks_unpack_and_fast_launch(fmt):
+    """The same on the GPU, at a size with many programs per rank; every launch after the
+    first of a specialization goes through the compiled kernel (the cache fills)."""
+    kernels._COMPILED.clear()
+    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40)
+    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40)  # now all through the compiled kernels
+    for k in (kernels._unpack_ranks_kernel, kernels._copy_indexed_kernel):
+        assert kernels._COMPILED.get(id(k)), k
+
+
+def check_all_ranks_unpack(fmt, dtype, device, per_rank):
+    from qzero.chunks import exact_index, exact_scatter, slot
+
+    world, gs = 3, 64
+    numel = world * per_rank  # a short group at the end of every partition
+    exact = [(0, 10), (60, 200), (470, 520), (700, 701), (numel - 30, numel)]
+    plan = plan_gather(numel, world, fmt=fmt, group_size=gs, exact_ranges=exact,
+                       bucket_numel=world * (per_rank // 3 // gs * gs))
+    assert len(plan.chunks) >= 3
+    gen = torch.Generator().manual_seed(11)
+    truth = weights(numel, dtype, gen, device)
+    p = plan.partition_numel
+    dev = torch.device(device)
+    for chunk in plan.chunks:
+        buf = torch.zeros(world * chunk.payload_bytes, dtype=torch.uint8, device=device)
+        for r in range(world):
+            src = truth[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+            reference.pack_payload(src, slot(plan, chunk, r, buf), chunk.payload, gs, fmt, exact_index(plan, chunk, r, dev))
+        poisoned = poison(numel * 2, gen, device).view(dtype)
+        want = poisoned.clone()
+        for r in range(world):
+            dst = want[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
+            reference.unpack_payload(slot(plan, chunk, r, buf), dst, chunk.payload, gs, fmt, exact_index(plan, chunk, r, dev))
+        pair = exact_scatter(plan, chunk, dev)
+        assert pair[0].numel() == sum(exact_index(plan, chunk, r, dev).numel() for r in range(world))
+        for impl in (reference, kernels):
+            got = poisoned.clone()
+            impl.unpack_payloads(buf, got, p, chunk.offset, chunk.numel, world, chunk.payload, gs, fmt, pair)
+            bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
+            assert bad.numel() == 0, f"{impl.__name__} chunk {chunk.index}: {bad.numel()} differ, first {bad[:8].tolist()}"
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, stream=None: self.calls.append((grid, args, stream))
+
+
+class _FakeKernel:
+    """Stands for a JITFunction: its launch returns a compiled kernel that records launches."""
+
+    arg_names = ["x_ptr", "n", "A", "B"]
+
+    def __init__(self):
+        self.jit_calls = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_specialization(monkeypatch):
+    """The second launch with the same constexprs, options, pointer types and alignments
+    goes to the compiled kernel (addresses, constexprs positionally, the current stream);
+    a new alignment, integer class, constexpr or option goes through Triton's launch."""
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    monkeypatch.setattr(kernels, "_DRIVER", [lambda: 0, lambda device: 777])
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    k = _FakeKernel()
+    x = torch.zeros(64, dtype=torch.int16)
+    base = x.data_ptr()
+    aligned = 0 if base % 16 == 0 else (16 - base % 16) // 2  # element offset of a 16-byte address
+    at = kernels._At(x, 2 * aligned, 32, torch.int16)
+
+    def launch(ptr, n, a=1, b=2.0, warps=4):
+        kernels._launch(k, (3,), (ptr, n), dict(A=a, B=b), dict(num_warps=warps))
+
+    launch(at, 32)
+    assert len(k.jit_calls) == 1 and isinstance(k.jit_calls[0][1][0], torch.Tensor)
+    assert k.jit_calls[0][0] == (3, 1, 1) and k.jit_calls[0][2] == dict(A=1, B=2.0, num_warps=4)
+    launch(at, 48)  # another multiple of 16: same specialization
+    assert len(k.jit_calls) == 1
+    assert k.compiled.calls == [((3, 1, 1), (at.address(), 48, 1, 2.0), 777)]
+    for args in [
+        dict(ptr=kernels._At(x, 2 * aligned + 2, 32, torch.int16), n=32),  # address no longer 16-byte aligned
+        dict(ptr=kernels._At(x, 2 * aligned, 32, torch.uint8), n=32),  # another pointer type
+        dict(ptr=at, n=33),  # not a multiple of 16
+        dict(ptr=at, n=1),  # the value 1
+        dict(ptr=at, n=2**31 + 16),  # 64-bit
+        dict(ptr=at, n=32, a=2),  # another constexpr
+        dict(ptr=at, n=32, warps=8),  # another option
+    ]:
+        before = len(k.jit_calls)
+        launch(**args)
+        assert len(k.jit_calls) == before + 1, args
+        launch(**args)
+        assert len(k.jit_calls) == before + 1, args  # now cached too
+    monkeypatch.setattr(kernels, "INTERPRET", True)  # the interpreter: always Triton's own launch
+    before = len(k.jit_calls)
+    launch(at, 32)
+    assert len(k.jit_calls) == before + 1
+
+
+def test_fast_launch_is_not_used_when_constexprs_are_out_of_order(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    monkeypatch.setattr(kernels, "_DRIVER", [lambda: 0, lambda device: 777])
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    k = _FakeKernel()
+    x = torch.zeros(64, dtype=torch.int16)
+    for _ in range(2):
+        kernels._launch(k, (1,), (x, 32), dict(B=2.0, A=1), {})
+    assert len(k.jit_calls) == 2 and not k.compiled.calls
+
+
+@cpu_only
+def test_launchers_pass_constexprs_in_kernel_order(monkeypatch):
+    """Every launcher of this module can use the compiled kernel's launch: its runtime
+    arguments come first and its constexprs follow in the kernel's order."""
+    from qzero.chunks import exact_scatter
+
+    seen = set()
+    real = kernels._launch
+
+    def checked(kernel, grid, args, consts, options):
+        names = list(kernel.arg_names)
+        assert names == [*names[: len(args)], *consts], (kernel, list(consts))
+        seen.add(kernel)
+        real(kernel, grid, args, consts, options)
+
+    monkeypatch.setattr(kernels, "_launch", checked)
+    gen = torch.Generator().manual_seed(5)
+    plan = plan_gather(2 * 256, 2, fmt="int8", group_size=64, exact_ranges=[(3, 9), (300, 310)], bucket_numel=512)
+    chunk = plan.chunks[0]
+    flat = weights(512, torch.bfloat16, gen)
+    buf = torch.zeros(2 * chunk.payload_bytes, dtype=torch.uint8)
+    idx = torch.tensor([3, 4, 5, 6, 7, 8])
+    kernels.pack_payload(flat[:256], buf[: chunk.payload_bytes], chunk.payload, 64, "int8", idx)
+    kernels.pack_payload(flat[256:], buf[chunk.payload_bytes :], chunk.payload, 64, "int8", torch.arange(44, 54))
+    kernels.unpack_payload(buf[: chunk.payload_bytes], flat[:256].clone(), chunk.payload, 64, "int8", idx)
+    kernels.unpack_payloads(buf, flat.clone(), 256, 0, 256, 2, chunk.payload, 64, "int8",
+                            exact_scatter(plan, chunk, flat.device))
+    assert seen == {kernels._pack_kernel, kernels._unpack_kernel, kernels._unpack_ranks_kernel,
+                    kernels._copy_indexed_kernel}

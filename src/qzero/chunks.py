@@ -58,19 +58,17 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
 
 
 def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
-    """Write every source rank's payload of ``chunk`` into the flat buffer, one rank at a time
-    (this rank's own included when quantized, so that all replicas hold the same bits)."""
+    """Write every source rank's payload of ``chunk`` into the flat buffer (this rank's own
+    included when quantized, so that all replicas hold the same bits): one dequantizing
+    pass over all ranks' payloads, then one scatter of all their exact elements."""
     p, w = plan.partition_numel, plan.world_size
     if not plan.quantized:
         # one strided copy for every rank's slice (this rank's own slot holds its own bits)
         src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
         flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
         return
-    for r in range(w):
-        dst = flat[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-        kernels.unpack_payload(
-            slot(plan, chunk, r, buf), dst, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, r, flat.device)
-        )
+    kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
+                            exact_scatter(plan, chunk, flat.device))
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
@@ -88,3 +86,27 @@ def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.dev
             idx = torch.empty(0, dtype=torch.int64, device=device)
         plan._cache[key] = idx
     return idx
+
+
+def exact_scatter(plan: GatherPlan, chunk: ChunkPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(src, dst)``: every rank's exact elements of ``chunk``, as positions in the receive
+    buffer (its side channels, rank by rank) and in the flat buffer, in units of one
+    element (``plan.elem_size`` bytes); cached on the plan like :func:`exact_index`."""
+    if not plan.exact_ranges:
+        return None
+    key = ("exact_scatter", chunk.index, device)
+    pair = plan._cache.get(key)
+    if pair is None:
+        es, pb, p = plan.elem_size, chunk.payload_bytes, plan.partition_numel
+        src, dst = [], []
+        for r in range(plan.world_size):
+            side = (r * pb + chunk.payload.exact_offset) // es
+            local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.exact_local_ranges(chunk, r)]
+            if local:
+                local = torch.cat(local)
+                src.append(side + torch.arange(local.numel(), dtype=torch.int64))
+                dst.append(r * p + chunk.offset + local)
+        empty = torch.empty(0, dtype=torch.int64)
+        pair = (torch.cat(src) if src else empty).to(device), (torch.cat(dst) if dst else empty).to(device)
+        plan._cache[key] = pair
+    return pair

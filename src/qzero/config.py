@@ -138,8 +138,9 @@ class ZeroConfig:
 
     gather_schedule: str = "auto"
     """How the weight gather's chunks are scheduled (the results are the same bits):
-    ``streams`` (CUDA only) packs, gathers and unpacks on three side streams ordered by
-    events, so no collective waits behind the compute stream's kernels; ``inline`` packs
+    ``streams`` (CUDA only) packs and unpacks on two side streams ordered by events, the
+    collective issued from the pack stream, so no collective waits behind the compute
+    stream's kernels; ``inline`` packs
     and unpacks on the current stream and launches the collectives asynchronously (the
     only schedule off CUDA); ``auto`` is ``streams`` on CUDA and ``inline`` elsewhere.
     See ``[Note: the gather engine]`` in :mod:`qzero.engine`."""

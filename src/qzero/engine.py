@@ -14,21 +14,27 @@ functions (:mod:`qzero.chunks`).
 Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
 
 ``streams`` (CUDA; the default there)
-    Pack, collective and unpack run on three side streams of the context, ordered only
-    by CUDA events, so chunk ``k`` is on the wire while ``k+1`` is packed and ``k-1``
-    unpacked, and no collective waits behind the compute stream's kernels::
+    Pack and unpack run on two side streams of the context, the collective on the process
+    group's own stream (NCCL's), ordered only by CUDA events, so chunk ``k`` is on the
+    wire while ``k+1`` is packed and ``k-1`` unpacked, and no collective waits behind the
+    compute stream's kernels::
 
         pack stream    P0  P1  P2 ...     Pk waits for the prepare of its chunk and for Uk-2
-        comm stream        G0  G1 ...     Gk waits for Pk
-        unpack stream          U0 ...     Uk waits for Gk
+        collective         G0  G1 ...     Gk is issued from the pack stream: it waits for Pk
+        unpack stream          U0 ...     Uk waits for Gk (the collective's work.wait())
+
+    Per chunk the host launches the pack, the collective, one unpack over every source
+    rank's payload and one scatter of their exact elements (:mod:`qzero.chunks`), switches
+    the current stream twice and records one event (after the unpack); the Triton kernels
+    are launched through their compiled form (:func:`qzero.quant.triton._launch`).
 
     The host *enqueues* chunks lazily: the first ``LOOKAHEAD`` at the start, and each
     ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
-    chunk costs the host a few kernel and collective launches (measured: about 1 ms per
-    chunk with the update sliced per chunk, on an H200 host); enqueuing all of them at the
+    chunk costs the host a few kernel and collective launches; enqueuing all of them at the
     end of ``step()`` held the next forward back by that much (184 ms of host time in
-    ``step()`` for a Qwen3-4B at a 50M-element bucket), while inside the forward the host
-    mostly runs ahead of the device.
+    ``step()`` for a Qwen3-4B at a 50M-element bucket, at about 1 ms per chunk with the
+    update sliced per chunk), while inside the forward the host mostly runs ahead of the
+    device.
 
 ``inline`` (every device; the only one off CUDA)
     Pack and unpack run on the current stream; collectives are launched asynchronously
@@ -68,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from . import chunks
-from .chunks import exact_index, pack_chunk, peer_failure, unpack_chunk
+from .chunks import exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk
 from .layout import GatherPlan, plan_gather
 from .quant import kernels_for
 
@@ -130,10 +136,11 @@ class CommContext:
         self.schedule = schedule if schedule != "auto" else ("streams" if device.type == "cuda" else "inline")
         # High priority, as FSDP2's all-gather streams: when the forward's kernels and the
         # gather's compete for the SMs, the gather's go first (the forward waits for them).
-        self.streams = ({s: torch.cuda.Stream(device, priority=-1) for s in STAGES}
+        self.streams = ({s: torch.cuda.Stream(device, priority=-1) for s in ("pack", "unpack")}
                         if self.schedule == "streams" else {})
-        #: GPU clock cycles each side stream spins before each of its steps. A test hook:
-        #: delaying one stage exposes any missing wait between streams.
+        #: GPU clock cycles to spin before each step of a stage (the collective's: on the pack
+        #: stream, before it is issued). A test hook: delaying one stage exposes any missing
+        #: wait between streams.
         self.delay_cycles = dict.fromkeys(STAGES, 0)
 
     def _delay(self, stage: str) -> None:
@@ -298,8 +305,8 @@ class _Streamed(GatherHandle):
         n = len(plan.chunks)
         # Index tensors reach the device here (cached on the plan), never inside the loop.
         for c in plan.chunks:
-            for r in range(world):
-                exact_index(plan, c, r, device)
+            exact_index(plan, c, rank, device)
+            exact_scatter(plan, c, device)
         # Two receive buffers, alternating. They were allocated on the caller's stream: they
         # stay referenced until the caller's stream has waited for the last unpack.
         self._recv = [torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -311,7 +318,8 @@ class _Streamed(GatherHandle):
             if prepare is not None and prepare(c.offset + c.numel):
                 event = caller.record_event()
             self._ready.append(event)
-        self._packed, self._gathered, self._unpacked = [None] * n, [None] * n, [None] * n
+        self._unpacked = [None] * n
+        self._waited = None  # the last of self._ready the pack stream waits for
         self._enqueued = self.finished = 0
         # Never more, never fewer, depending on timing: see "the same on every rank" above.
         self._enqueue_through(min(LOOKAHEAD, n) - 1)
@@ -320,40 +328,56 @@ class _Streamed(GatherHandle):
         return self._recv[k % 2][: self.world * self.plan.chunks[k].payload_bytes]
 
     def _enqueue_through(self, last: int) -> None:
-        ctx, streams, plan = self.context, self.context.streams, self.plan
-        while self._enqueued <= last:
-            k, self._enqueued = self._enqueued, self._enqueued + 1
-            chunk, buf = plan.chunks[k], self._buffer(k)
-            s = streams["pack"]
-            with torch.cuda.stream(s):
-                s.wait_event(self._ready[k])
+        """Enqueue chunks up to ``last``: per chunk, the pack and the collective from the pack
+        stream, the unpack on the unpack stream, one event (the unpack's) between them and the
+        rest. The collective is asynchronous: the unpack stream waits for it (``work.wait()``
+        makes the current stream wait, on NCCL, not the host), and the collective waits for
+        what the pack stream queued before it (the pack), as every collective waits for the
+        stream it is issued from."""
+        ctx, plan = self.context, self.plan
+        pack, unpack = ctx.streams["pack"], ctx.streams["unpack"]
+        caller, device = torch.cuda.current_stream(self.flat.device), torch.cuda.current_device()
+        try:
+            while self._enqueued <= last:
+                k, self._enqueued = self._enqueued, self._enqueued + 1
+                chunk, buf = plan.chunks[k], self._buffer(k)
+                torch.cuda.set_stream(pack)
+                if self._ready[k] is not self._waited:  # the stream runs in order: waiting once covers the rest
+                    self._waited = self._ready[k]
+                    pack.wait_event(self._waited)
                 if k >= 2:
-                    s.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
+                    pack.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
                 ctx._delay("pack")
                 mine = pack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels)
-                self._packed[k] = s.record_event()
-            s = streams["gather"]
-            with torch.cuda.stream(s):
-                s.wait_event(self._packed[k])
+                work = packed = None
                 ctx._delay("gather")
                 if self.world > 1:
-                    chunks.all_gather_into(buf, mine, group=self.group)
-                self._gathered[k] = s.record_event()
-            s = streams["unpack"]
-            with torch.cuda.stream(s):
-                s.wait_event(self._gathered[k])
+                    work = chunks.all_gather_into(buf, mine, group=self.group, async_op=True)
+                else:
+                    packed = pack.record_event()
+                torch.cuda.set_stream(unpack)
+                if work is not None:
+                    work.wait()
+                else:
+                    unpack.wait_event(packed)
                 ctx._delay("unpack")
                 unpack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels)
-                self._unpacked[k] = s.record_event()
+                self._unpacked[k] = unpack.record_event()
+        finally:
+            torch.cuda.set_stream(caller)
+            if torch.cuda.current_device() != device:
+                torch.cuda.set_device(device)
 
     def wait_until(self, chunk_index: int) -> None:
         n = len(self.plan.chunks)
         k = min(chunk_index, n - 1)
-        with peer_failure("the weight gather"):
-            self._enqueue_through(min(k + LOOKAHEAD, n - 1))
+        last = min(k + LOOKAHEAD, n - 1)
+        if self._enqueued <= last:
+            with peer_failure("the weight gather"):
+                self._enqueue_through(last)
         if k >= self.finished:
             # The unpack stream runs in order: one event covers chunks [0, k].
             torch.cuda.current_stream(self.flat.device).wait_event(self._unpacked[k])
             self.finished = k + 1
-        if self.done:
-            self._recv = []  # the caller's stream has waited for the last unpack
+            if self.finished == n:
+                self._recv = []  # the caller's stream has waited for the last unpack

@@ -93,6 +93,18 @@ class GatherAhead:
             self._handles[module] = module.register_forward_pre_hook(self._hook)
         #: Modules whose forward ran before the first gather was started; None once learnt.
         self._ran: set[torch.nn.Module] | None = set()
+        self._index_needs()
+
+    def _index_needs(self) -> None:
+        """Per module, per flat group it reads from: its ranges, and the plan and last chunk
+        they were last resolved against (a handle's plan rarely changes, so the hook finds
+        the chunk to wait for without walking the ranges)."""
+        self._waits: dict[torch.nn.Module, list[list]] = {}
+        for module, ranges in self._needs.items():
+            by_group: dict[int, list[tuple[int, int]]] = {}
+            for gi, start, stop in ranges:
+                by_group.setdefault(gi, []).append((start, stop))
+            self._waits[module] = [[gi, spans, None, -1] for gi, spans in by_group.items()]
 
     def start(self, gi: int, pending: GatherHandle) -> None:
         if self._ran is not None:
@@ -117,6 +129,7 @@ class GatherAhead:
                     self._needs.setdefault(up, []).extend(self._needs.pop(module))
         for module in [m for m in self._handles if m not in self._needs]:
             self._handles.pop(module).remove()
+        self._index_needs()
 
     def _hook(self, module: torch.nn.Module, args) -> None:
         if self._ran is not None:
@@ -130,10 +143,16 @@ class GatherAhead:
             )
             self._warned = True
         self._furthest = max(self._furthest, position)
-        for gi, start, stop in self._needs.get(module, ()):
+        for wait in self._waits.get(module, ()):
+            gi, spans, plan, last = wait
             pending = self.pending[gi]
             if pending is not None:
-                pending.wait_until(last_chunk_needed(pending.plan, start, stop))
+                if plan is not pending.plan:
+                    plan = wait[2] = pending.plan
+                    last = wait[3] = max(last_chunk_needed(plan, a, b) for a, b in spans)
+                # Chunks finish in order: waiting for the module's last chunk of this group
+                # covers all its ranges there.
+                pending.wait_until(last)
                 if pending.done:
                     self.pending[gi] = None
 

@@ -156,3 +156,52 @@ def unpack_payload(
     if exact_index is not None and exact_index.numel():
         side = payload[layout.exact_offset : layout.exact_offset + exact_index.numel() * dst.element_size()]
         dst.index_copy_(0, exact_index, side.view(dst.dtype))
+
+
+def unpack_payloads(
+    buf: torch.Tensor,
+    flat: torch.Tensor,
+    partition_numel: int,
+    offset: int,
+    numel: int,
+    world: int,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Every source rank's payload of one chunk at once: rank ``r``'s, at byte
+    ``r * layout.nbytes`` of ``buf``, into ``flat[r * partition_numel + offset :][:numel]``.
+
+    The same result as :func:`unpack_payload` rank by rank (the same ``value * scale`` per
+    element, rank by rank as rows of one tensor). ``exact`` is ``(src, dst)``: every rank's
+    exact elements as positions in ``buf`` and in ``flat``, in units of ``flat``'s element
+    (:func:`raw_bits`)."""
+    n, w, pb = numel, world, layout.nbytes
+    if n == 0:
+        return
+    f = get_format(fmt)
+    rows = buf[: w * pb].view(w, pb)
+    groups = num_groups(n, group_size)
+    scales = rows[:, layout.scales_offset : layout.scales_offset + groups * SCALE_BYTES].view(torch.float32)
+    values = rows[:, layout.values_offset : layout.values_offset + f.value_bytes(n)]
+    if f.name == "fp8":
+        q = values.view(torch.float8_e4m3fn).to(torch.float32)
+    elif f.bits == 8:
+        q = values.view(torch.int8).to(torch.float32)
+    else:
+        b = values.to(torch.int16)
+        pair = torch.stack((b & 0xF, b >> 4), dim=2).reshape(w, -1)[:, :n]
+        q = torch.where(pair >= 8, pair - 16, pair).to(torch.float32)
+    q = torch.nn.functional.pad(q, (0, groups * group_size - n)).view(w, groups, group_size)
+    out = (q * scales[:, :, None]).reshape(w, groups * group_size)[:, :n].to(flat.dtype)
+    flat.view(w, partition_numel)[:, offset : offset + n].copy_(out)
+    if exact is not None and exact[0].numel():
+        src, dst = exact
+        bits = raw_bits(flat.dtype)
+        flat.view(bits).index_copy_(0, dst, buf[: w * pb].view(bits)[src])
+
+
+def raw_bits(dtype: torch.dtype) -> torch.dtype:
+    """The integer type of ``dtype``'s width: exact elements are copied as raw bits."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty(0, dtype=dtype).element_size()]

@@ -14,6 +14,13 @@ Same contract and the same bytes as :func:`qzero.quant.reference.pack_payload` a
 * ``unpack``: read values and scales, write ``q * scale`` (fp32, one rounding)
   straight into the bf16/fp16 destination; exact elements are then put back from
   the side channel by a scatter on the same stream (see :func:`unpack_payload`).
+  The gather unpacks every source rank's payload of a chunk in one launch (a 2-D grid:
+  tiles x ranks, :func:`unpack_payloads`) and puts all their exact elements back with
+  one more (indices precomputed once per plan): two launches per chunk, whatever the
+  world size.
+
+Launches: Triton's own launch costs tens of microseconds of host time per call; after
+the first launch of a specialization, :func:`_launch` calls the compiled kernel directly.
 
 Work split: each program owns ``G`` whole groups, laid out as a ``[G, GS_PAD]``
 tile (``GS_PAD`` is the group size rounded up to a power of two; the extra columns
@@ -36,6 +43,7 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -112,8 +120,13 @@ class _Launch:
 
 
 def _launch_shape(numel: int, group_size: int, has_exact: bool) -> _Launch:
-    gs_pad = _next_pow2(group_size)
     block, warps = TUNING.shape(has_exact)
+    return _shape_of(numel, group_size, block, warps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_of(numel: int, group_size: int, block: int, warps: int) -> _Launch:
+    gs_pad = _next_pow2(group_size)
     per_prog = max(1, block // gs_pad)
     programs = -(-num_groups(numel, group_size) // per_prog)
     # At most per_prog * group_size exact elements fall in one program's groups;
@@ -383,18 +396,9 @@ if triton is not None:
         tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
 
     @triton.jit
-    def _unpack_kernel(
-        values_ptr,  # uint8
-        scales_ptr,  # fp32
-        dst_ptr,  # int16 view of the bf16/fp16 destination
-        n,
-        IS_BF16: tl.constexpr,
-        SOFT: tl.constexpr,
-        FMT: tl.constexpr,
-        GS: tl.constexpr,
-        GS_PAD: tl.constexpr,
-        G: tl.constexpr,
-    ):
+    def _unpack_tile(values_ptr, scales_ptr, dst_ptr, n, IS_BF16: tl.constexpr, SOFT: tl.constexpr,
+                     FMT: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr):
+        """Dequantize this program's groups of one payload into ``dst``."""
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         j = tl.arange(0, GS_PAD)
         offs = g[:, None] * GS + j[None, :]
@@ -425,8 +429,146 @@ if triton is not None:
         out = _narrow(q * scale[:, None], IS_BF16, SOFT)
         tl.store(dst_ptr + base + offs, out, mask=valid)
 
+    @triton.jit
+    def _unpack_kernel(
+        values_ptr,  # uint8
+        scales_ptr,  # fp32
+        dst_ptr,  # int16 view of the bf16/fp16 destination
+        n,
+        IS_BF16: tl.constexpr,
+        SOFT: tl.constexpr,
+        FMT: tl.constexpr,
+        GS: tl.constexpr,
+        GS_PAD: tl.constexpr,
+        G: tl.constexpr,
+    ):
+        _unpack_tile(values_ptr, scales_ptr, dst_ptr, n, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
+
+    @triton.jit
+    def _unpack_ranks_kernel(
+        buf_ptr,  # uint8: the receive buffer, rank r's payload at r * payload_bytes
+        flat_ptr,  # int16 view of the bf16/fp16 flat buffer
+        n,  # elements of every rank's slice of the chunk
+        offset,  # where the chunk starts in every partition
+        partition,  # elements of a partition
+        payload_bytes,
+        scales_offset,
+        IS_BF16: tl.constexpr,
+        SOFT: tl.constexpr,
+        FMT: tl.constexpr,
+        GS: tl.constexpr,
+        GS_PAD: tl.constexpr,
+        G: tl.constexpr,
+    ):
+        """Every source rank's payload of one chunk in one launch: program (i, r) dequantizes
+        the i-th tile of rank r's payload into ``flat[r * partition + offset:]``."""
+        r = tl.program_id(1).to(tl.int64)
+        values_ptr = buf_ptr + r * payload_bytes
+        scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
+        dst_ptr = flat_ptr + (r * partition + offset)
+        _unpack_tile(values_ptr, scales_ptr, dst_ptr, n, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
+
+    @triton.jit
+    def _copy_indexed_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, count, BLOCK: tl.constexpr):
+        """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``i < count`` (16-bit raw bits)."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < count
+        s = tl.load(src_idx_ptr + i, mask=m, other=0)
+        d = tl.load(dst_idx_ptr + i, mask=m, other=0)
+        tl.store(dst_ptr + d, tl.load(src_ptr + s, mask=m, other=0), mask=m)
+
 
 # --------------------------------------------------------------------------- launchers
+
+
+class _At(NamedTuple):
+    """A pointer argument ``byte_offset`` bytes into ``base``'s data, typed ``dtype``: a
+    tensor view for Triton's own launch, a plain address for the compiled kernel's."""
+
+    base: torch.Tensor  # contiguous, 1-D
+    byte_offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+    def address(self) -> int:
+        return self.base.data_ptr() + self.byte_offset
+
+    def view(self) -> torch.Tensor:
+        return self.base.view(torch.uint8)[self.byte_offset : self.byte_offset + self.nbytes].view(self.dtype)
+
+
+#: Launch compiled kernels directly once Triton's own launch has compiled them for the
+#: same arguments' specialization (see :func:`_launch`). Never under the interpreter.
+FAST_LAUNCH = True
+
+#: ``id(kernel) -> {specialization key: compiled kernel}`` (see :func:`_launch`; the kernels live as long as the module).
+_COMPILED: dict = {}
+#: Triton's driver calls for the current device and stream, looked up once.
+_DRIVER: list = []
+
+
+def _spec(arg) -> tuple:
+    """What Triton specializes a compiled kernel on, for one runtime argument, refined:
+    a pointer's element type and whether its address is a multiple of 16; an integer's
+    width class, whether it is a multiple of 16 and whether it is 1."""
+    if isinstance(arg, _At):
+        return (arg.dtype, arg.address() % 16 == 0)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if type(arg) is int:
+        return (-(2**31) <= arg < 2**31, -(2**63) <= arg < 2**63, arg % 16 == 0, arg == 1)
+    return (type(arg), arg)  # anything else: its value (never met by this module's launchers)
+
+
+def _resolve(arg):
+    if isinstance(arg, _At):
+        return arg.view()
+    return arg
+
+
+def _address(arg):
+    if isinstance(arg, _At):
+        return arg.address()
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    return arg
+
+
+def _launch(kernel, grid: tuple, args: tuple, consts: dict, options: dict) -> None:
+    """``kernel[grid](*args, **consts, **options)``, cheaper from the second time on.
+
+    Triton's launch (``JITFunction.run``) binds and specializes every argument, builds a
+    cache key and looks the compiled kernel up on every call: tens of microseconds of
+    host time. Here the compiled kernel that Triton's launch returned is kept under a key
+    that refines Triton's own specialization (the constexpr values, the options, the
+    current device, and per runtime argument :func:`_spec`), and later launches with
+    the same key go straight to it (``compiled[grid](*args, stream=...)``, the launch
+    ``JITFunction.run`` itself ends with), with pointers passed as addresses. Any
+    launch whose key is new goes through Triton's launch, which compiles what it needs.
+    Under the interpreter, or where this Triton's launch does not return a compiled
+    kernel with that interface, every launch is Triton's own."""
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    if INTERPRET or not FAST_LAUNCH:
+        kernel[grid](*map(_resolve, args), **consts, **options)
+        return
+    if not _DRIVER:
+        drv = triton.runtime.driver.active
+        _DRIVER.extend((drv.get_current_device, drv.get_current_stream))
+    device = _DRIVER[0]()
+    key = (device, tuple(consts.items()), tuple(options.items()), tuple(map(_spec, args)))
+    cache = _COMPILED.setdefault(id(kernel), {})  # by identity: hashing a JITFunction takes a lock
+    compiled = cache.get(key)
+    if compiled is not None:
+        compiled[grid](*map(_address, args), *consts.values(), stream=_DRIVER[1](device))
+        return
+    compiled = kernel[grid](*map(_resolve, args), **consts, **options)
+    if hasattr(compiled, "result"):  # a compilation future (asynchronous compile mode)
+        compiled = compiled.result()
+    names = getattr(kernel, "arg_names", None)
+    # The compiled kernel takes every argument positionally, constexprs included.
+    if names is not None and list(names) == [*names[: len(args)], *consts] and callable(
+            getattr(compiled, "__getitem__", None)):
+        cache[key] = compiled
 
 
 def _check(t: torch.Tensor, what: str) -> None:
@@ -436,18 +578,19 @@ def _check(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a contiguous 1-D tensor")
 
 
-def _sections(buf: torch.Tensor, layout, n: int, group_size: int, fmt, exact_count: int):
-    """Typed views of a payload's values, scales and side channel (no copies)."""
-    if buf.dtype != torch.uint8 or not buf.is_contiguous():
-        raise ValueError("a payload must be a contiguous uint8 tensor")
+def _payload_sections(buf: torch.Tensor, layout, n: int, group_size: int, fmt, exact_count: int,
+                      elem_size: int = 2):
+    """Pointers to the values (uint8), scales (fp32) and side channel (int16) of the payload
+    ``buf``, after checking that it holds them (no views are made)."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError("a payload must be a contiguous 1-D uint8 tensor")
     if buf.numel() < layout.nbytes:
         raise ValueError(f"payload buffer has {buf.numel()} bytes, the layout needs {layout.nbytes}")
     if exact_count > layout.exact_numel:
         raise ValueError(f"{exact_count} exact elements do not fit a side channel of {layout.exact_numel}")
-    values = buf[layout.values_offset : layout.values_offset + fmt.value_bytes(n)]
-    scales = buf[layout.scales_offset : layout.scales_offset + num_groups(n, group_size) * SCALE_BYTES]
-    side = buf[layout.exact_offset : layout.exact_offset + exact_count * 2]
-    return values, scales.view(torch.float32), side.view(torch.int16)
+    return (_At(buf, layout.values_offset, fmt.value_bytes(n), torch.uint8),
+            _At(buf, layout.scales_offset, num_groups(n, group_size) * SCALE_BYTES, torch.float32),
+            _At(buf, layout.exact_offset, exact_count * elem_size, torch.int16))
 
 
 #: ``id(exact_index) -> (weakref to it, launch shape, device, version, idx, blk)``: the per-program
@@ -497,33 +640,22 @@ def pack_payload(
     elif src.dim() != 1 or not src.is_contiguous():
         raise ValueError("source must be a contiguous 1-D tensor")
     n = src.numel()
-    values, scales, side = _sections(out, layout, n, group_size, f, count)
+    values, scales, side = _payload_sections(out, layout, n, group_size, f, count)
     if n == 0:
         return
     has_exact = count > 0
     shape = _launch_shape(n, group_size, has_exact)
     idx, blk = _exact_tables(exact_index, shape, src.device)
-    _pack_kernel[(shape.programs,)](
-        src if wide else src.view(torch.int16),
-        values,
-        scales,
-        side if has_exact else scales,
-        idx if has_exact else scales,
-        blk if has_exact else scales,
-        n,
-        IS_BF16=src.dtype == torch.bfloat16,
-        SOFT=_soft(src.device),
-        PAIRS=not wide and src.data_ptr() % 4 == 0,
-        FMT=_FMT_CODES[f.name],
-        QMAX=float(f.qmax),
-        FLOOR=FLT_MIN,
-        GS=group_size,
-        GS_PAD=shape.gs_pad,
-        G=shape.groups_per_prog,
-        HAS_EXACT=has_exact,
-        STEPS=shape.search_steps,
-        num_warps=shape.num_warps,
-        **PACK_OPTIONS,
+    src_bits = src if wide else _At(src, 0, 2 * n, torch.int16)
+    _launch(
+        _pack_kernel,
+        (shape.programs,),
+        (src_bits, values, scales, side if has_exact else scales, idx if has_exact else scales,
+         blk if has_exact else scales, n),
+        dict(IS_BF16=src.dtype == torch.bfloat16, SOFT=_soft(src.device), PAIRS=not wide and src.data_ptr() % 4 == 0,
+             FMT=_FMT_CODES[f.name], QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad,
+             G=shape.groups_per_prog, HAS_EXACT=has_exact, STEPS=shape.search_steps),
+        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
     )
 
 
@@ -546,22 +678,68 @@ def unpack_payload(
     _check(dst, "destination")
     n = dst.numel()
     count = 0 if exact_index is None else exact_index.numel()
-    values, scales, side = _sections(payload, layout, n, group_size, f, count)
+    values, scales, side = _payload_sections(payload, layout, n, group_size, f, count)
     if n == 0:
         return
     shape = _launch_shape(n, group_size, False)
-    _unpack_kernel[(shape.programs,)](
-        values,
-        scales,
-        dst.view(torch.int16),
-        n,
-        IS_BF16=dst.dtype == torch.bfloat16,
-        SOFT=_soft(dst.device),
-        FMT=_FMT_CODES[f.name],
-        GS=group_size,
-        GS_PAD=shape.gs_pad,
-        G=shape.groups_per_prog,
-        num_warps=shape.num_warps,
+    _launch(
+        _unpack_kernel,
+        (shape.programs,),
+        (values, scales, _At(dst, 0, 2 * n, torch.int16), n),
+        dict(IS_BF16=dst.dtype == torch.bfloat16, SOFT=_soft(dst.device), FMT=_FMT_CODES[f.name], GS=group_size,
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog),
+        dict(num_warps=shape.num_warps),
     )
     if count:
-        dst.view(torch.int16).index_copy_(0, exact_index.to(device=dst.device, dtype=torch.int64), side)
+        dst.view(torch.int16).index_copy_(0, exact_index.to(device=dst.device, dtype=torch.int64), side.view())
+
+
+#: Exact elements one program of the exact-element scatter copies.
+COPY_BLOCK = 1024
+
+
+def unpack_payloads(
+    buf: torch.Tensor,
+    flat: torch.Tensor,
+    partition_numel: int,
+    offset: int,
+    numel: int,
+    world: int,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Kernel twin of :func:`qzero.quant.reference.unpack_payloads`: every source rank's
+    payload of one chunk in one launch (a program per tile and rank), then one scatter of
+    every rank's exact elements. The same result as :func:`unpack_payload` per rank."""
+    f = get_format(fmt)
+    _check(flat, "flat buffer")
+    pb = layout.nbytes
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() < world * pb:
+        raise ValueError(f"the receive buffer must be a contiguous uint8 tensor of at least {world} x {pb} bytes")
+    if flat.numel() != world * partition_numel or not 0 <= offset <= offset + numel <= partition_numel:
+        raise ValueError(f"chunk [{offset}, {offset + numel}) does not fit {world} partitions of "
+                         f"{partition_numel} in a flat buffer of {flat.numel()}")
+    if numel == 0:
+        return
+    shape = _launch_shape(numel, group_size, False)
+    bits = _At(flat, 0, 2 * flat.numel(), torch.int16)
+    _launch(
+        _unpack_ranks_kernel,
+        (shape.programs, world),
+        (buf, bits, numel, offset, partition_numel, pb, layout.scales_offset),
+        dict(IS_BF16=flat.dtype == torch.bfloat16, SOFT=_soft(flat.device), FMT=_FMT_CODES[f.name], GS=group_size,
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog),
+        dict(num_warps=shape.num_warps),
+    )
+    if exact is not None and exact[0].numel():
+        src_idx, dst_idx = exact
+        count = src_idx.numel()
+        _launch(
+            _copy_indexed_kernel,
+            (-(-count // COPY_BLOCK),),
+            (_At(buf, 0, buf.numel() // 2 * 2, torch.int16), bits, src_idx, dst_idx, count),
+            dict(BLOCK=COPY_BLOCK),
+            dict(num_warps=4),
+        )
