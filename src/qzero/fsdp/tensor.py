@@ -178,11 +178,12 @@ class QuantizedGatherTensor(torch.Tensor):
         return None
 
     def _dequantize(self, payloads: torch.Tensor, dst: torch.Tensor, n: int, layout) -> None:
+        """Every rank's payload into its rows of ``dst``, in one launch (rank ``r``'s lands
+        at ``dst[r * n:][:n]``)."""
         kernels = kernels_for(dst.device) if dst.dtype in _KERNEL_DTYPES else reference
-        for rank in range(payloads.shape[0]):
-            kernels.unpack_payload(
-                payloads[rank], dst[rank * n : (rank + 1) * n], layout, self._format.group_size, self._format.fmt, None
-            )
+        world = payloads.shape[0]
+        kernels.unpack_payloads(payloads.reshape(-1), dst, n, 0, n, world, layout, self._format.group_size,
+                                self._format.fmt, None)
 
 
 def shard_shape(full: tuple[int, ...], world: int) -> tuple[int, ...]:
