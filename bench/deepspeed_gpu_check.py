@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4 GPU, 2 CPU)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 256 GPU, 32 CPU)")
     p.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
+                   help="attention implementation (default eager: its backward is deterministic, so the "
+                        "bitwise checks hold at long sequences, where cuDNN's fused attention backward is not)")
     p.add_argument("--bucket", type=int, default=None,
                    help="allgather_bucket_size, elements across all ranks (default 2**22 GPU, 8192 CPU)")
     p.add_argument("--offload", choices=("none", "cpu", "cpu_pinned"), default="none",
@@ -163,7 +166,7 @@ def param_groups(model):
 def build(args, device, init, config):
     from qzero.workload import build_model
 
-    model = build_model(model_config(args), torch.bfloat16, device, seed=0)
+    model = build_model(model_config(args), torch.bfloat16, device, seed=0, attention=args.attention)
     if args.offload != "none":  # DeepSpeed's bf16 offload runs its own CPU Adam
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -89,13 +89,16 @@ def model_config(preset: str | None = None, config_path: str | None = None, max_
     )
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
-    """A randomly initialised causal LM, the same on every rank for the same seed."""
+def build_model(config, dtype: torch.dtype, device: torch.device, seed: int, attention: str = "sdpa") -> torch.nn.Module:
+    """A randomly initialised causal LM, the same on every rank for the same seed.
+
+    ``attention``: the attention implementation (``sdpa``, or ``eager``, whose backward is
+    deterministic where fused attention kernels are not)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention, trust_remote_code=False)
     return model.to(device=device, dtype=dtype)
 
 
