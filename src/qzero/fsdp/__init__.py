@@ -32,10 +32,20 @@ from ..layout import is_small_param
 from ..quant import check_group_size, get_format
 from .tensor import GatherFormat, QuantizedGatherTensor, carries
 
-__all__ = ["GatherReport", "QuantizedGatherTensor", "gather_report", "quantize_weight_gathers"]
+__all__ = [
+    "GatherReport",
+    "GroupGatherReport",
+    "QuantizedGatherTensor",
+    "gather_report",
+    "group_gather_report",
+    "quantize_group_gathers",
+    "quantize_weight_gathers",
+]
 
 _log = logging.getLogger(__name__)
 _REPORT_ATTR = "_qzero_gather_report"
+
+from .group import GroupGatherReport, group_gather_report, quantize_group_gathers  # noqa: E402
 
 
 class GatherReport(NamedTuple):
