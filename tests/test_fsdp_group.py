@@ -219,13 +219,22 @@ def bad_input_worker(rank, world):
         out.append(None)
     except ValueError as e:
         out.append(str(e))
-    return out, untouched, installed, same_after_second, _comms(per_param) == before_pp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mixed = build()
+    mixed.mid.bias.data = mixed.mid.bias.data.double()  # no param_dtype: FSDP2 gathers raw bytes
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(mixed.mid, mesh=mesh)
+    fully_shard(mixed, mesh=mesh)
+    mixed_report = quantize_group_gathers(mixed, small_param_numel=SMALL)
+    return out, untouched, installed, same_after_second, _comms(per_param) == before_pp, mixed_report, _comms(mixed)
 
 
 def test_bad_input_is_refused_on_every_rank_and_changes_nothing():
     from qzero.fsdp import quantize_group_gathers
 
-    for out, untouched, installed, same, pp_untouched in run_distributed(bad_input_worker, 2):
+    for out, untouched, installed, same, pp_untouched, mixed, mixed_comms in run_distributed(bad_input_worker, 2):
         for (kwargs, match), message in zip(BAD_CALLS, out):
             assert message is not None and match in message, (kwargs, message)
         assert untouched
@@ -234,6 +243,10 @@ def test_bad_input_is_refused_on_every_rank_and_changes_nothing():
         assert "already applied" in out[len(BAD_CALLS) + 1] and same
         assert "quantize_weight_gathers" in out[len(BAD_CALLS) + 2] and "cannot be combined" in out[-1]
         assert pp_untouched
+        # a group of mixed dtypes keeps FSDP2's own all-gather, and the report says so
+        assert mixed.quantized == ("",) and mixed.plain == (("mid", "mixed dtypes (float32, float64): FSDP2 gathers "
+                                                                     "them as raw bytes"),)
+        assert dict(mixed_comms) == {"": "GroupQuantizedAllGather", "mid": "DefaultAllGather"}
     # before fully_shard: nothing is sharded (no process group needed to tell)
     model = build()
     snap = _snapshot(model)

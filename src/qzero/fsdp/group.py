@@ -129,12 +129,16 @@ def quantize_group_gathers(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from torch.distributed.fsdp import FSDPModule
 
-    if not hasattr(FSDPModule, "set_custom_all_gather"):
+    if not hasattr(FSDPModule, "set_custom_all_gather"):  # added in torch 2.9
         raise ValueError(
-            f"torch {torch.__version__}'s FSDP2 has no set_custom_all_gather; use qzero.fsdp.quantize_weight_gathers "
+            f"torch {torch.__version__}'s FSDP2 has no set_custom_all_gather (torch >= 2.9 has); use qzero.fsdp.quantize_weight_gathers "
             "(before fully_shard) instead"
         )
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    # FSDP2's own all-gathers that only differ in where the buffer is allocated
+    own = tuple(getattr(_fsdp_collectives, n) for n in ("DefaultAllGather", "ProcessGroupAllocAllGather")
+                if hasattr(_fsdp_collectives, n))
 
     _check_not_per_parameter(model)
     plans = []  # (name, module, param group, GroupGather) for every FSDP parameter group
@@ -152,7 +156,7 @@ def quantize_group_gathers(
             if isinstance(comm, GroupQuantizedAllGather):
                 raise ValueError("quantize_group_gathers was already applied to this model "
                                  f"(module {name or '<root>'!r}); nothing was changed")
-            if type(comm) is not DefaultAllGather:
+            if type(comm) not in own:
                 raise ValueError(f"FSDP module {name or '<root>'!r} already has a custom all-gather "
                                  f"({type(comm).__name__}); nothing was changed")
             plans.append((name, module, pg, _describe(name, pg, group_size, fmt, small_param_numel)))
@@ -181,6 +185,9 @@ class GroupQuantizedAllGather(_AllGather):
     module's docstring). Installed by :func:`quantize_group_gathers`."""
 
     def __init__(self, fsdp_params, *, group_size: int, fmt: str, small_param_numel: int, kernels: str, name: str):
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        self._sharded = ShardedState.SHARDED
         self.fsdp_params = list(fsdp_params)
         self.group_size, self.fmt, self.small_param_numel = group_size, fmt, small_param_numel
         self.kernels, self.name = kernels, name
@@ -213,12 +220,10 @@ class GroupQuantizedAllGather(_AllGather):
         return None  # nothing left in flight: FSDP2 then relies on its event alone
 
     def _quantizable(self, output: torch.Tensor, n: int, world: int) -> bool:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
         if not output.is_floating_point() or n == 0:
             return False  # mixed dtypes: FSDP2 sends the inputs as raw bytes
         # After a reshard to a smaller post-forward mesh the inputs are other slices.
-        return all(p.sharded_state == ShardedState.SHARDED for p in self.fsdp_params)
+        return all(p.sharded_state == self._sharded for p in self.fsdp_params)
 
     def _plan(self, n: int, world: int, elem_size: int):
         key = (n, world, elem_size)
