@@ -67,6 +67,11 @@ def group_worker(rank, world, reshard, dtype, steps):
     for mode in ("plain", "group"):
         model = shard(build(), world, False, reshard, dtype)
         report = quantize_group_gathers(model, group_size=GS, small_param_numel=SMALL) if mode == "group" else None
+        if mode == "group":  # poisoned all-gather buffers: every element must be written by the gather
+            for m in model.modules():
+                if hasattr(m, "_get_fsdp_state"):
+                    m._get_fsdp_state()._fsdp_param_group._all_gather_comm.allocate = (
+                        lambda size, *, dtype, device: torch.full(tuple(size), float("nan"), dtype=dtype, device=device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
         seen = {}
         for name, m in model.named_children():
