@@ -38,7 +38,7 @@ from torch import nn
 
 from ..engine import CommContext, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
-from ..quant import KERNELS, check_group_size, get_format
+from ..quant import KERNELS, check_group_size, get_format, kernels_for
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
@@ -131,8 +131,8 @@ def quantize_group_gathers(
 
     if not hasattr(FSDPModule, "set_custom_all_gather"):  # added in torch 2.9
         raise ValueError(
-            f"torch {torch.__version__}'s FSDP2 has no set_custom_all_gather (torch >= 2.9 has); use qzero.fsdp.quantize_weight_gathers "
-            "(before fully_shard) instead"
+            f"torch {torch.__version__}'s FSDP2 has no set_custom_all_gather (torch >= 2.9 has); use "
+            "qzero.fsdp.quantize_weight_gathers (before fully_shard) instead"
         )
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
@@ -142,6 +142,7 @@ def quantize_group_gathers(
 
     _check_not_per_parameter(model)
     plans = []  # (name, module, param group, GroupGather) for every FSDP parameter group
+    seen = set()  # fully_shard([a, b]) gives several modules one state and one group
     found = False
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
@@ -152,6 +153,11 @@ def quantize_group_gathers(
             raise ValueError(f"FSDP module {name or '<root>'!r} has {len(groups)} parameter groups (a per-parameter "
                              "mesh); set_custom_all_gather supports one; nothing was changed")
         for pg in groups:
+            if id(pg) in seen:
+                continue
+            seen.add(id(pg))
+            if kernels != "auto":
+                kernels_for(torch.device(getattr(pg, "device", "cpu")), kernels)  # 'triton' where it cannot run
             comm = pg._all_gather_comm
             if isinstance(comm, GroupQuantizedAllGather):
                 raise ValueError("quantize_group_gathers was already applied to this model "
