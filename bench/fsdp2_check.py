@@ -1,20 +1,30 @@
-"""GPU check of qzero.fsdp: FSDP2's quantized weight gather on NCCL, against the reference.
+"""GPU check of qzero.fsdp: FSDP2's quantized weight gathers on NCCL, against the reference.
 
     torchrun --nproc_per_node=2 bench/fsdp2_check.py [--out DIR]
 
-For both reshard modes and both compute dtypes (bf16, fp16), a small Qwen3-shaped model
-(tied embedding, as the benchmarked presets) is sharded with the quantized gather and
-trained two steps. The weights each rank computes with in the second forward (captured
-by forward pre-hooks, so the in-place re-gather path is the one checked) must equal,
-bit for bit, the torch reference quantizer applied on the CPU to that step's fp32 master
-shards (small parameters: the master rounded to the compute dtype), on every rank. This
-checks the Triton kernels (pack from fp32, unpack) and the NCCL path together. Prints one
-PASS/FAIL line per case; exit status 1 on any failure. ``--out`` gets ``fsdp2_check.json``.
+For both modes (``parameter``: :func:`qzero.fsdp.quantize_weight_gathers`; ``group``:
+:func:`qzero.fsdp.quantize_group_gathers`), both reshard modes and both compute dtypes
+(bf16, fp16), a small Qwen3-shaped model (tied embedding, as the benchmarked presets) is
+sharded with the quantized gather and trained two steps. The weights each rank computes
+with in the second forward (captured by forward pre-hooks, so the re-gather path is the
+one checked) must equal, bit for bit, the torch reference quantizer applied on the CPU to
+that step's fp32 masters, on every rank:
+
+* parameter: each parameter's fp32 master shard quantized on its own (small parameters:
+  the master rounded to the compute dtype);
+* group: per ``fully_shard`` module, each rank's padded shards of its parameters, rounded
+  to the compute dtype and laid back to back (FSDP2's all-gather input), quantized in
+  groups from the start of that input, small parameters exact.
+
+This checks the Triton kernels and the NCCL path together (and, in group mode, that every
+gather went through the engine). Prints one PASS/FAIL line per case; exit status 1 on any
+failure. ``--out`` gets ``fsdp2_check.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,25 +47,73 @@ def expected(full: torch.Tensor, world: int, quantized: bool, dtype, group_size:
     return torch.cat(parts).view(full.shape)
 
 
-def run_case(reshard: bool, dtype, device, world: int) -> tuple[bool, str]:
+def expected_group(masters: dict, names: list, world: int, dtype, small: int, group_size: int, fmt: str) -> dict:
+    """What every rank computes with when the parameters ``names`` (one FSDP module's, in
+    order) are gathered by quantize_group_gathers, from their fp32 masters."""
+    rows = {n: -(-masters[n].shape[0] // world) for n in names}
+    parts = {n: [] for n in names}
+    for r in range(world):
+        pieces, exact, offset = [], [], 0
+        for n in names:
+            w = masters[n].cpu().to(dtype)
+            padded = torch.zeros((rows[n], *w.shape[1:]), dtype=dtype)
+            mine = w[r * rows[n] : (r + 1) * rows[n]]
+            padded[: mine.shape[0]] = mine
+            flat = padded.reshape(-1)
+            if w.numel() <= small:
+                exact.append(torch.arange(offset, offset + flat.numel()))
+            pieces.append(flat)
+            offset += flat.numel()
+        x = torch.cat(pieces)
+        idx = torch.cat(exact) if exact else None
+        values, scales = reference.quantize(x, group_size, fmt, idx)
+        y = reference.dequantize(values, scales, x.numel(), group_size, fmt, dtype)
+        if idx is not None:
+            y[idx] = x[idx]
+        offset = 0
+        for n, flat in zip(names, pieces):
+            seg = y[offset : offset + flat.numel()].view(rows[n], *masters[n].shape[1:])
+            parts[n].append(seg[: max(0, min(rows[n], masters[n].shape[0] - r * rows[n]))])
+            offset += flat.numel()
+    return {n: torch.cat(parts[n]) for n in names}
+
+
+def fsdp_module_params(model) -> dict:
+    """Each fully_shard module's own parameters (those of no sharded submodule), in order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    out = {n: [] for n in sharded}
+    for pname, _ in model.named_parameters():
+        owner = max((n for n in sharded if n == "" or pname.startswith(n + ".")), key=len)
+        out[owner].append(pname)
+    return out
+
+
+def run_case(mode: str, reshard: bool, dtype, device, world: int) -> tuple[bool, str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from qzero.fsdp import gather_report, quantize_weight_gathers
+    from qzero.fsdp import gather_report, quantize_group_gathers, quantize_weight_gathers
 
     config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    quantize_weight_gathers(model, small_param_numel=4096)
-    quantized = set(gather_report(model).quantized)
+    small = 4096
+    if mode == "parameter":
+        quantize_weight_gathers(model, small_param_numel=small)
+        quantized = set(gather_report(model).quantized)
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    if mode == "group":
+        report = quantize_group_gathers(model, small_param_numel=small)
+        quantized = {n for n, p in model.named_parameters() if p.numel() > small}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = {}
 
@@ -76,16 +134,25 @@ def run_case(reshard: bool, dtype, device, world: int) -> tuple[bool, str]:
         model(input_ids=ids).logits.float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    bad = []
-    for name, full in masters.items():
-        if name not in seen:
-            continue
-        want = expected(full, world, name in quantized, dtype, 64, "int8")
-        if not torch.equal(seen[name].cpu(), want):
-            bad.append(name)
-    ok = torch.tensor([0 if bad else 1], device=device)
+    if mode == "group":
+        want = {}
+        for names in fsdp_module_params(model).values():
+            want.update(expected_group(masters, names, world, dtype, small, 64, "int8"))
+    else:
+        want = {name: expected(full, world, name in quantized, dtype, 64, "int8") for name, full in masters.items()}
+    bad = [name for name in masters if name in seen and not torch.equal(seen[name].cpu(), want[name])]
+    checked = sum(name in seen for name in masters)
+    detail = f"{len(quantized)} quantized, {len(masters) - len(quantized)} exact; {checked} checked"
+    if mode == "group":
+        calls = [m._get_fsdp_state()._fsdp_param_group._all_gather_comm.calls
+                 for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+        plain_calls = sum(c["plain"] for c in calls)
+        if plain_calls or not all(c["quantized"] for c in calls):
+            bad.append(f"gathers not through the engine: {calls}")
+        detail += f"; {report.bytes_sent / report.plain_bytes:.3f} of the plain bytes"
+    detail += f"; mismatches here: {bad[:4]}"
+    ok = torch.tensor([0 if bad or not checked else 1], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    detail = f"{len(quantized)} quantized, {len(masters) - len(quantized)} plain; mismatches here: {bad[:4]}"
     return bool(ok.item()), detail
 
 
@@ -101,14 +168,14 @@ def main() -> int:
     world = dist.get_world_size()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     results, failed = [], False
-    for reshard in (True, False):
-        for dtype in (torch.bfloat16, torch.float16):
-            ok, detail = run_case(reshard, dtype, device, world)
-            failed |= not ok
-            case = f"reshard_after_forward={reshard} {str(dtype).removeprefix('torch.')}"
-            results.append({"case": case, "ok": ok, "detail": detail})
-            if dist.get_rank() == 0:
-                print(f"{'PASS' if ok else 'FAIL'} {case}: {detail}", flush=True)
+    cases = itertools.product(("parameter", "group"), (True, False), (torch.bfloat16, torch.float16))
+    for mode, reshard, dtype in cases:
+        ok, detail = run_case(mode, reshard, dtype, device, world)
+        failed |= not ok
+        case = f"{mode} reshard_after_forward={reshard} {str(dtype).removeprefix('torch.')}"
+        results.append({"case": case, "ok": ok, "detail": detail})
+        if dist.get_rank() == 0:
+            print(f"{'PASS' if ok else 'FAIL'} {case}: {detail}", flush=True)
     if dist.get_rank() == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fsdp2_check.json"), "w") as f:

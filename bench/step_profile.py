@@ -49,6 +49,7 @@ ARMS = {
     "fsdp2_int8": {"engine": "fsdp2", "quantized": True},
     "fsdp2_rs": {"engine": "fsdp2", "reshard_after_forward": True},
     "fsdp2_rs_int8": {"engine": "fsdp2", "reshard_after_forward": True, "quantized": True},
+    "fsdp2_rs_gint8": {"engine": "fsdp2", "reshard_after_forward": True, "quantized": True, "fsdp_quantize": "group"},
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}

@@ -6,7 +6,9 @@
 * ``fsdp2`` — PyTorch FSDP2, ``fully_shard`` per decoder layer and at the root with
   ``reshard_after_forward=False`` (its ZeRO-2-like mode; ``reshard_after_forward`` sets it),
   fp32 masters, bf16/fp16 compute; with ``zero_quantized_weights``, its weight all-gather carries
-  qzero's INT8 groups (:func:`qzero.fsdp.quantize_weight_gathers`).
+  qzero's INT8 groups, per parameter (:func:`qzero.fsdp.quantize_weight_gathers`) or, with
+  ``fsdp_quantize="group"``, per ``fully_shard`` module through the gather engine
+  (:func:`qzero.fsdp.quantize_group_gathers`).
 
 Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
@@ -161,7 +163,8 @@ class FSDP2Engine:
         self.model = build(torch.float32)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         zero = settings.zero
-        if zero.zero_quantized_weights:
+        group = zero.zero_quantized_weights and settings.fsdp_quantize == "group"
+        if zero.zero_quantized_weights and not group:
             from .fsdp import quantize_weight_gathers
 
             quantize_weight_gathers(
@@ -171,13 +174,24 @@ class FSDP2Engine:
                 small_param_numel=zero.small_param_numel,
                 mesh=mesh,
             )
-        self._bytes = _fsdp2_gather_bytes(self.model, settings, mesh.size())
+        if not group:
+            self._bytes = _fsdp2_gather_bytes(self.model, settings, mesh.size())
         reduce = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(zero.reduce_dtype, dtype)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
         reshard = settings.reshard_after_forward
         for layer in getattr(getattr(self.model, "model", None), "layers", []):
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        if group:
+            from .fsdp import quantize_group_gathers
+
+            report = quantize_group_gathers(
+                self.model,
+                group_size=zero.zero_quantized_weights_group_size,
+                fmt=zero.zero_quantized_weights_format,
+                small_param_numel=zero.small_param_numel,
+            )
+            self._bytes = _group_gather_bytes(report, settings)
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         self._norm = None
@@ -246,6 +260,19 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
             mine = quantized_payload_layout(shard, zero.zero_quantized_weights_group_size, zero.zero_quantized_weights_format).nbytes
         sent += times * mine
         plain += times * shard * 2
+    return sent, plain
+
+
+def _group_gather_bytes(report, settings) -> tuple[int, int]:
+    """(sent, plain) bytes one rank puts into FSDP2's weight all-gathers in a step with
+    :func:`qzero.fsdp.quantize_group_gathers`, counted as :func:`_fsdp2_gather_bytes` counts
+    them: every group once in forward, the decoder layers' again in backward when they are
+    resharded after forward."""
+    sent = plain = 0
+    for g in report.groups:
+        times = 2 if settings.reshard_after_forward and g.module else 1
+        sent += times * g.bytes_sent
+        plain += times * g.plain_bytes
     return sent, plain
 
 

@@ -60,6 +60,12 @@ class TrainSettings:
     preset's own threshold (``qzero.workload.PRESETS``; 65,536 with ``model_config``).
     Always a ZeroConfig after construction (which validates it)."""
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
+    fsdp_quantize: str = "parameter"
+    """fsdp2 with ``quantized`` only: how FSDP2's weight all-gather is quantized. ``parameter``:
+    each parameter's fp32 master shard through FSDP2's per-parameter extension
+    (:func:`qzero.fsdp.quantize_weight_gathers`); ``group``: each ``fully_shard`` module's whole
+    all-gather buffer (the bf16/fp16 copies) through qzero's gather engine, one call per module
+    (:func:`qzero.fsdp.quantize_group_gathers`, less host time per gather)."""
     offload_optimizer: str = "none"  # deepspeed only: none | cpu | cpu_pinned (DeepSpeedCPUAdam, fp32 state on the host)
     seq_len: int = 64
     micro_batch: int = 4
@@ -146,6 +152,8 @@ def resolve_device(settings: TrainSettings) -> str:
 
 #: DeepSpeed optimizer offload of the deepspeed engine (``cpu_pinned``: page-locked host buffers).
 OFFLOAD_OPTIMIZER = ("none", "cpu", "cpu_pinned")
+#: How the fsdp2 engine quantizes its weight all-gather (TrainSettings.fsdp_quantize).
+FSDP_QUANTIZE = ("parameter", "group")
 
 
 def validate(settings: TrainSettings) -> None:
@@ -168,6 +176,12 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
     if settings.reshard_after_forward and settings.engine != "fsdp2":
         raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 engine, not of {settings.engine!r}")
+    if settings.fsdp_quantize not in FSDP_QUANTIZE:
+        raise WorkloadError(f"fsdp_quantize must be one of {', '.join(FSDP_QUANTIZE)}, got {settings.fsdp_quantize!r}")
+    if settings.fsdp_quantize != "parameter" and (settings.engine != "fsdp2" or not settings.zero.zero_quantized_weights):
+        raise WorkloadError(f"fsdp_quantize={settings.fsdp_quantize} is a setting of the fsdp2 engine with "
+                            f"quantized=true, not of engine {settings.engine!r} with quantized="
+                            f"{str(settings.zero.zero_quantized_weights).lower()}")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":

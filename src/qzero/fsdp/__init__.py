@@ -17,6 +17,13 @@ the quantized gather cannot carry keep FSDP2's own gather, exact;
 :func:`gather_report` says which is which. The fp32 masters, the optimizer, gradients
 and state dicts are untouched: ``state_dict()`` returns the plain fp32 tensors, so a
 checkpoint saved with the quantized gather loads without it and the other way round.
+
+The alternative with less host time per gather, one call after ``fully_shard``::
+
+    report = quantize_group_gathers(model)          # after fully_shard, on the root
+
+quantizes each ``fully_shard`` module's whole all-gather buffer (the ``param_dtype``
+copies) through qzero's gather engine instead (:mod:`qzero.fsdp.group`).
 """
 
 from __future__ import annotations
@@ -32,10 +39,20 @@ from ..layout import is_small_param
 from ..quant import check_group_size, get_format
 from .tensor import GatherFormat, QuantizedGatherTensor, carries
 
-__all__ = ["GatherReport", "QuantizedGatherTensor", "gather_report", "quantize_weight_gathers"]
+__all__ = [
+    "GatherReport",
+    "GroupGatherReport",
+    "QuantizedGatherTensor",
+    "gather_report",
+    "group_gather_report",
+    "quantize_group_gathers",
+    "quantize_weight_gathers",
+]
 
 _log = logging.getLogger(__name__)
 _REPORT_ATTR = "_qzero_gather_report"
+
+from .group import GroupGatherReport, group_gather_report, quantize_group_gathers  # noqa: E402
 
 
 class GatherReport(NamedTuple):
