@@ -498,7 +498,9 @@ class _At(NamedTuple):
 
 
 #: Launch compiled kernels directly once Triton's own launch has compiled them for the
-#: same arguments' specialization (see :func:`_launch`). Never under the interpreter.
+#: same arguments' specialization (see :func:`_launch`). Never under the interpreter. Not
+#: a setting: the same bytes either way; ``bench/engine_host.py`` turns it off to time
+#: Triton's own launch beside it.
 FAST_LAUNCH = True
 
 #: ``id(kernel) -> {specialization key: compiled kernel}`` (see :func:`_launch`; the kernels live as long as the module).
