@@ -17,7 +17,10 @@ that step's fp32 masters, on every rank:
   groups from the start of that input, small parameters exact.
 
 This checks the Triton kernels and the NCCL path together (and, in group mode, that every
-gather went through the engine). Prints one PASS/FAIL line per case; exit status 1 on any
+gather went through the engine). The ``reduce`` cases check
+:func:`qzero.fsdp.quantize_group_reduces` (both reshard modes, fp32 and bf16 reduce dtype):
+every rank's reduce-scatter output of every ``fully_shard`` module, after one backward,
+bitwise the reference quantizer applied on the CPU to all ranks' recorded inputs. Prints one PASS/FAIL line per case; exit status 1 on any
 failure. ``--out`` gets ``fsdp2_check.json``.
 """
 
@@ -156,6 +159,105 @@ def run_case(mode: str, reshard: bool, dtype, device, world: int) -> tuple[bool,
     return bool(ok.item()), detail
 
 
+def expected_reduce(inputs: list, dest: int, names: list, sizes: dict, small: int, kind: str, factor,
+                    group_size: int, fmt: str) -> torch.Tensor:
+    """Rank ``dest``'s quantized reduce-scatter output from every rank's input (CPU, reference):
+    the fp32 sum in rank order of its own part and the others' parts quantized and back
+    (small parameters exact), then the op."""
+    world = len(inputs)
+    n = inputs[0].numel() // world
+    exact, offset = [], 0
+    for name in names:
+        numel, full = sizes[name]
+        if full <= small:
+            exact.append(torch.arange(offset, offset + numel))
+        offset += numel
+    idx = torch.cat(exact) if exact else None
+    total = torch.zeros(n, dtype=torch.float32)
+    for s, x in enumerate(inputs):
+        x = x[dest * n : (dest + 1) * n].clone()
+        if kind == "PREMUL_SUM":
+            x.mul_(factor)
+        if s == dest:
+            c = x.to(torch.float32)
+        else:
+            values, scales = reference.quantize(x, group_size, fmt, idx)
+            c = reference.dequantize(values, scales, n, group_size, fmt, torch.float32)
+            if idx is not None:
+                c[idx] = x[idx].to(torch.float32)
+        total += c
+    if kind == "AVG":
+        total.mul_(1.0 / world)
+    return total.to(inputs[0].dtype)
+
+
+def run_reduce_case(reshard: bool, reduce_dtype, device, world: int) -> tuple[bool, str]:
+    """quantize_group_reduces: every rank's reduce-scatter output of every group, bitwise the
+    reference applied to all ranks' recorded inputs (kernels 'auto': Triton on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from qzero.fsdp import quantize_group_reduces
+
+    class Recorder(ReduceScatter):
+        def __init__(self, inner, log):
+            self.inner, self.log = inner, log
+
+        def allocate(self, size, *, dtype, device):
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            x = input_tensor.clone()
+            self.inner(output_tensor, input_tensor, group, op, async_op)
+            kind = getattr(op, "op", op)
+            self.log.append((x, output_tensor.clone(), str(kind).split(".")[-1], getattr(op, "factor", None)))
+
+    config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    small = 4096
+    mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    report = quantize_group_reduces(model, small_param_numel=small)
+    sizes = {n: (-(-p.shape[0] // world) * (p.numel() // p.shape[0]), p.numel()) for n, p in model.named_parameters()}
+    logs = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "_get_fsdp_state"):
+            pg = m._get_fsdp_state()._fsdp_param_group
+            logs[name] = []
+            pg._reduce_scatter_comm = Recorder(pg._reduce_scatter_comm, logs[name])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, 1024, (2, 64), generator=g).to(device)
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    bad, checked = [], 0
+    for module, names in fsdp_module_params(model).items():
+        if not logs.get(module):
+            bad.append(f"{module or '<root>'}: not reduced")
+            continue
+        x, got, kind, factor = logs[module][0]
+        inputs = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(inputs, x)
+        want = expected_reduce([t.cpu() for t in inputs], dist.get_rank(), names, sizes, small, kind, factor, 64,
+                               "int8")
+        checked += 1
+        if not torch.equal(got.cpu(), want):
+            bad.append(module or "<root>")
+    detail = (f"{checked} groups checked; {report.bytes_sent / report.plain_bytes:.3f} of the plain bytes; "
+              f"mismatches here: {bad[:4]}")
+    ok = torch.tensor([0 if bad or not checked else 1], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item()), detail
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
@@ -173,6 +275,13 @@ def main() -> int:
         ok, detail = run_case(mode, reshard, dtype, device, world)
         failed |= not ok
         case = f"{mode} reshard_after_forward={reshard} {str(dtype).removeprefix('torch.')}"
+        results.append({"case": case, "ok": ok, "detail": detail})
+        if dist.get_rank() == 0:
+            print(f"{'PASS' if ok else 'FAIL'} {case}: {detail}", flush=True)
+    for reshard, reduce_dtype in itertools.product((True, False), (torch.float32, torch.bfloat16)):
+        ok, detail = run_reduce_case(reshard, reduce_dtype, device, world)
+        failed |= not ok
+        case = f"reduce reshard_after_forward={reshard} reduce_dtype={str(reduce_dtype).removeprefix('torch.')}"
         results.append({"case": case, "ok": ok, "detail": detail})
         if dist.get_rank() == 0:
             print(f"{'PASS' if ok else 'FAIL'} {case}: {detail}", flush=True)

@@ -8,7 +8,8 @@
   fp32 masters, bf16/fp16 compute; with ``zero_quantized_weights``, its weight all-gather carries
   qzero's INT8 groups, per parameter (:func:`qzero.fsdp.quantize_weight_gathers`) or, with
   ``fsdp_quantize="group"``, per ``fully_shard`` module through the gather engine
-  (:func:`qzero.fsdp.quantize_group_gathers`).
+  (:func:`qzero.fsdp.quantize_group_gathers`); with ``zero_quantized_gradients``, its gradient
+  reduce-scatter is quantized per ``fully_shard`` module (:func:`qzero.fsdp.quantize_group_reduces`).
 
 Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
@@ -192,6 +193,21 @@ class FSDP2Engine:
                 small_param_numel=zero.small_param_numel,
             )
             self._bytes = _group_gather_bytes(report, settings)
+        self._reduce_comms = []
+        if zero.zero_quantized_gradients:
+            from .fsdp import quantize_group_reduces
+
+            quantize_group_reduces(
+                self.model,
+                group_size=zero.zero_quantized_gradients_group_size,
+                fmt=zero.zero_quantized_gradients_format,
+                small_param_numel=zero.small_param_numel,
+                kernels=zero.quant_kernels,
+            )
+            self._reduce_comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+                                  for m in self.model.modules() if hasattr(m, "_get_fsdp_state")]
+        self._reduce_seen = (0, 0)
+        self._reduce_last = (0, 0)
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         self._norm = None
@@ -209,6 +225,10 @@ class FSDP2Engine:
             sq = torch.stack(local).sum()
             dist.all_reduce(sq)
             self._norm = sq.sqrt()
+        if self._reduce_comms:  # what the quantized reduce-scatters sent in this step's backwards
+            now = (sum(c.bytes_sent for c in self._reduce_comms), sum(c.plain_bytes for c in self._reduce_comms))
+            self._reduce_last = (now[0] - self._reduce_seen[0], now[1] - self._reduce_seen[1])
+            self._reduce_seen = now
         self.opt.step()
         return True
 
@@ -222,6 +242,8 @@ class FSDP2Engine:
         return self._bytes
 
     def reduced_bytes(self):
+        if self._reduce_comms:  # quantize_group_reduces: counted by its reduce-scatters, last step
+            return self._reduce_last
         # one reduce-scatter per micro-batch: the elements other ranks own, in the reduce dtype
         world = dist.get_world_size()
         n = sum(p.numel() for p in self.model.parameters()) * self._reduce_bytes

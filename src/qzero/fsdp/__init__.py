@@ -23,7 +23,12 @@ The alternative with less host time per gather, one call after ``fully_shard``::
     report = quantize_group_gathers(model)          # after fully_shard, on the root
 
 quantizes each ``fully_shard`` module's whole all-gather buffer (the ``param_dtype``
-copies) through qzero's gather engine instead (:mod:`qzero.fsdp.group`).
+copies) through qzero's gather engine instead (:mod:`qzero.fsdp.group`), and::
+
+    report = quantize_group_reduces(model)          # after fully_shard, on the root
+
+reduce-scatters each module's gradients quantized, with the arithmetic of the
+ZeroOptimizer's quantized gradient reduction (:mod:`qzero.fsdp.reduce`).
 """
 
 from __future__ import annotations
@@ -42,10 +47,13 @@ from .tensor import GatherFormat, QuantizedGatherTensor, carries
 __all__ = [
     "GatherReport",
     "GroupGatherReport",
+    "GroupReduceReport",
     "QuantizedGatherTensor",
     "gather_report",
     "group_gather_report",
+    "group_reduce_report",
     "quantize_group_gathers",
+    "quantize_group_reduces",
     "quantize_weight_gathers",
 ]
 
@@ -53,6 +61,7 @@ _log = logging.getLogger(__name__)
 _REPORT_ATTR = "_qzero_gather_report"
 
 from .group import GroupGatherReport, group_gather_report, quantize_group_gathers  # noqa: E402
+from .reduce import GroupReduceReport, group_reduce_report, quantize_group_reduces  # noqa: E402
 
 
 class GatherReport(NamedTuple):

@@ -87,13 +87,29 @@ class QuantizedExchange:
     """Packs, moves and sums the pieces of one flat group's buckets."""
 
     def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype):
+        self._setup(
+            quant, dtype, group.process_group, group.world_size, group.rank, group.device,
+            gradient_kernels_for(group.device, group.context.kernels_choice),
+            merge_adjacent(sorted((s.start, s.stop) for s in group.layout.slots if s.exact)),
+        )
+
+    @classmethod
+    def over(cls, quant: GradientQuantization, dtype: torch.dtype, process_group, world: int, rank: int,
+             device: torch.device, kernels, exact_ranges) -> QuantizedExchange:
+        """An exchange over any flat buffer: ``exact_ranges`` (sorted, flat coordinates) are
+        carried exactly; ``kernels`` is a :func:`qzero.quant.gradient_kernels_for` module."""
+        self = cls.__new__(cls)
+        self._setup(quant, dtype, process_group, world, rank, device, kernels, merge_adjacent(sorted(exact_ranges)))
+        return self
+
+    def _setup(self, quant, dtype, process_group, world, rank, device, kernels, exact) -> None:
         self.group_size, self.fmt = quant
         self.dtype = dtype
-        self.pg = group.process_group
-        self.world, self.rank = group.world_size, group.rank
-        self.device = group.device
-        self.kernels = gradient_kernels_for(group.device, group.context.kernels_choice)
-        self._exact = merge_adjacent(sorted((s.start, s.stop) for s in group.layout.slots if s.exact))
+        self.pg = process_group
+        self.world, self.rank = world, rank
+        self.device = device
+        self.kernels = kernels
+        self._exact = exact
         self._plans: dict = {}
         self._index: dict = {}
 

@@ -1,0 +1,296 @@
+"""FSDP2's gradient reduce-scatter, quantized one parameter group at a time.
+
+After backward, FSDP2 copies the unsharded gradients of one ``fully_shard`` module (one
+FSDP parameter group) into a reduce-scatter input of ``world * n`` elements in the reduce
+dtype, rank ``r``'s part at ``r * n``: the concatenation, in the group's parameter order,
+of the gradients' padded dim-0 shards that rank ``r`` owns. On its reduce-scatter stream
+it then calls the group's reduce-scatter communication object as ``comm(output_tensor=
+(n elements), input_tensor=..., group=..., op=...)`` and records an event there that the
+stream which views the output as the sharded gradients waits for (the return value is not
+used). ``op`` is ``AVG`` (fp32/bf16 reduce dtype), ``SUM`` (fp16: FSDP2 divides before and
+after itself; or ``set_force_sum_reduction_for_comms``) or ``PREMUL_SUM(1 / factor)``
+(``set_gradient_divide_factor``). ``FSDPModule.set_custom_reduce_scatter`` replaces that
+object; a custom one excludes ``set_symm_mem`` and ``set_allocate_memory_from_process_group``.
+
+:class:`GroupQuantizedReduceScatter` is such an object, with the arithmetic of qzero's
+quantized gradient reduction (:mod:`qzero.optim.quantized_reduce`, the
+:class:`~qzero.optim.quantized_reduce.QuantizedExchange` the ZeroOptimizer uses): rank
+``r``'s part is one piece, the parts other ranks own are packed (symmetric groups of
+``group_size`` counted from the start of each part, so no group spans two owners; one fp32
+scale each; the shards of parameters with at most ``small_param_numel`` elements verbatim
+in the side channel), one ``all_to_all_single`` with uneven splits moves them, and each
+rank sums in fp32 and rank order its own part unquantized and the others' dequantized
+payloads. The op is then applied to that fp32 sum (``AVG``: times ``1 / world``, as the
+ZeroOptimizer averages; ``PREMUL_SUM``: the input is multiplied by the factor before it
+is packed, as the op defines) and the result is cast into the output. A group holding NaN
+or Inf on any rank arrives as NaN, so a non-finite gradient stays visible.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import GRADIENT_FORMATS
+from ..layout import is_small_param, merge_adjacent
+from ..quant import KERNELS, check_group_size, gradient_kernels_for
+from ..quant.gradients import GRADIENT_DTYPES
+
+__all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
+
+_log = logging.getLogger(__name__)
+REDUCE_REPORT_ATTR = "_qzero_group_reduce_report"
+
+
+class GroupReduce(NamedTuple):
+    """One FSDP parameter group: the bytes one rank sends in one reduce-scatter of it
+    (``plain_bytes``: what FSDP2's own reduce-scatter sends, the other ranks' parts in the
+    reduce dtype)."""
+
+    module: str  # the module's name in the model ("" for the root)
+    params: int
+    exact_params: int  # parameters whose gradients are reduced exactly (small ones)
+    bytes_sent: int
+    plain_bytes: int
+
+
+class GroupReduceReport(NamedTuple):
+    """What :func:`quantize_group_reduces` installed, one entry per FSDP parameter group."""
+
+    groups: tuple[GroupReduce, ...]
+
+    @property
+    def exact_params(self) -> int:
+        return sum(g.exact_params for g in self.groups)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes one rank sends when every group is reduced once (one backward)."""
+        return sum(g.bytes_sent for g in self.groups)
+
+    @property
+    def plain_bytes(self) -> int:
+        return sum(g.plain_bytes for g in self.groups)
+
+    def summary(self) -> str:
+        return (f"qzero.fsdp: {len(self.groups)} parameter group(s) reduce-scattered quantized ({self.exact_params} "
+                f"small parameter(s) exact inside them); {self.bytes_sent} bytes a rank per backward, plain "
+                f"{self.plain_bytes}")
+
+
+def quantize_group_reduces(
+    model: nn.Module,
+    *,
+    group_size: int = 64,
+    fmt: str = "int8",
+    small_param_numel: int = 65_536,
+    kernels: str = "auto",
+) -> GroupReduceReport:
+    """Make every FSDP2 parameter group of ``model`` reduce-scatter its gradients quantized;
+    return a report.
+
+    Call after ``fully_shard`` (on the root, once). Each ``fully_shard`` module gets a
+    :class:`GroupQuantizedReduceScatter` through ``set_custom_reduce_scatter``. The weight
+    all-gather is independent: this combines with :func:`qzero.fsdp.quantize_group_gathers`
+    and :func:`qzero.fsdp.quantize_weight_gathers`. ``fmt``: ``int8`` or ``fp8``;
+    ``kernels``: ``auto``, ``triton`` or ``reference`` (as :func:`qzero.quant.gradient_kernels_for`).
+
+    Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
+    bad argument, a model with no ``fully_shard`` module, a model already converted by this
+    function, a group that already has a custom reduce-scatter, or a torch whose FSDP2 has
+    no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
+    PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
+    """
+    check_group_size(group_size)
+    if fmt not in GRADIENT_FORMATS:
+        raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
+    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
+        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):  # added in torch 2.9
+        raise ValueError(f"torch {torch.__version__}'s FSDP2 has no set_custom_reduce_scatter (torch >= 2.9 has); "
+                         "the quantized reduce-scatter needs it")
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from .group import _param_groups
+
+    own = tuple(getattr(_fsdp_collectives, n) for n in ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter")
+                if hasattr(_fsdp_collectives, n))
+    plans, seen, found = [], set(), False
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        found = True
+        groups = _param_groups(module, name)
+        if len(groups) > 1:
+            raise ValueError(f"FSDP module {name or '<root>'!r} has {len(groups)} parameter groups (a per-parameter "
+                             "mesh); set_custom_reduce_scatter supports one; nothing was changed")
+        for pg in groups:
+            if id(pg) in seen:
+                continue
+            seen.add(id(pg))
+            if not hasattr(pg, "_reduce_scatter_comm"):
+                raise ValueError("this torch's FSDP2 parameter group has no '_reduce_scatter_comm'; nothing was changed")
+            if kernels != "auto":
+                gradient_kernels_for(torch.device(getattr(pg, "device", "cpu")), kernels)  # 'triton' where it cannot run
+            comm = pg._reduce_scatter_comm
+            if isinstance(comm, GroupQuantizedReduceScatter):
+                raise ValueError("quantize_group_reduces was already applied to this model "
+                                 f"(module {name or '<root>'!r}); nothing was changed")
+            if type(comm) not in own:
+                raise ValueError(f"FSDP module {name or '<root>'!r} already has a custom reduce-scatter "
+                                 f"({type(comm).__name__}); nothing was changed")
+            plans.append((name, module, pg))
+    if not found:
+        raise ValueError("quantize_group_reduces must be called after fully_shard, but no module of the model is "
+                         "sharded (no FSDPModule found); nothing was changed")
+    infos = []
+    for name, module, pg in plans:
+        comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
+                                           small_param_numel=small_param_numel, kernels=kernels, name=name)
+        module.set_custom_reduce_scatter(comm)
+        infos.append(_describe(name, pg, comm))
+    report = GroupReduceReport(tuple(infos))
+    setattr(model, REDUCE_REPORT_ATTR, report)
+    _log.info(report.summary())
+    return report
+
+
+def group_reduce_report(model: nn.Module) -> GroupReduceReport:
+    """The :class:`GroupReduceReport` that :func:`quantize_group_reduces` made for ``model``."""
+    report = getattr(model, REDUCE_REPORT_ATTR, None)
+    if report is None:
+        raise ValueError("this model was not passed to qzero.fsdp.quantize_group_reduces")
+    return report
+
+
+try:  # torch releases with set_custom_reduce_scatter define the interface it takes
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - older torch: quantize_group_reduces refuses to run
+    _ReduceScatter = object
+
+
+class GroupQuantizedReduceScatter(_ReduceScatter):
+    """FSDP2's reduce-scatter of one parameter group's gradients, quantized (see the
+    module's docstring). Installed by :func:`quantize_group_reduces`."""
+
+    def __init__(self, fsdp_params, *, group_size: int, fmt: str, small_param_numel: int, kernels: str, name: str):
+        self.fsdp_params = list(fsdp_params)
+        self.group_size, self.fmt, self.small_param_numel = group_size, fmt, small_param_numel
+        self.kernels, self.name = kernels, name
+        self._exchanges: dict = {}
+        #: How many calls ran quantized, and how many FSDP2's plain reduce-scatter (a backward
+        #: in which some parameters of the group had no gradient, or a reduce dtype the
+        #: gradient kernels do not take).
+        self.calls = {"quantized": 0, "plain": 0}
+        #: Bytes this rank sent, and what the plain reduce-scatter would have sent, over all calls.
+        self.bytes_sent = 0
+        self.plain_bytes = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        world, rank = group.size(), group.rank()
+        n = output_tensor.numel()
+        kind, factor = _op_kind(op, self.name)
+        plain = n * (world - 1) * input_tensor.element_size()
+        if world == 1 or not self._quantizable(input_tensor, n, world):
+            self.calls["plain"] += 1
+            self.bytes_sent += plain
+            self.plain_bytes += plain
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if kind == "premul":
+            input_tensor.mul_(factor)  # the op's own definition: each rank's input times the factor, then summed
+        exchange = self._exchange(n, world, rank, group, input_tensor)
+        parts = [(r, r * n, n, r * n) for r in range(world)]
+        # On the stream FSDP2 called us on (its reduce-scatter stream): FSDP2 records its
+        # event there after we return, and the stream that reads the output waits for it.
+        pending, sent = exchange.launch(input_tensor, n, parts)
+        total, _ = exchange.finish(pending, n)
+        if kind == "avg":
+            total.mul_(1.0 / world)  # as the ZeroOptimizer averages its fp32 sums
+        output_tensor.copy_(total)
+        self.calls["quantized"] += 1
+        self.bytes_sent += sent
+        self.plain_bytes += plain
+        return None  # nothing left in flight
+
+    def _quantizable(self, input_tensor: torch.Tensor, n: int, world: int) -> bool:
+        if input_tensor.dtype not in GRADIENT_DTYPES or n == 0:
+            return False
+        # Parameters without a gradient in this backward are left out of the input.
+        return sum(self._sizes()) == n
+
+    def _sizes(self) -> list[int]:
+        return [p.padded_sharded_param_size.numel() for p in self.fsdp_params]
+
+    def exact_ranges(self, n: int, world: int) -> list[tuple[int, int]]:
+        """The small parameters' shards in every rank's part, in input coordinates."""
+        exact, offset = [], 0
+        for p, size in zip(self.fsdp_params, self._sizes()):
+            if size and is_small_param(p._orig_size.numel(), self.small_param_numel):
+                exact.append((offset, offset + size))
+            offset += size
+        return merge_adjacent([(r * n + a, r * n + b) for r in range(world) for a, b in exact])
+
+    def _exchange(self, n: int, world: int, rank: int, group, like: torch.Tensor):
+        from ..optim.quantized_reduce import GradientQuantization, QuantizedExchange
+
+        key = (n, world, rank, id(group), like.dtype, like.device)
+        ex = self._exchanges.get(key)
+        if ex is None:
+            ex = QuantizedExchange.over(
+                GradientQuantization(self.group_size, self.fmt), like.dtype, group, world, rank, like.device,
+                gradient_kernels_for(like.device, self.kernels), self.exact_ranges(n, world),
+            )
+            self._exchanges[key] = ex
+        return ex
+
+
+def _op_kind(op, name: str):
+    """``("sum" | "avg" | "premul", factor)`` of a reduce op FSDP2 passes; ValueError for others."""
+    from torch.distributed import ReduceOp
+
+    kind = getattr(op, "op", op)  # a ReduceOp object (PREMUL_SUM) carries its type in .op
+    if kind == ReduceOp.SUM:
+        return "sum", None
+    if kind == ReduceOp.AVG:
+        return "avg", None
+    if kind == ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        if torch.is_tensor(factor) and factor.device.type == "cpu":
+            factor = float(factor.reshape(-1)[0])
+        return "premul", factor
+    raise ValueError(f"the quantized reduce-scatter of FSDP module {name or '<root>'!r} was asked for reduce op {op!r}; "
+                     "it implements SUM, AVG and PREMUL_SUM only")
+
+
+def _describe(name, pg, comm: GroupQuantizedReduceScatter) -> GroupReduce:
+    from ..optim.quantized_reduce import plan_pieces
+
+    params = list(pg.fsdp_params)
+    world = pg.mesh_info.shard_mesh_size if hasattr(pg.mesh_info, "shard_mesh_size") else 1
+    policy = pg.mp_policy
+    dtype = policy.reduce_dtype or policy.param_dtype or (params[0].sharded_param.dtype if params else torch.float32)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    n = sum(comm._sizes())
+    small = sum(1 for p in params if is_small_param(p._orig_size.numel(), comm.small_param_numel))
+    plain = n * (world - 1) * elem
+    if world <= 1 or not n:
+        return GroupReduce(name, len(params), small, plain, plain)
+    rank = pg.mesh_info.shard_mesh_rank if hasattr(pg.mesh_info, "shard_mesh_rank") else 0
+    pieces = plan_pieces([(r, r * n, n, r * n) for r in range(world)], comm.exact_ranges(n, world),
+                         comm.group_size, comm.fmt, elem)
+    sent = sum(p.layout.nbytes for p in pieces if p.dest != rank)
+    return GroupReduce(name, len(params), small, sent, plain)
