@@ -182,6 +182,10 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"fsdp_quantize={settings.fsdp_quantize} is a setting of the fsdp2 engine with "
                             f"quantized=true, not of engine {settings.engine!r} with quantized="
                             f"{str(settings.zero.zero_quantized_weights).lower()}")
+    if settings.zero.zero_quantized_gradients and settings.engine == "deepspeed":
+        raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 engines; the deepspeed "
+                            "engine reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
+                            "ignores that key), so it would change nothing")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
