@@ -38,7 +38,8 @@ from torch import nn
 
 from ..engine import CommContext, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
-from ..quant import KERNELS, check_group_size, get_format, kernels_for
+from ..quant import get_format, kernels_for
+from ._comms import check_arguments, groups_to_convert
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
@@ -119,56 +120,18 @@ def quantize_group_gathers(
     this function or by :func:`qzero.fsdp.quantize_weight_gathers`, a group that already
     has a custom all-gather, or a torch whose FSDP2 has no ``set_custom_all_gather``.
     """
-    check_group_size(group_size)
+    check_arguments(model, group_size, small_param_numel, kernels)
     get_format(fmt)
-    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
-        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from torch.distributed.fsdp import FSDPModule
-
-    if not hasattr(FSDPModule, "set_custom_all_gather"):  # added in torch 2.9
-        raise ValueError(
-            f"torch {torch.__version__}'s FSDP2 has no set_custom_all_gather (torch >= 2.9 has); use "
-            "qzero.fsdp.quantize_weight_gathers (before fully_shard) instead"
-        )
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    # FSDP2's own all-gathers that only differ in where the buffer is allocated
-    own = tuple(getattr(_fsdp_collectives, n) for n in ("DefaultAllGather", "ProcessGroupAllocAllGather")
-                if hasattr(_fsdp_collectives, n))
-
     _check_not_per_parameter(model)
-    plans = []  # (name, module, param group, GroupGather) for every FSDP parameter group
-    seen = set()  # fully_shard([a, b]) gives several modules one state and one group
-    found = False
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        found = True
-        groups = _param_groups(module, name)
-        if len(groups) > 1:
-            raise ValueError(f"FSDP module {name or '<root>'!r} has {len(groups)} parameter groups (a per-parameter "
-                             "mesh); set_custom_all_gather supports one; nothing was changed")
-        for pg in groups:
-            if id(pg) in seen:
-                continue
-            seen.add(id(pg))
-            if kernels != "auto":
-                kernels_for(torch.device(getattr(pg, "device", "cpu")), kernels)  # 'triton' where it cannot run
-            comm = pg._all_gather_comm
-            if isinstance(comm, GroupQuantizedAllGather):
-                raise ValueError("quantize_group_gathers was already applied to this model "
-                                 f"(module {name or '<root>'!r}); nothing was changed")
-            if type(comm) not in own:
-                raise ValueError(f"FSDP module {name or '<root>'!r} already has a custom all-gather "
-                                 f"({type(comm).__name__}); nothing was changed")
-            plans.append((name, module, pg, _describe(name, pg, group_size, fmt, small_param_numel)))
-    if not found:
-        raise ValueError("quantize_group_gathers must be called after fully_shard, but no module of the model is "
-                         "sharded (no FSDPModule found); nothing was changed")
+    plans = [  # (name, module, param group, GroupGather) for every FSDP parameter group
+        (name, module, pg, _describe(name, pg, group_size, fmt, small_param_numel))
+        for name, module, pg in groups_to_convert(
+            model, function="quantize_group_gathers", setter="set_custom_all_gather", attr="_all_gather_comm",
+            what="all-gather", ours=GroupQuantizedAllGather,
+            # FSDP2's own all-gathers, which only differ in where the buffer is allocated
+            own_names=("DefaultAllGather", "ProcessGroupAllocAllGather"), kernels=kernels, kernels_for=kernels_for,
+            instead="qzero.fsdp.quantize_weight_gathers (before fully_shard)")
+    ]
     for name, module, pg, info in plans:
         if info.plain_reason is None:
             module.set_custom_all_gather(GroupQuantizedAllGather(
@@ -278,27 +241,6 @@ def group_plan(sizes, small, world: int, elem_size: int, group_size: int, fmt: s
 
 
 # ---------------------------------------------------------------------- checks and the report
-
-
-def _param_groups(module, name: str) -> list:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch releases with one group per state
-        if not hasattr(state, "_fsdp_param_group"):
-            raise ValueError(f"this torch's FSDP2 state of module {name or '<root>'!r} has no parameter group "
-                             "attribute qzero knows; use qzero.fsdp.quantize_weight_gathers instead")
-        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    for pg in groups:
-        for attr in ("fsdp_params", "_all_gather_comm", "mesh_info", "mp_policy"):
-            if not hasattr(pg, attr):
-                raise ValueError(f"this torch's FSDP2 parameter group has no {attr!r}; use "
-                                 "qzero.fsdp.quantize_weight_gathers instead")
-        for p in pg.fsdp_params:
-            for attr in ("padded_sharded_param_size", "_orig_size", "sharded_state", "sharded_param"):
-                if not hasattr(p, attr):
-                    raise ValueError(f"this torch's FSDP2 parameter has no {attr!r}; use "
-                                     "qzero.fsdp.quantize_weight_gathers instead")
-    return list(groups)
 
 
 def _check_not_per_parameter(model: nn.Module) -> None:

@@ -37,8 +37,9 @@ from torch import nn
 
 from ..config import GRADIENT_FORMATS
 from ..layout import is_small_param, merge_adjacent
-from ..quant import KERNELS, check_group_size, gradient_kernels_for
+from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
+from ._comms import check_arguments, groups_to_convert
 
 __all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
 
@@ -105,54 +106,14 @@ def quantize_group_reduces(
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
-    check_group_size(group_size)
+    check_arguments(model, group_size, small_param_numel, kernels)
     if fmt not in GRADIENT_FORMATS:
         raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
-    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
-        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from torch.distributed.fsdp import FSDPModule
-
-    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):  # added in torch 2.9
-        raise ValueError(f"torch {torch.__version__}'s FSDP2 has no set_custom_reduce_scatter (torch >= 2.9 has); "
-                         "the quantized reduce-scatter needs it")
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    from .group import _param_groups
-
-    own = tuple(getattr(_fsdp_collectives, n) for n in ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter")
-                if hasattr(_fsdp_collectives, n))
-    plans, seen, found = [], set(), False
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        found = True
-        groups = _param_groups(module, name)
-        if len(groups) > 1:
-            raise ValueError(f"FSDP module {name or '<root>'!r} has {len(groups)} parameter groups (a per-parameter "
-                             "mesh); set_custom_reduce_scatter supports one; nothing was changed")
-        for pg in groups:
-            if id(pg) in seen:
-                continue
-            seen.add(id(pg))
-            if not hasattr(pg, "_reduce_scatter_comm"):
-                raise ValueError("this torch's FSDP2 parameter group has no '_reduce_scatter_comm'; nothing was changed")
-            if kernels != "auto":
-                gradient_kernels_for(torch.device(getattr(pg, "device", "cpu")), kernels)  # 'triton' where it cannot run
-            comm = pg._reduce_scatter_comm
-            if isinstance(comm, GroupQuantizedReduceScatter):
-                raise ValueError("quantize_group_reduces was already applied to this model "
-                                 f"(module {name or '<root>'!r}); nothing was changed")
-            if type(comm) not in own:
-                raise ValueError(f"FSDP module {name or '<root>'!r} already has a custom reduce-scatter "
-                                 f"({type(comm).__name__}); nothing was changed")
-            plans.append((name, module, pg))
-    if not found:
-        raise ValueError("quantize_group_reduces must be called after fully_shard, but no module of the model is "
-                         "sharded (no FSDPModule found); nothing was changed")
+    plans = groups_to_convert(
+        model, function="quantize_group_reduces", setter="set_custom_reduce_scatter", attr="_reduce_scatter_comm",
+        what="reduce-scatter", ours=GroupQuantizedReduceScatter,
+        own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
+        kernels_for=gradient_kernels_for)
     infos = []
     for name, module, pg in plans:
         comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,

@@ -1,0 +1,97 @@
+"""What :func:`qzero.fsdp.quantize_group_gathers` and :func:`qzero.fsdp.quantize_group_reduces`
+share: the argument checks, and finding every FSDP2 parameter group of a model whose
+all-gather (or reduce-scatter) communication object is still FSDP2's own.
+
+Both install a communication object per parameter group through FSDP2's
+``set_custom_all_gather`` / ``set_custom_reduce_scatter``; which group a module belongs to,
+and which object it has now, are read from FSDP2's parameter groups (checked attribute by
+attribute, so a torch that lays them out differently is refused with a clear error, never
+half-converted).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quant import KERNELS, check_group_size
+
+
+def check_arguments(model, group_size: int, small_param_numel: int, kernels: str) -> None:
+    """The checks every installer makes before it looks at the model."""
+    check_group_size(group_size)
+    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
+        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def parameter_groups(module, name: str) -> list:
+    """The FSDP parameter groups of one ``fully_shard`` module, their attributes checked."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per state
+        if not hasattr(state, "_fsdp_param_group"):
+            raise ValueError(f"this torch's FSDP2 state of module {name or '<root>'!r} has no parameter group "
+                             "attribute qzero knows; use qzero.fsdp.quantize_weight_gathers instead")
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    for pg in groups:
+        for attr in ("fsdp_params", "_all_gather_comm", "mesh_info", "mp_policy"):
+            if not hasattr(pg, attr):
+                raise ValueError(f"this torch's FSDP2 parameter group has no {attr!r}; use "
+                                 "qzero.fsdp.quantize_weight_gathers instead")
+        for p in pg.fsdp_params:
+            for attr in ("padded_sharded_param_size", "_orig_size", "sharded_state", "sharded_param"):
+                if not hasattr(p, attr):
+                    raise ValueError(f"this torch's FSDP2 parameter has no {attr!r}; use "
+                                     "qzero.fsdp.quantize_weight_gathers instead")
+    return list(groups)
+
+
+def groups_to_convert(model: nn.Module, *, function: str, setter: str, attr: str, what: str, ours: type,
+                      own_names: tuple[str, ...], kernels: str, kernels_for,
+                      instead: str = "") -> list[tuple[str, nn.Module, object]]:
+    """``(name, module, parameter group)`` of every FSDP2 parameter group of ``model``, each
+    once, after checking that none can stop the conversion: FSDP2 has ``setter``, each
+    group's ``attr`` object is one of FSDP2's own ``own_names`` (not ``ours``: the function
+    ran already; not another custom object), each module has one group, ``kernels`` can run
+    where the group lives, and the model is sharded at all. Raises with nothing changed
+    (``instead``: what to use on a torch without ``setter``)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    if not hasattr(FSDPModule, setter):  # added in torch 2.9
+        raise ValueError(f"torch {torch.__version__}'s FSDP2 has no {setter} (torch >= 2.9 has); {function} needs it"
+                         + (f"; use {instead} instead" if instead else ""))
+    own = tuple(getattr(_fsdp_collectives, n) for n in own_names if hasattr(_fsdp_collectives, n))
+    out, seen, found = [], set(), False  # fully_shard([a, b]) gives several modules one group
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        found = True
+        groups = parameter_groups(module, name)
+        if len(groups) > 1:
+            raise ValueError(f"FSDP module {name or '<root>'!r} has {len(groups)} parameter groups (a per-parameter "
+                             f"mesh); {setter} supports one; nothing was changed")
+        for pg in groups:
+            if id(pg) in seen:
+                continue
+            seen.add(id(pg))
+            if not hasattr(pg, attr):
+                raise ValueError(f"this torch's FSDP2 parameter group has no {attr!r}; nothing was changed")
+            if kernels != "auto":
+                kernels_for(torch.device(getattr(pg, "device", "cpu")), kernels)  # 'triton' where it cannot run
+            comm = getattr(pg, attr)
+            if isinstance(comm, ours):
+                raise ValueError(f"{function} was already applied to this model (module {name or '<root>'!r}); "
+                                 "nothing was changed")
+            if type(comm) not in own:
+                raise ValueError(f"FSDP module {name or '<root>'!r} already has a custom {what} "
+                                 f"({type(comm).__name__}); nothing was changed")
+            out.append((name, module, pg))
+    if not found:
+        raise ValueError(f"{function} must be called after fully_shard, but no module of the model is sharded "
+                         "(no FSDPModule found); nothing was changed")
+    return out
