@@ -33,7 +33,6 @@ ZeroOptimizer's quantized gradient reduction (:mod:`qzero.fsdp.reduce`).
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
@@ -41,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layout import is_small_param
-from ..quant import check_group_size, get_format
+from ..quant import get_format
+from ._comms import check_arguments, keep_report, stored_report
 from .tensor import GatherFormat, QuantizedGatherTensor, carries
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "quantize_weight_gathers",
 ]
 
-_log = logging.getLogger(__name__)
 _REPORT_ATTR = "_qzero_gather_report"
 
 from .group import GroupGatherReport, group_gather_report, quantize_group_gathers  # noqa: E402
@@ -97,12 +96,8 @@ def quantize_weight_gathers(
     the problem, with the model unchanged, when the model is already sharded or already
     converted, a parameter is not fp32, or an argument is bad.
     """
-    check_group_size(group_size)
+    check_arguments(model, group_size, small_param_numel)
     get_format(fmt)
-    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
-        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_model(model)
     world = _shard_world(mesh)
 
@@ -123,18 +118,13 @@ def quantize_weight_gathers(
                 if id(module) not in hooked:
                     module._register_state_dict_hook(_unwrap_state_dict)
                     hooked.add(id(module))
-    report = GatherReport(tuple(quantized), tuple(plain), world)
-    setattr(model, _REPORT_ATTR, report)
-    _log.info(report.summary())
+    keep_report(model, _REPORT_ATTR, GatherReport(tuple(quantized), tuple(plain), world))
     return model
 
 
 def gather_report(model: nn.Module) -> GatherReport:
     """The :class:`GatherReport` that :func:`quantize_weight_gathers` made for ``model``."""
-    report = getattr(model, _REPORT_ATTR, None)
-    if report is None:
-        raise ValueError("this model was not passed to qzero.fsdp.quantize_weight_gathers")
-    return report
+    return stored_report(model, _REPORT_ATTR, "quantize_weight_gathers")
 
 
 # ---------------------------------------------------------------------- checks

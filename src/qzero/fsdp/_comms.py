@@ -1,6 +1,8 @@
-"""What :func:`qzero.fsdp.quantize_group_gathers` and :func:`qzero.fsdp.quantize_group_reduces`
-share: the argument checks, and finding every FSDP2 parameter group of a model whose
-all-gather (or reduce-scatter) communication object is still FSDP2's own.
+"""What qzero.fsdp's installers share (:func:`~qzero.fsdp.quantize_weight_gathers`,
+:func:`~qzero.fsdp.quantize_group_gathers`, :func:`~qzero.fsdp.quantize_group_reduces`): the
+argument checks, the report each leaves on the model, and (for the two group installers)
+finding every FSDP2 parameter group whose all-gather (or reduce-scatter) communication
+object is still FSDP2's own.
 
 Both install a communication object per parameter group through FSDP2's
 ``set_custom_all_gather`` / ``set_custom_reduce_scatter``; which group a module belongs to,
@@ -11,13 +13,18 @@ half-converted).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from ..quant import KERNELS, check_group_size
 
 
-def check_arguments(model, group_size: int, small_param_numel: int, kernels: str) -> None:
+_log = logging.getLogger("qzero.fsdp")
+
+
+def check_arguments(model, group_size: int, small_param_numel: int, kernels: str = "auto") -> None:
     """The checks every installer makes before it looks at the model."""
     check_group_size(group_size)
     if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
@@ -26,6 +33,21 @@ def check_arguments(model, group_size: int, small_param_numel: int, kernels: str
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def keep_report(model: nn.Module, attr: str, report):
+    """Leave ``report`` on ``model`` (under ``attr``) and log its summary; return it."""
+    setattr(model, attr, report)
+    _log.info(report.summary())
+    return report
+
+
+def stored_report(model: nn.Module, attr: str, function: str):
+    """The report ``function`` left on ``model``; a clear error if it never ran on it."""
+    report = getattr(model, attr, None)
+    if report is None:
+        raise ValueError(f"this model was not passed to qzero.fsdp.{function}")
+    return report
 
 
 def parameter_groups(module, name: str) -> list:

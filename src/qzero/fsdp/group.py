@@ -29,7 +29,6 @@ padding FSDP2 adds to unevenly sharded parameters is zeros and quantizes to zero
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
@@ -39,11 +38,10 @@ from torch import nn
 from ..engine import CommContext, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
 from ..quant import get_format, kernels_for
-from ._comms import check_arguments, groups_to_convert
+from ._comms import check_arguments, groups_to_convert, keep_report, stored_report
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
-_log = logging.getLogger(__name__)
 GROUP_REPORT_ATTR = "_qzero_group_gather_report"
 #: Compute dtypes the Triton kernels read and write; others take the torch reference kernels.
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -137,10 +135,7 @@ def quantize_group_gathers(
             module.set_custom_all_gather(GroupQuantizedAllGather(
                 pg.fsdp_params, group_size=group_size, fmt=fmt, small_param_numel=small_param_numel,
                 kernels=kernels, name=name))
-    report = GroupGatherReport(tuple(info for *_, info in plans))
-    setattr(model, GROUP_REPORT_ATTR, report)
-    _log.info(report.summary())
-    return report
+    return keep_report(model, GROUP_REPORT_ATTR, GroupGatherReport(tuple(info for *_, info in plans)))
 
 
 try:  # torch releases with set_custom_all_gather define the interface it takes
@@ -285,7 +280,4 @@ def _describe(name, pg, group_size, fmt, small_param_numel) -> GroupGather:
 
 def group_gather_report(model: nn.Module) -> GroupGatherReport:
     """The :class:`GroupGatherReport` that :func:`quantize_group_gathers` made for ``model``."""
-    report = getattr(model, GROUP_REPORT_ATTR, None)
-    if report is None:
-        raise ValueError("this model was not passed to qzero.fsdp.quantize_group_gathers")
-    return report
+    return stored_report(model, GROUP_REPORT_ATTR, "quantize_group_gathers")

@@ -28,7 +28,6 @@ or Inf on any rank arrives as NaN, so a non-finite gradient stays visible.
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
@@ -39,11 +38,10 @@ from ..config import GRADIENT_FORMATS
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
-from ._comms import check_arguments, groups_to_convert
+from ._comms import check_arguments, groups_to_convert, keep_report, stored_report
 
 __all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
 
-_log = logging.getLogger(__name__)
 REDUCE_REPORT_ATTR = "_qzero_group_reduce_report"
 
 
@@ -120,18 +118,12 @@ def quantize_group_reduces(
                                            small_param_numel=small_param_numel, kernels=kernels, name=name)
         module.set_custom_reduce_scatter(comm)
         infos.append(_describe(name, pg, comm))
-    report = GroupReduceReport(tuple(infos))
-    setattr(model, REDUCE_REPORT_ATTR, report)
-    _log.info(report.summary())
-    return report
+    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(infos)))
 
 
 def group_reduce_report(model: nn.Module) -> GroupReduceReport:
     """The :class:`GroupReduceReport` that :func:`quantize_group_reduces` made for ``model``."""
-    report = getattr(model, REDUCE_REPORT_ATTR, None)
-    if report is None:
-        raise ValueError("this model was not passed to qzero.fsdp.quantize_group_reduces")
-    return report
+    return stored_report(model, REDUCE_REPORT_ATTR, "quantize_group_reduces")
 
 
 try:  # torch releases with set_custom_reduce_scatter define the interface it takes
