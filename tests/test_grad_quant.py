@@ -394,6 +394,35 @@ def test_kernels_match_reference(dtype, fmt, group_size):
         weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems = saved
 
 
+@pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
+def test_gradient_launchers_pass_constexprs_in_kernel_order(monkeypatch):
+    """The gradient kernels go through the weight kernels' launcher (cached compiled
+    launches on a GPU): runtime arguments first, then the constexprs in the kernel's order."""
+    seen = set()
+    real = kernels._launch
+
+    def checked(kernel, grid, args, consts, options):
+        names = list(kernel.arg_names)
+        assert names == [*names[: len(args)], *consts], (kernel, list(consts))
+        seen.add(kernel)
+        real(kernel, grid, args, consts, options)
+
+    monkeypatch.setattr(kernels, "_launch", checked)
+    n, gs, world = 200, 64, 2
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.tensor([5, 6, 7], dtype=torch.int64)
+    layout = _payload_layout(n, n, -(-n // gs), idx.numel(), 2)
+    x, own = piece(n, torch.bfloat16, gen, "cpu"), piece(n, torch.bfloat16, gen, "cpu")
+    payload = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    kernels.pack_gradient(x, payload, layout, gs, "int8", idx)
+    out = torch.empty(n, dtype=torch.float32)
+    kernels.dequantize_sum(payload, own, out, layout, 0, world, gs, "int8", idx)
+    want = torch.empty_like(out)
+    ref.dequantize_sum(payload, own, want, layout, 0, world, gs, "int8", idx)
+    assert torch.equal(out, want)
+    assert seen == {kernels._grad_pack_kernel, kernels._dequantize_sum_kernel}
+
+
 def test_reference_pack_leaves_finite_groups_alone():
     """The non-finite rule changes nothing else: finite groups pack as the weight quantizer does."""
     from qzero.quant import reference as weights

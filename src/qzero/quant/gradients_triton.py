@@ -23,7 +23,7 @@ import torch
 from . import gradients as ref
 from .formats import get_format
 from .reference import FLT_MIN
-from .triton import _FMT_CODES, AVAILABLE, PACK_OPTIONS, TUNING, _exact_tables, _launch_shape, _soft, triton
+from .triton import _FMT_CODES, AVAILABLE, PACK_OPTIONS, TUNING, _exact_tables, _launch, _launch_shape, _soft, triton
 
 if triton is not None:
     import triton.language as tl
@@ -163,26 +163,15 @@ def pack_gradient(
     has_exact = exact_index is not None and exact_index.numel() > 0
     shape = _launch_shape(n, group_size, has_exact)
     idx, blk = _exact_tables(exact_index, shape, src.device)
-    _grad_pack_kernel[(shape.programs,)](
-        _bits(src),
-        values,
-        scales,
-        _bits(side) if has_exact else scales,
-        idx if has_exact else scales,
-        blk if has_exact else scales,
-        n,
-        KIND=_KINDS[src.dtype],
-        SOFT=_soft(src.device),
-        FMT=_FMT_CODES[f.name],
-        QMAX=float(f.qmax),
-        FLOOR=FLT_MIN,
-        GS=group_size,
-        GS_PAD=shape.gs_pad,
-        G=shape.groups_per_prog,
-        HAS_EXACT=has_exact,
-        STEPS=shape.search_steps,
-        num_warps=shape.num_warps,
-        **PACK_OPTIONS,
+    _launch(
+        _grad_pack_kernel,
+        (shape.programs,),
+        (_bits(src), values, scales, _bits(side) if has_exact else scales, idx if has_exact else scales,
+         blk if has_exact else scales, n),
+        dict(KIND=_KINDS[src.dtype], SOFT=_soft(src.device), FMT=_FMT_CODES[f.name], QMAX=float(f.qmax),
+             FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact,
+             STEPS=shape.search_steps),
+        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
     )
 
 
@@ -208,23 +197,13 @@ def dequantize_sum(
     if n == 0:
         return
     shape = _launch_shape(n, group_size, False)
-    _dequantize_sum_kernel[(shape.programs,)](
-        payloads,
-        _bits(own),
-        out,
-        n,
-        layout.nbytes,
-        layout.scales_offset,
-        rank,
-        world,
-        KIND=_KINDS[own.dtype],
-        SOFT=_soft(own.device),
-        FMT=_FMT_CODES[f.name],
-        GS=group_size,
-        GS_PAD=shape.gs_pad,
-        G=shape.groups_per_prog,
-        num_warps=shape.num_warps,
-        **PACK_OPTIONS,
+    _launch(
+        _dequantize_sum_kernel,
+        (shape.programs,),
+        (payloads, _bits(own), out, n, layout.nbytes, layout.scales_offset, rank, world),
+        dict(KIND=_KINDS[own.dtype], SOFT=_soft(own.device), FMT=_FMT_CODES[f.name], GS=group_size,
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog),
+        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
     )
     ref.put_exact(payloads, own, out, layout, rank, world, exact_index)
 
