@@ -93,18 +93,25 @@ def fsdp_module_params(model) -> dict:
     return out
 
 
-def run_case(mode: str, reshard: bool, dtype, device, world: int) -> tuple[bool, str]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from qzero.fsdp import gather_report, quantize_group_gathers, quantize_weight_gathers
+def build_model(device):
+    """The check's model: a small Qwen3 (fp32 masters, random init, the same on every rank)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def run_case(mode: str, reshard: bool, dtype, device, world: int) -> tuple[bool, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from qzero.fsdp import gather_report, quantize_group_gathers, quantize_weight_gathers
+
+    model = build_model(device)
     small = 4096
     if mode == "parameter":
         quantize_weight_gathers(model, small_param_numel=small)
@@ -197,7 +204,6 @@ def run_reduce_case(reshard: bool, reduce_dtype, device, world: int) -> tuple[bo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    from transformers import AutoModelForCausalLM, Qwen3Config
 
     from qzero.fsdp import quantize_group_reduces
 
@@ -214,11 +220,7 @@ def run_reduce_case(reshard: bool, reduce_dtype, device, world: int) -> tuple[bo
             kind = getattr(op, "op", op)
             self.log.append((x, output_tensor.clone(), str(kind).split(".")[-1], getattr(op, "factor", None)))
 
-    config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = build_model(device)
     small = 4096
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
