@@ -488,22 +488,37 @@ def grad_error_steps(steps: int, every: int) -> set[int]:
     return set(range(0, steps, every)) | {steps - 1}
 
 
-def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port: int = 0, grad_every: int = 0) -> None:
+def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port: int = 0, grad_every: int = 0,
+           share_gpu: bool = False) -> None:
     """Run one rank of one arm in this process through qzero.train.launch (rank 0 prints a
     progress line per step on stdout). World size 1: the process sets up its own rank 0 of 1.
-    Larger: the study started ``world_size`` such processes with ``rank`` and one ``port``."""
+    Larger: the study started ``world_size`` such processes with ``rank`` and one ``port``;
+    with ``share_gpu`` all of them on the arm's one GPU, their collectives through each other's
+    device memory (``one_gpu.SharedGPU``)."""
     import torch
 
+    if share_gpu:  # before qzero is imported: it must see the routed collectives
+        import torch.distributed as dist
+
+        from one_gpu import route_collectives
+
+        route_collectives()
     from qzero import train
 
     settings = train.TrainSettings(**json.loads(settings_json))
     world = settings.world_size
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port or train._free_port()))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if share_gpu else str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or train._free_port()))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     if threads > 0:
         torch.set_num_threads(threads)
+    if share_gpu:
+        from one_gpu import share_one_gpu
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
+        share_one_gpu()
 
     class Report:  # stands in for train._progress: one line per step
         def __init__(self, total):
@@ -635,6 +650,10 @@ def parse_args(argv=None):
     ap.add_argument("--world-size", type=int, default=1,
                     help="data-parallel ranks per arm (default 1: every arm one process). N > 1: every arm is one "
                          "DP-N job; on CUDA rank r of every arm uses GPU r (of --gpus)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="with --world-size N > 1 on CUDA: all ranks of an arm on one GPU (arms spread over the "
+                         "GPUs), their collectives through each other's device memory (NCCL refuses two ranks on "
+                         "one GPU; bench/one_gpu.py). The same numerics as on N GPUs; step times not comparable")
     ap.add_argument("--preset", default="qwen3-125m-byte")
     ap.add_argument("--data", default=None, help="text file to train on (default: the stdlib sources corpus)")
     ap.add_argument("--steps", type=int, default=2000)
@@ -665,7 +684,7 @@ def parse_args(argv=None):
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="with --from-arms: an environment field of the run (repeatable; date= also sets the date)")
     ap.add_argument("--note", default=None, help="with --from-arms: a note stored in the JSON and shown in the .md")
-    ap.add_argument("--worker", nargs=6, metavar=("SETTINGS", "OUT", "THREADS", "RANK", "PORT", "GRAD_EVERY"),
+    ap.add_argument("--worker", nargs=7, metavar=("SETTINGS", "OUT", "THREADS", "RANK", "PORT", "GRAD_EVERY", "SHARE"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.arms is None:
@@ -701,8 +720,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        settings, out, threads, rank, port, every = args.worker
-        worker(settings, out, int(threads), int(rank), int(port), int(every))
+        settings, out, threads, rank, port, every, share = args.worker
+        worker(settings, out, int(threads), int(rank), int(port), int(every), share == "1")
         return 0
     if args.render is not None:
         with open(args.render) as f:
@@ -721,7 +740,7 @@ def main(argv=None) -> int:
         study = study_from_records(
             records, args.arm_list, gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
             last=args.last, smooth_window=args.smooth, wall_s=args.wall_s, environment=args.env_fields,
-            note=args.note, source=args.from_arms)
+            note=args.note, source=args.from_arms, shared=args.share_gpu)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "convergence.json"), "w") as f:  # compact: it sits next to the records
             json.dump(study, f, separators=(",", ":"))
@@ -738,12 +757,15 @@ def main(argv=None) -> int:
     first = arm_settings(arms[0], args)
     device = resolve_device(first)
     args.device = device
-    validate(dataclasses.replace(first, device=device))
+    # ranks sharing a GPU need one GPU per arm, not one per rank
+    validate(dataclasses.replace(first, device=device, world_size=1 if args.share_gpu else first.world_size))
     if device == "cuda":
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
-        if len(gpus) < world:
-            raise SystemExit(f"--world-size {world} needs {world} GPUs; --gpus / the visible GPUs give {gpus}")
-        slots = arm_slots(len(arms), "cuda", gpus, world)  # world 1: 5 arms on 2 GPUs, 3 + 2; world 2: all on both
+        if len(gpus) < world and not args.share_gpu:
+            raise SystemExit(f"--world-size {world} needs {world} GPUs; --gpus / the visible GPUs give {gpus} "
+                             "(--share-gpu runs an arm's ranks on one GPU)")
+        # world 1 (or ranks sharing a GPU): 5 arms on 2 GPUs, 3 + 2; world 2: all on both
+        slots = arm_slots(len(arms), "cuda", gpus, 1 if args.share_gpu else world)
         visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     else:
         slots, visible = ["cpu"] * len(arms), []
@@ -790,7 +812,8 @@ def main(argv=None) -> int:
         procs = []
         for rank in range(world):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(dataclasses.asdict(settings)),
-                   record, str(threads), str(rank), str(port), str(args.grad_error_every)]
+                   record, str(threads), str(rank), str(port), str(args.grad_error_every),
+                   "1" if args.share_gpu and device == "cuda" else "0"]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True,
                                           env=env))
         running.append(Running(arm, procs, log, slot, record))
@@ -865,7 +888,7 @@ def main(argv=None) -> int:
         "last": args.last,
         "smooth": args.smooth,
         "world_size": world,
-        "world_size_note": world_note(world),
+        "world_size_note": world_note(world, args.share_gpu and device == "cuda"),
         "arm_devices": {r.arm.name: r.device_label for r in running},
         "estimate_s": est if device == "cuda" else None,
         "estimate_basis": estimate_basis(per_device, world),
@@ -901,11 +924,14 @@ def streamed_record(r: Running, every: int) -> dict:
     return out
 
 
-def world_note(world: int) -> str:
+def world_note(world: int, shared: bool = False) -> str:
     if world == 1:
         return GROUPS_NOTE
+    where = ("all ranks of an arm on one GPU, their collectives through each other's device memory: the values "
+             "NCCL delivers at world size 2, step times not comparable" if shared else
+             "on CUDA rank r on the r-th GPU of the arm's, the arms sharing the GPUs")
     return (f"ZeRO-2 partitions over {world} ranks, the gradients reduced and the weights gathered between them "
-            f"(on CUDA rank r on the r-th GPU of the arm's, the arms sharing the GPUs). The global batch of a step "
+            f"({where}). The global batch of a step "
             f"is split evenly over the ranks, so every arm trains on the sequences a world-1 run of the same "
             f"--micro-batch does.")
 
@@ -952,7 +978,8 @@ def arm_slots(n_arms: int, device: str, gpus: list[int] | None, world: int = 1) 
 
 def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: list[int] | None = None,
                        last: int = 100, smooth_window: int = 50, wall_s: float | None = None,
-                       environment: dict | None = None, note: str | None = None, source: str | None = None) -> dict:
+                       environment: dict | None = None, note: str | None = None, source: str | None = None,
+                       shared: bool = False) -> dict:
     """A study record (the schema ``main`` writes) rebuilt from per-arm records (``qzero.train.launch``'s
     output, ``arm_<name>.json``) of a run whose ``convergence.json`` was lost. ``arm_order`` is the run's
     ``--arms`` (it fixes the arms' GPUs, given the run's ``gpus``); arms without a record are left out and
@@ -984,7 +1011,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     st = flat[present[0].name]
     device = st["device"]
     world = st.get("world_size") or first.get("world_size") or 1
-    slots = dict(zip([a.name for a in arm_order], arm_slots(len(arm_order), device, gpus, world)))
+    slots = dict(zip([a.name for a in arm_order], arm_slots(len(arm_order), device, gpus, 1 if shared else world)))
     known = [s for s in slots.values() if s]
     per_device = max(known.count(s) for s in set(known)) if known else None
     params = first["params"]
@@ -1008,7 +1035,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
         "last": last,
         "smooth": smooth_window,
         "world_size": world,
-        "world_size_note": world_note(world),
+        "world_size_note": world_note(world, shared and device == "cuda"),
         "arm_devices": {a.name: slots[a.name] for a in present},
         "estimate_s": est,
         "estimate_basis": estimate_basis(per_device, world),

@@ -145,9 +145,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fake-world", type=int, default=0, metavar="N",
+                    help="one process as rank 0 of N under torch's fake process group (one GPU): the engine's "
+                         "host cost at DP-N without NCCL's (the collective returns at once)")
     a = ap.parse_args()
     cuda = a.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if a.fake_world:
+        from one_gpu import init_fake_world
+
+        init_fake_world(a.fake_world)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -168,7 +176,7 @@ def main() -> None:
     except ImportError:  # no Triton: only the reference kernels run
         tk = None
     arms = ("fast", "jit") if cuda and tk is not None and context.kernels is tk else ("default",)
-    results = {"numel": layout.numel, "world": world, "bucket": int(a.bucket), "fmt": a.fmt, "device": a.device,
+    results = {"numel": layout.numel, "world": world, "fake_world": bool(a.fake_world), "bucket": int(a.bucket), "fmt": a.fmt, "device": a.device,
                "schedule": context.schedule, "kernels": getattr(context.kernels, "__name__", str(context.kernels)),
                "exact_ranges": len(plan.exact_ranges), "arms": {}}
     # warm up: compile every kernel variant, fill the caches on the plan

@@ -17,7 +17,11 @@ Run on a 2-GPU host, from the repository root:
 
     python3 -m torch.distributed.run --nproc_per_node=2 bench/memory_peak.py --engine qzero \
         [--quantized] [--overlap] [--preset qwen3-1.7b] [--seq-len 2048] [--micro-batch 2] \
-        [--steps 4] [--out DIR] [--tag NAME]
+        [--steps 4] [--allgather-bucket 5e8] [--reduce-bucket 5e7] [--set KEY=VALUE] [--out DIR] [--tag NAME]
+
+On one GPU, ``python3 bench/memory_peak.py --fake-world 2 ...`` is rank 0 of a DP2 run under
+torch's fake process group: the same allocations (they do not depend on the values the
+collectives would deliver), no traffic.
 
 Rank 0 writes ``DIR/memory_<tag>.md`` and ``DIR/memory_<tag>.json`` and prints the report.
 Two such JSON files side by side (no GPU needed):
@@ -330,6 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--allgather-bucket", type=float, default=5e8)
+    ap.add_argument("--reduce-bucket", type=float, default=5e7)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more ZeroConfig field (repeatable; VALUE as JSON where it parses, else a string)")
+    ap.add_argument("--fake-world", type=int, default=0, metavar="N",
+                    help="one process as rank 0 of N under torch's fake process group (one GPU; no traffic): "
+                         "rank 0's allocations as at DP-N, values meaningless (see one_gpu.py)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="bench/results/memory")
     ap.add_argument("--tag", default=None)
@@ -348,14 +359,30 @@ def main(argv: list[str] | None = None) -> None:
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
+    if a.fake_world:
+        from one_gpu import init_fake_world
+
+        init_fake_world(a.fake_world)
+        os.environ.update(RANK="0", WORLD_SIZE=str(a.fake_world), LOCAL_RANK="0")  # one rank of a launched world
+    else:
+        dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = a.tag or a.engine + ("_int8" if a.quantized else "") + ("_ahead" if a.overlap else "")
+    zero = {"allgather_bucket_size": int(a.allgather_bucket), "reduce_bucket_size": int(a.reduce_bucket),
+            "zero_quantized_weights": a.quantized, "overlap_param_gather": a.overlap}
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            zero[key] = json.loads(value)
+        except json.JSONDecodeError:
+            zero[key] = value
+    if a.fake_world and a.engine == "qzero":
+        zero.setdefault("check_finite", False)  # the other ranks' values are rank 0's: they may well blow up
     settings = TrainSettings(
         engine=a.engine, preset=a.preset, seq_len=a.seq_len, micro_batch=a.micro_batch, steps=a.steps,
-        warmup=0, lr=1e-4, world_size=world, device="cuda",
-        zero={"allgather_bucket_size": int(5e8), "reduce_bucket_size": int(5e7),
-              "zero_quantized_weights": a.quantized, "overlap_param_gather": a.overlap},
+        warmup=0, lr=1e-4, world_size=world, device="cuda", zero=zero,
     )
     validate(settings)
     max_entries = 2_000_000
@@ -372,7 +399,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rank {rank}: the trace filled its {max_entries} entries; its start was overwritten", flush=True)
     mine = {k: breakdown[k] for k in ("peak_bytes", "peak_allocated_bytes", "baseline_bytes", "max_memory_allocated")}
     ranks = [None] * world
-    dist.all_gather_object(ranks, {"rank": rank, **mine})
+    if a.fake_world:  # the fake group moves nothing: rank 0 is all there is
+        ranks = [{"rank": rank, **mine}]
+    else:
+        dist.all_gather_object(ranks, {"rank": rank, **mine})
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
         text = format_breakdown(breakdown, a.top)
@@ -382,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         record = {
             "tag": tag,
             "settings": dataclasses.asdict(settings),
+            "fake_world": a.fake_world or None,
             "max_memory_allocated": breakdown["max_memory_allocated"],
             "ranks": ranks,
             "losses": (result or {}).get("losses"),

@@ -1,5 +1,10 @@
 """Where a whole training step's time goes, per arm, on 2 GPUs (torchrun --nproc_per_node=2).
 
+On one GPU, ``python3 bench/step_profile.py --fake-world 2`` times rank 0 of DP2 under torch's
+fake process group: each arm's own kernels, host launches and sharded update without any
+link (collectives return at once; the values are meaningless, the work is not), beside the
+1-GPU compute-only step (``--fake-world 1``).
+
 For each arm (plain / int8 / int8 + gather-ahead, deterministic kernels on and off) the
 same Qwen3-shaped model trains a few steps back to back (no synchronisation between
 them, so a gather that runs ahead lands in the next forward, as in training); CUDA
@@ -42,6 +47,13 @@ ARMS = {
     # the same gather-ahead with one engine setting changed (ZeroConfig fields)
     "int8_ahead_inline": {"quantized": True, "overlap": True, "gather_schedule": "inline"},
     "int8_ahead_whole": {"quantized": True, "overlap": True, "sliced_update": False},
+    # quantized gradient reduction on top of INT8 + gather-ahead
+    "int8_ahead_qgrad": {"quantized": True, "overlap": True, "zero_quantized_gradients": True},
+    "plain_qgrad": {"zero_quantized_gradients": True},
+    # the same with each plain 16-bit gradient sum added into the fp32 shard as it arrives,
+    # not through the landing shard (patched here: the landing shard has no switch)
+    "int8_ahead_direct": {"quantized": True, "overlap": True},
+    "plain_direct": {},
     # timing only: the forward never waits for the gather (see the module note)
     "int8_ahead_nowait": {"quantized": True, "overlap": True},
     # PyTorch FSDP2, plain and with qzero.fsdp's quantized gather, both reshard modes
@@ -53,6 +65,8 @@ ARMS = {
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}
+#: Arms whose stage-2 reducers add each sum straight into the fp32 shard (no landing shard).
+DIRECT_ADD = {"int8_ahead_direct", "plain_direct"}
 
 
 @contextlib.contextmanager
@@ -100,8 +114,17 @@ def main() -> None:
     ap.add_argument("--allgather-bucket", type=float, default=5e8)
     ap.add_argument("--reduce-bucket", type=float, default=5e7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fake-world", type=int, default=0, metavar="N",
+                    help="one process as rank 0 of N under torch's fake process group (one GPU): every arm's "
+                         "local work at DP-N (its kernels, launches and update on its partition), no traffic")
     a = ap.parse_args()
-    dist.init_process_group("nccl")
+    if a.fake_world:
+        from one_gpu import init_fake_world
+
+        torch.cuda.set_device(0)
+        init_fake_world(a.fake_world)
+    else:
+        dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -118,10 +141,14 @@ def main() -> None:
                 raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
             s = settings_from(dict(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                                    micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket),
-                                   reduce_bucket_size=int(a.reduce_bucket), lr=1e-4, **ARMS[name]))
+                                   reduce_bucket_size=int(a.reduce_bucket), lr=1e-4, **ARMS[name],
+                                   **({"check_finite": False} if a.fake_world and "engine" not in ARMS[name] else {})))
             patch = forward_never_waits() if name in NO_WAIT else contextlib.nullcontext()
             patch.__enter__()
             engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
+            if name in DIRECT_ADD:
+                for grads in engine.opt.grads:
+                    grads.reducer.use_landing = False
             t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": [], "host_bwd": []}
             # No synchronisation between measured steps: a gather that runs ahead (on the
             # compute stream's NCCL side or on the side streams) must show up in the next

@@ -549,3 +549,86 @@ def test_data_parallel_subgroups_match_a_plain_world_of_two(stage, order):
         want = plain[rank // 2]
         for a, b in zip(res["flats"], want["flats"]):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"rank {rank} differs from a world of two"
+
+
+def landing_run(rank, world, cfg_kwargs, landing, steps=3, micro=2, dtype=torch.bfloat16):
+    """Train with the landing shard on (the default) or off (each sum added into the fp32
+    shard as it arrives); record the fp32 gradient shard after each backward, the masters,
+    and what existed while the backward ran."""
+    model = make_model(dtype)
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(**cfg_kwargs))
+    for grads in opt.grads:
+        if not landing:
+            grads.reducer.use_landing = False
+    during = {"fp32_shard_seen": False, "landing_seen": False}
+
+    def watch(_):
+        for g, grads in zip(opt.groups, opt.grads):
+            during["fp32_shard_seen"] |= g.grad is not None and micro == 1
+            during["landing_seen"] |= grads.reducer._landing_shard is not None
+
+    hooks = [p.register_post_accumulate_grad_hook(watch) for p in model.parameters() if p.requires_grad]
+    shards, masters = [], []
+    for step in range(steps):
+        for m in range(micro):
+            tokens, targets = batch(step, m)
+            opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)) / micro)
+            shards.append([g.grad.clone() for g in opt.groups])
+            assert all(grads.reducer._landing_shard is None for grads in opt.grads), "the landing shard outlived backward"
+        opt.step()
+        opt.zero_grad()
+        masters.append([g.master.clone() for g in opt.groups])
+    for h in hooks:
+        h.remove()
+    opt.wait_for_weights()
+    return {"shards": shards, "masters": masters, "flats": [g.flat.clone() for g in opt.groups], "during": during}
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize(
+    "world,order,dtype,micro,overlap",
+    [
+        (2, "interleaved", torch.bfloat16, 1, True),
+        (2, "contiguous", torch.bfloat16, 2, True),
+        (3, "interleaved", torch.float16, 2, True),
+        (3, "contiguous", torch.bfloat16, 1, False),
+    ],
+)
+def test_landing_shard_is_bitwise_the_direct_add(world, order, dtype, micro, overlap):
+    """Stage 2's plain 16-bit sums wait in the landing shard until backward ends: the fp32
+    gradient shard after every backward (with accumulation too), the masters after every step
+    and the gathered weights are bit for bit those of adding each sum as it arrives; during a
+    single-micro-batch backward only the landing shard exists (with overlap_comm off nothing
+    is reduced before backward ends)."""
+    kw = dict(stage=2, reduce_bucket_size=300, allgather_bucket_size=2 * 64 * 3, flat_order=order, overlap_comm=overlap,
+              solo_reduce=order == "interleaved", small_param_numel=40)
+    if dtype == torch.float16:
+        kw["reduce_dtype"] = "fp16"
+    on = run_distributed(landing_run, world, kw, True, 3, micro, dtype)
+    off = run_distributed(landing_run, world, kw, False, 3, micro, dtype)
+    for a, b in zip(on, off):
+        for x, y in zip(sum(a["shards"], []) + sum(a["masters"], []) + a["flats"],
+                        sum(b["shards"], []) + sum(b["masters"], []) + b["flats"]):
+            assert torch.equal(_bits(x), _bits(y))
+        assert a["during"]["landing_seen"] == overlap and not a["during"]["fp32_shard_seen"], a["during"]
+        assert not b["during"]["landing_seen"]
+
+
+def landing_flags_run(rank, world):
+    flags = {}
+    for name, kw in {"stage2 bf16": dict(stage=2), "stage2 fp32 reduce": dict(stage=2, reduce_dtype="fp32"),
+                     "stage2 quantized": dict(stage=2, zero_quantized_gradients=True), "stage1": dict(stage=1)}.items():
+        opt = qzero.ZeroOptimizer(make_model(), ADAMW, config=qzero.ZeroConfig(**kw))
+        flags[name] = [g.reducer.use_landing for g in opt.grads]
+        opt.close()
+    return flags
+
+
+def test_landing_shard_is_used_only_for_plain_16_bit_sums_in_stage_2():
+    """An fp32 reduce dtype, quantized gradients (fp32 sums) and stage 1 add straight into the fp32 shard."""
+    for flags in run_distributed(landing_flags_run, 2):
+        assert flags == {"stage2 bf16": [True], "stage2 fp32 reduce": [False], "stage2 quantized": [False],
+                         "stage1": [False]}, flags

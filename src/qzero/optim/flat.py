@@ -71,8 +71,9 @@ class FlatGroup:
         self.lo, self.hi = self.layout.partition(rank)
         # The fp32 master shard exists from the start (the inner optimizer is built on it before
         # anything is modified) and gets its values in sync_from(). The fp32 gradient shard
-        # exists from a backward's first reduction until zero_grad() (grad_shard()): not
-        # during the forward, where a training step's memory peaks.
+        # exists from a backward's first reduction (stage 2 with a 16-bit plain reduction:
+        # from the end of the backward, see [Note: landing shard] in grads.py) until
+        # zero_grad() (grad_shard()): not during the forward, where a step's memory peaks.
         self.master = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
         self.grad: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None

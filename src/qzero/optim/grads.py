@@ -17,14 +17,24 @@ gradient shard. With :attr:`qzero.ZeroConfig.zero_quantized_gradients` the same 
 (and solo parameters) travel instead as quantized pieces in one all-to-all each
 (:mod:`qzero.optim.quantized_reduce`), at the same points of the step.
 
+[Note: landing shard] In stage 2 a plain reduction in a 16-bit reduce dtype does not add
+each bucket's sum into the fp32 gradient shard as it arrives. The sums land, in the reduce
+dtype, in a *landing shard* of the partition's size (a reduce-scatter writes straight into
+it), which exists from the backward's first reduction to its end; there every element
+(landed exactly once per backward) is added into the fp32 shard, divided by the world size,
+with the same fp32 operations as a direct add, in bounded chunks. The backward, where a
+step's memory peaks, then holds half the bytes for the gradient shard (bf16 instead of
+fp32); the fp32 shard is made after it, when the activations are gone. Quantized reductions
+(their sums are fp32 already), an fp32 reduce dtype and stage 1 add directly.
+
 The two stages differ only in *when*:
 
 * :class:`Stage1Grads` keeps a full gradient buffer (parameters' ``.grad`` are views
   into it) and reduces it once, at ``step()``, after all micro-batches.
 * :class:`Stage2Grads` reduces each bucket as soon as backward has produced all its
   gradients (overlapping backward), then frees the parameter gradients: only the
-  fp32 gradient shard (from the first reduction until ``zero_grad``) and at most a few
-  staged buckets exist. With gradient accumulation this reduces (and, quantized,
+  gradient shard (during backward its landing shard, see the note; from the end of a
+  backward until ``zero_grad`` the fp32 shard) and at most a few staged buckets exist. With gradient accumulation this reduces (and, quantized,
   quantizes) every micro-batch: stage 2 keeps no full gradient to reduce once at the
   end. Quantization errors of the micro-batches then add up in the fp32 shard (each
   element is still quantized once per reduction, never re-quantized); stage 1 quantizes
@@ -49,6 +59,8 @@ from .quantized_reduce import GradientQuantization, QuantizedExchange
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Stage 2 keeps at most this many reduced buckets waiting to be consumed.
 MAX_IN_FLIGHT = 2
+#: Elements of the landing shard added into the fp32 shard at a time (a 16 MiB fp32 temporary).
+FOLD_CHUNK = 1 << 22
 
 
 def reduce_dtype_of(name: str | None, param_dtype: torch.dtype) -> torch.dtype:
@@ -94,6 +106,10 @@ class _Reducer:
         # One rank has nothing to send: the plain path is already exact there.
         self.quant = QuantizedExchange(group, quant, dtype) if quant is not None and self.world > 1 else None
         self._sent = self._plain = self._collectives = 0
+        #: Plain sums land in the landing shard (see [Note: landing shard]); set by Stage2Grads.
+        self.use_landing = False
+        self.landing_dtype = dtype if dtype is not None else group.dtype
+        self._landing_shard: torch.Tensor | None = None
 
     def take_stats(self) -> ReduceStats:
         """What was sent since the previous call, and start counting afresh."""
@@ -129,11 +145,37 @@ class _Reducer:
         return [(a - slot.start, b - slot.start, off) for a, b, off in self._places(bucket, slot.start, slot.stop)]
 
     def _add_to_shard(self, part: torch.Tensor, lo: int, hi: int) -> None:
-        """Add the summed gradient of flat ``[lo, hi)`` to this rank's shard, where they overlap."""
+        """Add the summed gradient of flat ``[lo, hi)`` to this rank's shard, where they overlap
+        (with ``use_landing``: put it in the landing shard, added by :meth:`fold_landing`)."""
         g = self.group
         a, b = max(lo, g.lo), min(hi, g.hi)
-        if a < b:
-            g.grad_shard()[a - g.lo : b - g.lo].add_(part[a - lo : b - lo].to(torch.float32), alpha=1.0 / self.world)
+        if a >= b:
+            return
+        if self.use_landing and part.dtype != torch.float32:
+            dst = self.landing()[a - g.lo : b - g.lo]
+            if dst.data_ptr() != part[a - lo :].data_ptr():  # a reduce-scatter wrote it in place
+                dst.copy_(part[a - lo : b - lo])
+            return
+        g.grad_shard()[a - g.lo : b - g.lo].add_(part[a - lo : b - lo].to(torch.float32), alpha=1.0 / self.world)
+
+    def landing(self) -> torch.Tensor:
+        """The landing shard of this backward (zeros when made: a part nobody sends counts as zero)."""
+        if self._landing_shard is None:
+            g = self.group
+            self._landing_shard = torch.zeros(g.hi - g.lo, dtype=self.landing_dtype, device=g.device)
+        return self._landing_shard
+
+    def fold_landing(self) -> None:
+        """Add the landing shard into the fp32 gradient shard (divided by the world size, in
+        chunks of :data:`FOLD_CHUNK` elements) and drop it."""
+        land = self._landing_shard
+        if land is None:
+            return
+        self._landing_shard = None
+        shard = self.group.grad_shard()
+        for i in range(0, land.numel(), FOLD_CHUNK):
+            j = min(i + FOLD_CHUNK, land.numel())
+            shard[i:j].add_(land[i:j].to(torch.float32), alpha=1.0 / self.world)
 
 
 class OwnerReducer(_Reducer):
@@ -237,7 +279,10 @@ class ScatterReducer(_Reducer):
         self._plain_count([(r, bucket.width) for r in range(self.world)], buf.element_size())
         if self.world == 1:
             return None, buf
-        out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
+        if self.use_landing and buf.dtype != torch.float32:  # straight into this rank's landing shard
+            out = self.landing()[bucket.lo : bucket.lo + bucket.width]
+        else:
+            out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
         with peer_failure("the gradient reduction"):
             work = dist.reduce_scatter_tensor(out, buf, group=self.pg, async_op=True)
         return work, out
@@ -322,6 +367,8 @@ class Stage2Grads:
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype)
+        # [Note: landing shard]: plain 16-bit sums wait in the reduce dtype until backward ends
+        self.reducer.use_landing = self.reducer.quant is None and self.dtype.itemsize < 4
         self.overlap = overlap
         self.buckets = self.reducer.buckets
         self._solo = set(self.reducer.solo)
@@ -408,6 +455,7 @@ class Stage2Grads:
                 self._launch_solo(i, held)
         while self._pending:
             self._finish_oldest()
+        self.reducer.fold_landing()
         self._reset()
 
     def before_step(self) -> None:

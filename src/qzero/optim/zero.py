@@ -212,7 +212,8 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. ``set_to_none`` (the default, as in torch) frees the fp32 gradient
-        shards until the next backward's first reduction, so they do not add to the forward's
+        shards until the next backward's first reduction (or its end, where sums wait in a
+        landing shard: [Note: landing shard] in grads.py), so they do not add to the forward's
         memory peak; ``False`` zeroes them in place."""
         for grads in self.grads:
             grads.zero(set_to_none)
