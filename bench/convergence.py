@@ -702,6 +702,12 @@ def parse_args(argv=None):
         if args.micro_batch % args.world_size:
             ap.error(f"--micro-batch {args.micro_batch} (the global batch) is not a multiple of --world-size "
                      f"{args.world_size}")
+        if args.share_gpu and args.world_size < 2:
+            ap.error(f"--share-gpu puts the ranks of a DP arm on one GPU: it needs --world-size 2 or more, "
+                     f"got {args.world_size}")
+        if args.share_gpu and args.device == "cpu":
+            ap.error("--share-gpu is for CUDA (on the CPU every rank already shares the machine): drop it or use "
+                     "--device cuda")
         if args.grad_error_every < 0:
             ap.error(f"--grad-error-every must be 0 or more, got {args.grad_error_every}")
         gq = [a.name for a in args.arm_list if a.grad_quantized]

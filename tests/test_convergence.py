@@ -211,12 +211,15 @@ def test_arm_names():
 
 
 def test_arguments_are_checked_before_any_work(capsys):
-    """A gq arm at world size 1, a global batch the ranks cannot share, a bad arm: refused by name."""
+    """A gq arm at world size 1, a global batch the ranks cannot share, a bad arm, ranks sharing
+    a GPU at world size 1 or on the CPU: refused by name."""
     conv = load_script()
     for argv, word in ((["--arms", "bf16,int8-g64+gq-int8-g64"], "use --world-size 2"),
                        (["--world-size", "2", "--micro-batch", "5"], "--micro-batch 5"),
                        (["--world-size", "0"], "--world-size must be at least 1"),
-                       (["--world-size", "2", "--arms", "bf16,int8-g64+gq-int9-g64"], "int9")):
+                       (["--world-size", "2", "--arms", "bf16,int8-g64+gq-int9-g64"], "int9"),
+                       (["--share-gpu"], "needs --world-size 2"),
+                       (["--world-size", "2", "--share-gpu", "--device", "cpu"], "--share-gpu is for CUDA")):
         with pytest.raises(SystemExit):
             conv.parse_args(argv)
         assert word in capsys.readouterr().err
@@ -225,6 +228,7 @@ def test_arguments_are_checked_before_any_work(capsys):
     assert conv.arm_slots(4, "cuda", [0, 1], world=2) == ["cuda:0,1"] * 4
     assert conv.arm_slots(3, "cuda", [0, 1, 2, 3], world=2) == ["cuda:0,1", "cuda:2,3", "cuda:0,1"]
     assert conv.arm_slots(5, "cuda", [0, 1]) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert conv.parse_args(["--world-size", "2", "--share-gpu"]).share_gpu
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", 64), ("int8", 8192), ("fp8", 64), ("int4", 64)])

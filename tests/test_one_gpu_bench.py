@@ -1,0 +1,55 @@
+"""bench/one_gpu.py's fake world: one process is rank 0 of a DP2 run (the layout, partition
+and buckets of DP2) and trains through qzero.train's loop; the CPU stands in for the GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import bench_scripts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from one_gpu import init_fake_world
+init_fake_world(int(sys.argv[2]))
+from qzero import engines
+from qzero.train import TrainSettings, train_worker
+seen = {}
+make = engines.make_engine
+def spy(*a, **k):
+    e = make(*a, **k)
+    g = e.opt.groups[0]
+    seen.update(world=e.opt.world_size, partition=g.hi - g.lo, numel=g.layout.numel)
+    return e
+engines.make_engine = spy
+settings = TrainSettings(preset="tiny", seq_len=32, micro_batch=2, steps=2, warmup=0, lr=1e-4, world_size=int(sys.argv[2]),
+                         device="cpu", zero={"zero_quantized_weights": True, "check_finite": False,
+                                             "allgather_bucket_size": 200_000, "reduce_bucket_size": 100_000})
+result = train_worker(settings, None, show_progress=False)
+seen["steps"] = len(result["losses"]) if result else None
+print("RESULT " + json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_fake_world_runs_rank_0_of_dp_n(world):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", SCRIPT, os.path.join(ROOT, "bench"), str(world)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
+    seen = json.loads(line[len("RESULT "):])
+    assert seen["world"] == world and seen["partition"] * world == seen["numel"] and seen["steps"] == 2, seen
+
+
+def test_fake_world_needs_a_rank():
+    one_gpu = bench_scripts.load("one_gpu")
+    with pytest.raises(SystemExit, match="at least 1 rank"):
+        one_gpu.init_fake_world(0)
