@@ -167,6 +167,9 @@ class ZeroConfig:
     and a group holding NaN/Inf arrives as NaN, so overflow skipping and ``check_finite``
     still see it. Stage 1 quantizes once per optimizer step; stage 2 once per backward (per
     micro-batch with gradient accumulation: it keeps no full gradient to reduce later).
+    Memory: the sums are fp32, so in stage 2 the fp32 gradient shard exists from the
+    backward's first reduction; the plain 16-bit reduction keeps them in a landing shard of
+    half the bytes until the backward ends ([Note: landing shard] in ``qzero/optim/grads.py``).
     Off: the plain reduction, bit for bit."""
 
     zero_quantized_gradients_group_size: int = 64
