@@ -85,6 +85,13 @@ class SharedGPU:
         if 8 * self.world > self.header:
             raise SystemExit(f"SharedGPU: world size {self.world} too large for its {self.header}-byte header")
 
+    def close(self) -> None:
+        """Release the other ranks' buffers, then wait for every rank to have done so (a
+        buffer's owner must outlive the processes that opened it)."""
+        torch.cuda.synchronize()
+        self.bufs = [self.mine]
+        dist.barrier()
+
     def _view(self, r: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if offset + nbytes > self.capacity:
@@ -271,7 +278,7 @@ def _check() -> int:
             failures += not ok
             if rank == 0:
                 print(f"{'PASS' if ok else 'FAIL'} {name} ({mode})", flush=True)
-    dist.barrier()
+    _SHARED.close()
     dist.destroy_process_group()
     if rank == 0:
         print("ALL PASS" if not failures else f"{failures} FAILED", flush=True)
