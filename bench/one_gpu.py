@@ -54,7 +54,7 @@ class _Done:
         return True
 
 
-#: Collectives replaced for ranks sharing a GPU, and the name of their output argument.
+#: The collectives routed through :class:`SharedGPU` for CUDA tensors.
 SHARED = ("all_reduce", "broadcast", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
           "all_to_all_single", "all_gather")
 _ALIGN = 256

@@ -151,7 +151,7 @@ class _Reducer:
         a, b = max(lo, g.lo), min(hi, g.hi)
         if a >= b:
             return
-        if self.use_landing and part.dtype != torch.float32:
+        if self.use_landing:  # parts are in the 16-bit reduce dtype there
             dst = self.landing()[a - g.lo : b - g.lo]
             if dst.data_ptr() != part[a - lo :].data_ptr():  # a reduce-scatter wrote it in place
                 dst.copy_(part[a - lo : b - lo])
@@ -279,7 +279,7 @@ class ScatterReducer(_Reducer):
         self._plain_count([(r, bucket.width) for r in range(self.world)], buf.element_size())
         if self.world == 1:
             return None, buf
-        if self.use_landing and buf.dtype != torch.float32:  # straight into this rank's landing shard
+        if self.use_landing:  # straight into this rank's landing shard
             out = self.landing()[bucket.lo : bucket.lo + bucket.width]
         else:
             out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
