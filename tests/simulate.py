@@ -56,16 +56,34 @@ def _e4m3(y: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(y)).to(torch.float8_e4m3fn).to(torch.float32).numpy()
 
 
+#: Bytes of one stored value, in eighths, per format.
+VALUE_BITS = {"int8": 8, "int4": 4, "fp8": 8}
+
+
+def exact_group(numel: int, exact: int, fmt: str, elem_size: int) -> bool:
+    """A group with exact elements is sent whole and verbatim unless its values, its 4-byte
+    scale and its exact elements cost at least 4 bytes less than that (the rule of
+    ``[Note: exact groups]``, restated here for the model)."""
+    coded = -(-numel * VALUE_BITS[fmt] // 8) + 4 + exact * elem_size
+    return exact > 0 and coded + 4 > numel * elem_size
+
+
 def expected_gather(truth: torch.Tensor, world: int, group_size: int, exact_ranges, fmt: str = "int8") -> torch.Tensor:
     """Per partition, group by group from the partition start, in numpy float32: exact
-    elements masked to zero before the scales, then restored bit-exactly."""
+    elements masked to zero before the scales, then restored bit-exactly; a group that
+    :func:`exact_group` sends verbatim arrives bit-exact as a whole."""
     v = truth.float().numpy().astype(np.float32)
     exact = np.zeros(v.size, bool)
     for a, b in exact_ranges:
         exact[a:b] = True
+    p = v.size // world
+    for r in range(world):
+        for g0 in range(r * p, (r + 1) * p, group_size):
+            g1 = min(g0 + group_size, (r + 1) * p)
+            if exact_group(g1 - g0, int(exact[g0:g1].sum()), fmt, truth.element_size()):
+                exact[g0:g1] = True
     masked = np.where(exact, np.float32(0), v)
     qmax = np.float32(QMAX[fmt])
-    p = v.size // world
     out = np.empty(v.size, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         for r in range(world):

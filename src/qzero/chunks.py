@@ -2,7 +2,8 @@
 
 These are the only functions that touch payload bytes; :mod:`qzero.engine` schedules
 them and nothing else does. The vocabulary (partition, chunk, payload, exact range) is
-defined in the note at the top of :mod:`qzero.layout`.
+defined in ``docs/design.md``; what a payload holds (coded and exact groups, side
+elements, the payload kinds) in ``[Note: exact groups]`` in :mod:`qzero.layout`.
 
 ``all_gather_into`` is looked up through this module by every caller, so a test can
 replace it in one place (to inject delays around every collective launch and wait).
@@ -15,7 +16,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .layout import ChunkPlan, GatherPlan
+from .layout import ChunkPlan, GatherPlan, PayloadKind
 
 # torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,10 +51,11 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
     p = plan.partition_numel
     mine = slot(plan, chunk, rank, buf)
     src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
-    if plan.quantized:
-        kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device))
+    if chunk.kind is PayloadKind.PLAIN:
+        mine[: chunk.numel * plan.elem_size].view(flat.dtype).copy_(src)
     else:
-        mine.view(flat.dtype).copy_(src)
+        kernels.pack_payload(src, mine, plan.payload_of(chunk, rank), plan.group_size, plan.fmt,
+                             exact_index(plan, chunk, rank, flat.device), plan.group_runs(chunk, rank))
     return mine
 
 
@@ -62,24 +64,26 @@ def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: i
     included when quantized, so that all replicas hold the same bits): one dequantizing
     pass over all ranks' payloads, then one scatter of all their exact elements."""
     p, w = plan.partition_numel, plan.world_size
-    if not plan.quantized:
+    if chunk.kind is PayloadKind.PLAIN:
         # one strided copy for every rank's slice (this rank's own slot holds its own bits)
         src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
         flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
         return
     kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
-                            exact_scatter(plan, chunk, flat.device))
+                            exact_scatter(plan, chunk, flat.device), plan.group_runs(chunk))
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
-    """Indices (relative to ``rank``'s slice of ``chunk``) of its exact elements; cached on the plan,
-    so that they are copied to the device once, never inside a running gather."""
-    if not plan.exact_ranges:
+    """Indices (relative to ``rank``'s slice of ``chunk``) of its side elements (its exact
+    elements and the rest of its exact groups); cached on the plan, so that they are copied to
+    the device once, never inside a running gather. None where there are none, and for a
+    ``PLAIN`` chunk (sent as it is)."""
+    if not plan.exact_ranges or chunk.kind is PayloadKind.PLAIN:
         return None
     key = ("exact_index", chunk.index, rank, device)
     idx = plan._cache.get(key)
     if idx is None:
-        ranges = plan.exact_local_ranges(chunk, rank)
+        ranges = plan.side_ranges(chunk, rank)
         if ranges:
             idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
         else:
@@ -89,10 +93,10 @@ def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.dev
 
 
 def exact_scatter(plan: GatherPlan, chunk: ChunkPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(src, dst)``: every rank's exact elements of ``chunk``, as positions in the receive
+    """``(src, dst)``: every rank's side elements of ``chunk``, as positions in the receive
     buffer (its side channels, rank by rank) and in the flat buffer, in units of one
     element (``plan.elem_size`` bytes); cached on the plan like :func:`exact_index`."""
-    if not plan.exact_ranges:
+    if not plan.exact_ranges or chunk.kind is PayloadKind.PLAIN:
         return None
     key = ("exact_scatter", chunk.index, device)
     pair = plan._cache.get(key)
@@ -100,8 +104,8 @@ def exact_scatter(plan: GatherPlan, chunk: ChunkPlan, device: torch.device) -> t
         es, pb, p = plan.elem_size, chunk.payload_bytes, plan.partition_numel
         src, dst = [], []
         for r in range(plan.world_size):
-            side = (r * pb + chunk.payload.exact_offset) // es
-            local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.exact_local_ranges(chunk, r)]
+            side = (r * pb + plan.payload_of(chunk, r).exact_offset) // es
+            local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.side_ranges(chunk, r)]
             if local:
                 local = torch.cat(local)
                 src.append(side + torch.arange(local.numel(), dtype=torch.int64))

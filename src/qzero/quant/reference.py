@@ -20,6 +20,13 @@ The arithmetic, step by step, for one group of ``group_size`` consecutive elemen
 4. Dequantization is ``value * scale`` in fp32, then one rounding to the output dtype.
 
 A partition's last group may be short; it is treated as if zero-padded.
+
+Payloads (:func:`pack_payload`): the values and scales of a slice, then its exact
+elements verbatim (the side channel). Where the plan says that some groups of the slice
+are *exact groups* (group runs, see ``[Note: exact groups]`` in :mod:`qzero.layout`),
+those groups send no values and no scales (all their elements are in the side channel):
+the payload's values and scales are those of the coded groups only, in slice order,
+which are exactly the codes that quantizing the whole slice gives them.
 """
 
 from __future__ import annotations
@@ -116,6 +123,11 @@ def _unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- payload
 
 
+def coded_parts(runs, row: int = 0) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of the coded runs of payload ``row`` of :class:`qzero.layout.GroupRuns`, in order."""
+    return [(lo, hi) for lo, hi, first in runs.rows[row] if first >= 0]
+
+
 def pack_payload(
     src: torch.Tensor,
     out: torch.Tensor,
@@ -123,14 +135,26 @@ def pack_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
     """Write one rank's chunk payload into the byte buffer ``out``.
 
     ``layout`` is a :class:`qzero.layout.PayloadLayout`; ``src`` is the rank's
-    slice of the chunk (bf16/fp16). Exact elements are copied aside verbatim into
-    the side channel, in index order.
+    slice of the chunk (bf16/fp16). Exact elements (``exact_index``, sorted: the slice's
+    side elements) are copied aside verbatim into the side channel, in index order.
+    ``runs`` (:class:`qzero.layout.GroupRuns`, one row) names the exact groups, whose values
+    and scales are left out; None: every group is coded.
     """
-    values, scales = quantize(src, group_size, fmt, exact_index)
+    if runs is None:
+        values, scales = quantize(src, group_size, fmt, exact_index)
+    else:
+        # The coded groups alone, side elements zeroed: whole groups but possibly the slice's
+        # last, so they are quantized exactly as inside the whole slice.
+        x32 = src.to(torch.float32)
+        if exact_index is not None and exact_index.numel():
+            x32 = x32.index_fill(0, exact_index, 0.0)
+        parts = [x32[lo:hi] for lo, hi in coded_parts(runs)]
+        values, scales = quantize(torch.cat(parts) if parts else x32[:0], group_size, fmt)
     out[layout.values_offset : layout.values_offset + values.numel()].copy_(values)
     out[layout.scales_offset : layout.scales_offset + scales.numel() * SCALE_BYTES].view(torch.float32).copy_(scales)
     if exact_index is not None and exact_index.numel():
@@ -145,17 +169,32 @@ def unpack_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
-    """Dequantize one source rank's payload into ``dst`` and restore its exact elements."""
-    n = dst.numel()
+    """Dequantize one source rank's payload into ``dst`` and restore its exact elements
+    (``runs`` as in :func:`pack_payload`)."""
+    _dequantize_coded(payload, dst, layout, group_size, fmt, runs, 0)
+    if exact_index is not None and exact_index.numel():
+        side = payload[layout.exact_offset : layout.exact_offset + exact_index.numel() * dst.element_size()]
+        dst.index_copy_(0, exact_index, side.view(dst.dtype))
+
+
+def _dequantize_coded(payload, dst, layout, group_size: int, fmt: str, runs, row: int) -> None:
+    """Write the dequantized coded groups of one payload into ``dst`` (its slice); with
+    ``runs``, the exact groups' elements are left as they are (the side channel has them)."""
+    n = dst.numel() if runs is None else runs.coded_numel(row)
     f = get_format(fmt)
     values = payload[layout.values_offset : layout.values_offset + f.value_bytes(n)]
     groups = num_groups(n, group_size)
     scales = payload[layout.scales_offset : layout.scales_offset + groups * SCALE_BYTES].view(torch.float32)
-    dst.copy_(dequantize(values, scales, n, group_size, fmt, dst.dtype))
-    if exact_index is not None and exact_index.numel():
-        side = payload[layout.exact_offset : layout.exact_offset + exact_index.numel() * dst.element_size()]
-        dst.index_copy_(0, exact_index, side.view(dst.dtype))
+    out = dequantize(values, scales, n, group_size, fmt, dst.dtype)
+    if runs is None:
+        dst.copy_(out)
+        return
+    pos = 0
+    for lo, hi in coded_parts(runs, row):
+        dst[lo:hi].copy_(out[pos : pos + hi - lo])
+        pos += hi - lo
 
 
 def unpack_payloads(
@@ -169,17 +208,28 @@ def unpack_payloads(
     group_size: int,
     fmt: str,
     exact: tuple[torch.Tensor, torch.Tensor] | None,
+    runs=None,
 ) -> None:
     """Every source rank's payload of one chunk at once: rank ``r``'s, at byte
     ``r * layout.nbytes`` of ``buf``, into ``flat[r * partition_numel + offset :][:numel]``.
 
     The same result as :func:`unpack_payload` rank by rank (the same ``value * scale`` per
     element, rank by rank as rows of one tensor). ``exact`` is ``(src, dst)``: every rank's
-    exact elements as positions in ``buf`` and in ``flat``, in units of ``flat``'s element
-    (:func:`raw_bits`)."""
-    n, w, pb = numel, world, layout.nbytes
+    side elements as positions in ``buf`` and in ``flat``, in units of ``flat``'s element
+    (:func:`raw_bits`). ``runs`` (:class:`qzero.layout.GroupRuns`, a row per rank): each
+    rank's payload has its own layout and group runs, ``runs.payload_bytes`` apart
+    (``layout`` is then unused); None: every rank's is ``layout``, every group coded."""
+    n, w = numel, world
     if n == 0:
         return
+    if runs is not None:
+        pb = runs.payload_bytes
+        for r in range(w):
+            _dequantize_coded(buf[r * pb : (r + 1) * pb], flat[r * partition_numel + offset :][:n], runs.layouts[r],
+                              group_size, fmt, runs, r)
+        _scatter_exact(buf[: w * pb], flat, exact)
+        return
+    pb = layout.nbytes
     f = get_format(fmt)
     rows = buf[: w * pb].view(w, pb)
     groups = num_groups(n, group_size)
@@ -196,10 +246,14 @@ def unpack_payloads(
     q = torch.nn.functional.pad(q, (0, groups * group_size - n)).view(w, groups, group_size)
     out = (q * scales[:, :, None]).reshape(w, groups * group_size)[:, :n].to(flat.dtype)
     flat.view(w, partition_numel)[:, offset : offset + n].copy_(out)
+    _scatter_exact(buf[: w * pb], flat, exact)
+
+
+def _scatter_exact(buf: torch.Tensor, flat: torch.Tensor, exact) -> None:
     if exact is not None and exact[0].numel():
         src, dst = exact
         bits = raw_bits(flat.dtype)
-        flat.view(bits).index_copy_(0, dst, buf[: w * pb].view(bits)[src])
+        flat.view(bits).index_copy_(0, dst, buf.view(bits)[src])
 
 
 def raw_bits(dtype: torch.dtype) -> torch.dtype:
