@@ -220,7 +220,7 @@ class GatherPlan:
         if chunk.kind is PayloadKind.SHARED:
             return local
         groups = [(lo, hi) for lo, hi, first in chunk.runs[rank] if first < 0]
-        return union_ranges(sorted(local + groups))
+        return merge_adjacent(sorted(local + groups))
 
     def group_runs(self, chunk: ChunkPlan, rank: int | None = None) -> GroupRuns | None:
         """What the kernels need of a ``PER_RANK`` chunk: the group runs and layouts of every
@@ -391,12 +391,16 @@ def _quantized_chunk(c: int, offset: int, n: int, world: int, f: QuantFormat, gr
         return ChunkPlan(c, offset, n, layout.nbytes, PayloadKind.SHARED, layout)
     if all(first < 0 for row in runs for _, _, first in row):  # no rank codes any group
         return ChunkPlan(c, offset, n, n * elem_size, PayloadKind.PLAIN, PayloadLayout(0, 0, 0, 0, n * elem_size))
+    distinct: dict = {}  # most ranks share a layout (those without exact elements here, at least)
     for row, side in zip(runs, sides):
-        coded = sum(hi - lo for lo, hi, first in row if first >= 0)
-        coded_groups = sum(-(-(hi - lo) // group_size) for lo, hi, first in row if first >= 0)
-        layouts.append(compact_layout(f.value_bytes(coded), coded_groups, side, elem_size))
-    slot = round_up(max(lay.nbytes for lay in layouts), PAYLOAD_ALIGN)
-    layouts = [lay._replace(nbytes=slot) for lay in layouts]
+        if (row, side) not in distinct:
+            coded = sum(hi - lo for lo, hi, first in row if first >= 0)
+            coded_groups = sum(-(-(hi - lo) // group_size) for lo, hi, first in row if first >= 0)
+            distinct[row, side] = compact_layout(f.value_bytes(coded), coded_groups, side, elem_size)
+        layouts.append(distinct[row, side])
+    slot = round_up(max(lay.nbytes for lay in distinct.values()), PAYLOAD_ALIGN)
+    in_slot = {key: lay._replace(nbytes=slot) for key, lay in distinct.items()}
+    layouts = [in_slot[row, side] for row, side in zip(runs, sides)]
     return ChunkPlan(c, offset, n, slot, PayloadKind.PER_RANK, None, tuple(layouts), tuple(runs))
 
 
@@ -637,25 +641,14 @@ def interleaved_starts(sizes: Sequence[int], world_size: int, alignment: int) ->
     return [r * partition + off for r, off in placed], world_size * partition
 
 
-def union_ranges(ranges: Sequence[Range]) -> list[Range]:
-    """The union of ranges sorted by start (they may overlap or touch), as sorted disjoint
-    ranges with no two touching."""
+def merge_adjacent(ranges: Sequence[Range]) -> list[Range]:
+    """Ranges sorted by start with touching (or overlapping) neighbours joined:
+    ``[(0, 4), (4, 6), (8, 9)]`` gives ``[(0, 6), (8, 9)]``; the result is their union as
+    sorted ranges of which no two touch."""
     out: list[Range] = []
     for a, b in ranges:
         if out and a <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def merge_adjacent(ranges: Sequence[Range]) -> list[Range]:
-    """Sorted ranges with touching neighbours joined: ``[(0, 4), (4, 6), (8, 9)]`` gives
-    ``[(0, 6), (8, 9)]``."""
-    out: list[Range] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
         else:
             out.append((a, b))
     return out
