@@ -68,20 +68,28 @@ def exact_group(numel: int, exact: int, fmt: str, elem_size: int) -> bool:
     return exact > 0 and coded + 4 > numel * elem_size
 
 
+def side_mask(numel: int, world: int, group_size: int, exact_ranges, fmt: str, elem_size: int) -> np.ndarray:
+    """Which elements of a flat buffer arrive verbatim: the exact ranges, and every group
+    (counted from its partition's start) that :func:`exact_group` sends whole."""
+    exact = np.zeros(numel, bool)
+    for a, b in exact_ranges:
+        exact[a:b] = True
+    p = numel // world
+    for r in range(world):
+        for g0 in range(r * p, (r + 1) * p, group_size):
+            g1 = min(g0 + group_size, (r + 1) * p)
+            if exact_group(g1 - g0, int(exact[g0:g1].sum()), fmt, elem_size):
+                exact[g0:g1] = True
+    return exact
+
+
 def expected_gather(truth: torch.Tensor, world: int, group_size: int, exact_ranges, fmt: str = "int8") -> torch.Tensor:
     """Per partition, group by group from the partition start, in numpy float32: exact
     elements masked to zero before the scales, then restored bit-exactly; a group that
     :func:`exact_group` sends verbatim arrives bit-exact as a whole."""
     v = truth.float().numpy().astype(np.float32)
-    exact = np.zeros(v.size, bool)
-    for a, b in exact_ranges:
-        exact[a:b] = True
+    exact = side_mask(v.size, world, group_size, exact_ranges, fmt, truth.element_size())
     p = v.size // world
-    for r in range(world):
-        for g0 in range(r * p, (r + 1) * p, group_size):
-            g1 = min(g0 + group_size, (r + 1) * p)
-            if exact_group(g1 - g0, int(exact[g0:g1].sum()), fmt, truth.element_size()):
-                exact[g0:g1] = True
     masked = np.where(exact, np.float32(0), v)
     qmax = np.float32(QMAX[fmt])
     out = np.empty(v.size, np.float32)

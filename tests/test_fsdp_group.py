@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from simulate import exact_group
+from simulate import side_mask
 from qzero.quant import reference
 from test_fsdp import GS, SMALL, _snapshot, batch, build, shard
 
@@ -49,13 +49,8 @@ def expected_group(weights: dict, names: list, world: int, dtype) -> dict:
             offset += flat.numel()
         x = torch.cat(pieces)
         # and the groups that cost less sent verbatim than coded (see [Note: exact groups])
-        mask = torch.zeros(x.numel(), dtype=torch.bool)
-        for e in exact:
-            mask[e] = True
-        for g0 in range(0, x.numel(), GS):
-            g1 = min(g0 + GS, x.numel())
-            if exact_group(g1 - g0, int(mask[g0:g1].sum()), "int8", x.element_size()):
-                mask[g0:g1] = True
+        ranges = [(int(e[0]), int(e[-1]) + 1) for e in exact]
+        mask = torch.from_numpy(side_mask(x.numel(), 1, GS, ranges, "int8", x.element_size()))
         idx = mask.nonzero().flatten() if mask.any() else None
         values, scales = reference.quantize(x, GS, "int8", idx)
         y = reference.dequantize(values, scales, x.numel(), GS, "int8", dtype)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import WorkerError, run_distributed
-from simulate import exact_group
+from simulate import side_mask
 
 import qzero
 from qzero.quant.reference import FLT_MIN
@@ -31,15 +31,8 @@ def expected_result(truth, world, group_size, exact_ranges, fmt="int8"):
     and the groups that are cheaper sent verbatim than coded restored whole."""
     assert fmt == "int8"
     v = truth.float().numpy().astype(np.float32)
-    exact = np.zeros(v.size, bool)
-    for a, b in exact_ranges:
-        exact[a:b] = True
+    exact = side_mask(v.size, world, group_size, exact_ranges, fmt, truth.element_size())
     p = v.size // world
-    for r in range(world):
-        for g0 in range(r * p, (r + 1) * p, group_size):
-            g1 = min(g0 + group_size, (r + 1) * p)
-            if exact_group(g1 - g0, int(exact[g0:g1].sum()), fmt, truth.element_size()):
-                exact[g0:g1] = True
     masked = np.where(exact, np.float32(0), v)
     out = np.empty(v.size, np.float32)
     for r in range(world):
