@@ -1,0 +1,235 @@
+"""What the ranks agree on before their first collective ([Note: agreement] in qzero/agreement.py).
+
+Each case runs on every rank of a gloo world of 2 and of 3 (cases of one kind share one
+process group, under a timeout: a hang fails the batch, it is never waited out). A case
+either must succeed on every rank, or must raise on *every* rank with a message that names
+the differing setting (or, on the other ranks, the rank that rejected its arguments),
+leaving the process group usable.
+
+* the inner optimizer of ``ZeroOptimizer``: its class and every hyperparameter of every
+  parameter group as constructed (tensors, None, bools, tuples, floats by their exact bits);
+* ``qzero.fsdp``'s settings (``fmt``, ``group_size``, ``small_param_numel``, what is
+  quantized), at install when a process group exists, else at the first forward;
+* the public gathers and the constructor: an argument that cannot enter the exchange
+  (``bucket_numel=2**70``) or a local failure of any exception type on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import tempfile
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+import qzero
+from qzero import ZeroConfig
+
+TIMEOUT = 90.0
+WORLDS = (2, 3)
+BF16 = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    kind: str  # gather | optimizer | fsdp | fsdp-deferred
+    make: Callable  # make(rank, world) -> a call to run on that rank
+    match: str | None  # regex every rank's message must match; None: every rank must succeed
+
+
+CASES: list[Case] = []
+
+
+def case(id, kind, make, match=None):
+    CASES.append(Case(id, kind, make, match))
+
+
+def rejected(rank):
+    """What the other ranks say when ``rank`` alone failed its local checks."""
+    return rf"rank\(s\) \[{rank}\] rejected their arguments"
+
+
+# ====================================================================== the public gathers (item: 2**63)
+
+
+def _flat(world, dtype=BF16):
+    return torch.randn(64 * world).to(dtype)
+
+
+def _gather(fn, flat_of, **kwargs_of):
+    def make(rank, world):
+        flat = flat_of(rank, world)
+        kwargs = {k: v(rank, world) for k, v in kwargs_of.items()}
+        return lambda: getattr(qzero, fn)(flat, **kwargs)
+
+    return make
+
+
+def _meta_flat(rank, world):
+    return torch.empty(64 * world, dtype=BF16, device="meta") if rank == 1 else _flat(world)
+
+
+case("quantized: bucket_numel 2**70 on one rank", "gather",
+     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**70 if r == 0 else 2**20),
+     rf"bucket_numel 1180591620717411303424 is out of range.*64-bit|{rejected(0)}")
+case("quantized: bucket_numel 2**70 on every rank", "gather",
+     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**70),
+     r"bucket_numel 1180591620717411303424 is out of range")
+case("quantized: group_size 2**70 (and a bucket to hold it) on the last rank", "gather",
+     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**80 if r == w - 1 else 2**20,
+             group_size=lambda r, w: 2**70 if r == w - 1 else 64),
+     r"group size 1180591620717411303424 is out of range|rank\(s\) \[[12]\] rejected")
+case("plain: bucket_numel 2**64 on one rank", "gather",
+     _gather("all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**64 if r == 1 else 2**20),
+     rf"bucket_numel 18446744073709551616 is out of range|{rejected(1)}")
+case("quantized: a meta flat on one rank", "gather",
+     _gather("quantized_all_gather", _meta_flat), rf"flat is on the meta device|{rejected(1)}")
+case("quantized: 2**62 is fine", "gather",
+     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**62))
+
+
+# ====================================================================== the inner optimizer
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 24)
+        self.norm = torch.nn.Parameter(torch.ones(24))
+        self.to(BF16)
+
+    def loss(self):
+        x = torch.linspace(-1, 1, 16).view(2, 8)
+        return ((self.lin.float()(x) * self.norm.float()) ** 2).mean()
+
+
+def _opt(factory_of, config=None, groups_of=None):
+    """A ZeroOptimizer built from ``factory_of(rank, world)``, then one step (success cases)."""
+
+    def make(rank, world):
+        model = Net()
+        factory = factory_of(rank, world)
+        kwargs = {} if groups_of is None else {"param_groups": groups_of(model, rank, world)}
+
+        def call():
+            opt = qzero.ZeroOptimizer(model, factory, config=config or ZeroConfig(), **kwargs)
+            opt.backward(model.loss())
+            opt.step()
+            opt.wait_for_weights()
+
+        return call
+
+    return make
+
+
+def _adamw(rank, world, **hp):
+    return functools.partial(torch.optim.AdamW, **{"lr": 1e-2, **hp})
+
+
+def _raising_factory(params):
+    raise RuntimeError("the factory broke (not a ValueError)")
+
+
+def _two_groups(model, rank, world, wd_last):
+    return [{"params": [model.lin.weight]},
+            {"params": [model.lin.bias, model.norm], "weight_decay": wd_last if rank == world - 1 else 0.0}]
+
+
+case("AdamW on rank 0, SGD on the others", "optimizer",
+     _opt(lambda r, w: _adamw(r, w) if r == 0 else functools.partial(torch.optim.SGD, lr=1e-2)),
+     r"inner optimizer class differs between ranks: torch\.optim\.adamw\.AdamW \(rank 0\), "
+     r"torch\.optim\.sgd\.SGD \(ranks? 1")
+case("learning rate differs on the last rank", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, lr=2e-2 if r == w - 1 else 1e-2)),
+     r"a hyperparameter of the inner optimizer differs between ranks: param group 0 'lr': 0\.01 \(ranks? 0.*0\.02 \(rank [12]\)")
+case("learning rate one float step apart", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, lr=1e-2 if r else float.__new__(float, 0.010000000000000002))),
+     r"param group 0 'lr': 0\.010000000000000002 \(rank 0\), 0\.01 \(ranks? 1")
+case("betas differ (a tuple)", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, betas=(0.9, 0.95 if r == 1 else 0.999))),
+     r"param group 0 'betas': \(0\.9, 0\.999\) \(ranks? 0.*\(0\.9, 0\.95\) \(rank 1\)")
+case("amsgrad differs (a bool)", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, amsgrad=r == 0)),
+     r"param group 0 'amsgrad': True \(rank 0\), False \(ranks? 1")
+case("foreach None on one rank, False on the others (None is not a bool)", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, foreach=None if r == 0 else False)),
+     r"param group 0 'foreach': None \(rank 0\), False \(ranks? 1")
+case("learning rate as tensors of different values", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, lr=torch.tensor(1e-2 if r else 3e-2))),
+     r"param group 0 'lr': tensor\(float32, shape \(\), \(0\.029999"
+     r"\d*\)\) \(rank 0\), tensor\(float32, shape \(\), \(0\.0099999\d*\)\) \(ranks? 1")
+case("learning rate a tensor on one rank, a float on the others", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, lr=torch.tensor(1e-2) if r == 0 else 1e-2)),
+     r"param group 0 'lr': tensor\(float32.*\(rank 0\), 0\.01 \(ranks? 1")
+case("weight decay of the second parameter group differs", "optimizer",
+     _opt(lambda r, w: _adamw(r, w), groups_of=functools.partial(_two_groups, wd_last=0.1)),
+     r"param group 1 'weight_decay': 0 \(ranks? 0.*0\.1 \(rank [12]\)")
+case("the factory raises a RuntimeError on one rank", "optimizer",
+     _opt(lambda r, w: _raising_factory if r == 1 else _adamw(r, w)),
+     rf"the factory broke|{rejected(1)}")
+case("same optimizer: lr as equal tensors, betas as list and tuple, 1 and 1.0, 0.0 and -0.0", "optimizer",
+     _opt(lambda r, w: _adamw(r, w, lr=torch.tensor(1e-2), betas=[0.9, 0.99] if r else (0.9, 0.99),
+                              eps=1 if r else 1.0, weight_decay=0.0 if r else -0.0)))
+case("same SGD with momentum in two groups", "optimizer",
+     _opt(lambda r, w: functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+          groups_of=functools.partial(_two_groups, wd_last=0.0)))
+
+
+# ====================================================================== the runner
+
+
+def worker(rank, world, kind, ids, *extra):
+    out = {}
+    for cid in ids:
+        call = BY_ID[cid].make(rank, world, *extra) if extra else BY_ID[cid].make(rank, world)
+        try:
+            call()
+            raised = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            raised = f"{type(e).__name__}: {e}"
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the group still works: nothing was left half-done in a collective
+        out[cid] = (raised, t.item())
+    return out
+
+
+BY_ID = {c.id: c for c in CASES}
+assert len(BY_ID) == len(CASES), "case ids must be unique"
+_BATCHES: dict = {}
+
+
+def _batch(kind: str, world: int):
+    """One process group for every case of ``kind``; results by case id, then by rank. A
+    batch that fails or hangs fails every case in it (its error is kept)."""
+    key = (kind, world)
+    if key not in _BATCHES:
+        ids = [c.id for c in CASES if c.kind == kind]
+        try:
+            by_rank = run_distributed(worker, world, kind, ids, timeout=TIMEOUT)
+            _BATCHES[key] = {cid: [by_rank[r][cid] for r in range(world)] for cid in ids}
+        except Exception as e:  # noqa: BLE001 - re-raised for every case of the batch
+            _BATCHES[key] = e
+    result = _BATCHES[key]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_agreement(c: Case, world: int):
+    for rank, (raised, group_ok) in enumerate(_batch(c.kind, world)[c.id]):
+        if c.match is None:
+            assert raised is None, f"rank {rank} raised {raised}"
+        else:
+            assert raised is not None, f"rank {rank} did not raise"
+            assert re.search(c.match, raised), f"rank {rank}: {raised!r} does not match {c.match!r}"
+        assert group_ok == world, f"rank {rank}: the group is broken afterwards"
