@@ -183,13 +183,157 @@ case("same SGD with momentum in two groups", "optimizer",
           groups_of=functools.partial(_two_groups, wd_last=0.0)))
 
 
+# ====================================================================== qzero.fsdp's settings
+
+SMALL = 100  # parameters up to this many elements travel exactly
+
+
+def _fsdp_net(dtype=torch.float32, width=96):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 48)).to(dtype)
+
+
+def _shard(model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    fully_shard(model[0], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _train(model, rank):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    model(x).float().pow(2).mean().backward()
+
+
+def _per_param(kwargs_of, dtype_of=lambda r, w: torch.float32, width_of=lambda r, w: 96):
+    """quantize_weight_gathers before fully_shard (a process group exists); then a step."""
+
+    def make(rank, world):
+        from qzero.fsdp import quantize_weight_gathers
+
+        model = _fsdp_net(dtype_of(rank, world), width_of(rank, world))
+
+        def call():
+            quantize_weight_gathers(model, **{"small_param_numel": SMALL, **kwargs_of(rank, world)})
+            _train(_shard(model, world), rank)
+
+        return call
+
+    return make
+
+
+def _group(install_of):
+    """A group installer (after fully_shard); then a step."""
+
+    def make(rank, world):
+        import qzero.fsdp
+
+        model = _shard(_fsdp_net(), world)
+
+        def call():
+            for function, kwargs in install_of(rank, world):
+                getattr(qzero.fsdp, function)(model, **{"small_param_numel": SMALL, **kwargs})
+            _train(model, rank)
+
+        return call
+
+    return make
+
+
+case("weight gathers: int8 on one rank, fp8 on the others", "fsdp",
+     _per_param(lambda r, w: {"fmt": "fp8" if r == 1 else "int8"}),
+     r"quantize_weight_gathers: fmt differs between ranks: 'int8' \(ranks? 0(, 2)?\), 'fp8' \(rank 1\)")
+case("weight gathers: group size 128 on the last rank", "fsdp",
+     _per_param(lambda r, w: {"group_size": 128 if r == w - 1 else 64}),
+     r"group_size differs between ranks: \[64, (64, )?128\] \(by rank\)")
+case("weight gathers: small_param_numel differs", "fsdp",
+     _per_param(lambda r, w: {"small_param_numel": 5000 if r == 0 else SMALL}),
+     r"small_param_numel differs between ranks: \[5000, 100(, 100)?\]")
+case("weight gathers: a bad group size on one rank", "fsdp",
+     _per_param(lambda r, w: {"group_size": 12 if r == 1 else 64}),
+     rf"group_size must be a positive multiple of 8, got 12|{rejected(1)}")
+case("weight gathers: a bf16 model on one rank", "fsdp",
+     _per_param(lambda r, w: {}, dtype_of=lambda r, w: BF16 if r == 0 else torch.float32),
+     rf"fp32 \(master\) model|{rejected(0)}")
+case("weight gathers: group_size 2**70 on one rank", "fsdp",
+     _per_param(lambda r, w: {"group_size": 2**70 if r == 0 else 64}),
+     rf"group_size 1180591620717411303424 is out of range|{rejected(0)}")
+case("weight gathers: another model on one rank", "fsdp",
+     _per_param(lambda r, w: {}, width_of=lambda r, w: 192 if r == 1 else 96),
+     r"which parameters are quantized differs between ranks: 0\.weight: \(96, 16\): quantized \(ranks? 0(, 2)?\), "
+     r"\(192, 16\): quantized \(rank 1\)")
+case("weight gathers: the same settings", "fsdp", _per_param(lambda r, w: {"fmt": "fp8"}))
+case("group gathers: int8 on one rank, int4 on the others", "fsdp",
+     _group(lambda r, w: [("quantize_group_gathers", {"fmt": "int8" if r == 0 else "int4"})]),
+     r"quantize_group_gathers: fmt differs between ranks: 'int8' \(rank 0\), 'int4' \(ranks? 1")
+case("group gathers: group size differs", "fsdp",
+     _group(lambda r, w: [("quantize_group_gathers", {"group_size": 32 if r == 1 else 64})]),
+     r"quantize_group_gathers: group_size differs between ranks: \[64, 32(, 64)?\]")
+case("group gathers: unknown kernels on one rank", "fsdp",
+     _group(lambda r, w: [("quantize_group_gathers", {"kernels": "cuda" if r == w - 1 else "auto"})]),
+     r"kernels must be one of|rank\(s\) \[[12]\] rejected")
+case("group reduces: int8 on one rank, fp8 on the others", "fsdp",
+     _group(lambda r, w: [("quantize_group_reduces", {"fmt": "fp8" if r else "int8"})]),
+     r"quantize_group_reduces: fmt differs between ranks: 'int8' \(rank 0\), 'fp8' \(ranks? 1")
+case("group reduces: small_param_numel differs", "fsdp",
+     _group(lambda r, w: [("quantize_group_reduces", {"small_param_numel": SMALL + r})]),
+     r"quantize_group_reduces: small_param_numel differs between ranks: \[100, 101(, 102)?\]")
+case("group gathers and reduces: the same settings", "fsdp",
+     _group(lambda r, w: [("quantize_group_gathers", {}), ("quantize_group_reduces", {"fmt": "fp8"})]))
+
+
+def _deferred(kwargs_of):
+    """quantize_weight_gathers before init_process_group: the agreement runs at the first
+    forward (twice: a failed agreement raises again, without communicating)."""
+
+    def make(rank, world, store):
+        from qzero.fsdp import quantize_weight_gathers
+
+        hooks = torch.nn.modules.module._global_forward_pre_hooks
+
+        def call():
+            before = len(hooks)
+            dist.destroy_process_group()
+            model = quantize_weight_gathers(_fsdp_net(), **{"small_param_numel": SMALL, **kwargs_of(rank, world)})
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+            _shard(model, world)
+            errors = []
+            for _ in range(2):
+                try:
+                    _train(model, rank)
+                except ValueError as e:
+                    errors.append(str(e))
+            assert len(hooks) == before + (1 if errors else 0), "the forward hook outlived a successful agreement"
+            if errors:
+                assert len(errors) == 2 and errors[0] == errors[1], errors
+                raise ValueError(errors[0])
+
+        return call
+
+    return make
+
+
+case("before init_process_group: fmt differs", "fsdp-deferred",
+     _deferred(lambda r, w: {"fmt": "int4" if r == w - 1 else "int8"}),
+     r"quantize_weight_gathers: fmt differs between ranks: 'int8' \(ranks? 0(, 1)?\), 'int4' \(rank [12]\)")
+case("before init_process_group: small_param_numel differs (nothing quantized on rank 0)", "fsdp-deferred",
+     _deferred(lambda r, w: {"small_param_numel": 10**6 if r == 0 else SMALL}),
+     r"quantize_weight_gathers: small_param_numel differs between ranks: \[1000000, 100(, 100)?\]")
+case("before init_process_group: the same settings", "fsdp-deferred", _deferred(lambda r, w: {}))
+
+
 # ====================================================================== the runner
 
 
-def worker(rank, world, kind, ids, *extra):
+def worker(rank, world, kind, ids, tmp):
     out = {}
-    for cid in ids:
-        call = BY_ID[cid].make(rank, world, *extra) if extra else BY_ID[cid].make(rank, world)
+    for k, cid in enumerate(ids):
+        extra = (os.path.join(tmp, f"store{k}"),) if kind == "fsdp-deferred" else ()
+        call = BY_ID[cid].make(rank, world, *extra)
         try:
             call()
             raised = None
@@ -213,7 +357,8 @@ def _batch(kind: str, world: int):
     if key not in _BATCHES:
         ids = [c.id for c in CASES if c.kind == kind]
         try:
-            by_rank = run_distributed(worker, world, kind, ids, timeout=TIMEOUT)
+            with tempfile.TemporaryDirectory() as tmp:
+                by_rank = run_distributed(worker, world, kind, ids, tmp, timeout=TIMEOUT)
             _BATCHES[key] = {cid: [by_rank[r][cid] for r in range(world)] for cid in ids}
         except Exception as e:  # noqa: BLE001 - re-raised for every case of the batch
             _BATCHES[key] = e
