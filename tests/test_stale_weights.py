@@ -12,6 +12,7 @@ still on the wire, or not even started, when ``step()`` returns.
 from __future__ import annotations
 
 import copy
+import io
 import functools
 
 import pytest
@@ -70,9 +71,16 @@ READS = {
     "functional_call": lambda m, x: [torch.func.functional_call(m, {}, (x,))],
     "copy.deepcopy (an EMA copy)": lambda m, x: [p.detach().clone() for p in copy.deepcopy(m).parameters()],
     "parameters_to_vector": lambda m, x: [torch.nn.utils.parameters_to_vector(m.parameters())],
+    "torch.save(model)": lambda m, x: [p.detach().clone() for p in _saved_and_loaded(m).parameters()],
 }
 
 
+
+
+def _saved_and_loaded(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
 
 
 def parity(rank, world, stage, order):

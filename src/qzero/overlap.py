@@ -106,6 +106,13 @@ class WaitingParameters(dict):
         return (dict, (self.copy(),))
 
 
+def _inert() -> GatherAhead:
+    """A :class:`GatherAhead` of no module: what a copy of the model's hooks refers to."""
+    inert = GatherAhead.__new__(GatherAhead)
+    inert._setup(torch.nn.Module(), [], 0)
+    return inert
+
+
 class GatherAhead:
     """Forward pre-hooks that wait for exactly the chunks a module's parameters live in, and
     parameter dicts that make every other read of a weight wait too ([Note: reads wait])."""
@@ -200,13 +207,11 @@ class GatherAhead:
             self._handles.pop(module).remove()
         self._index_needs()
 
-    def __deepcopy__(self, memo) -> GatherAhead:
-        """A copy of the model (``copy.deepcopy(model)``, say for an EMA of the weights) gets
-        the gathered weights (:class:`WaitingParameters` copies as a plain dict) and hooks
-        that wait for nothing: it is not trained by this optimizer."""
-        inert = type(self).__new__(type(self))
-        inert._setup(torch.nn.Module(), [], 0)
-        return inert
+    def __reduce__(self):
+        """A copy of the model (``copy.deepcopy(model)``, say for an EMA of the weights, or
+        ``torch.save(model)``) gets the gathered weights (:class:`WaitingParameters` copies
+        as a plain dict) and hooks that wait for nothing: it is not trained by this optimizer."""
+        return (_inert, ())
 
     # Waiting runs the gather engine (collectives, host-side bookkeeping): never traced by
     # torch.compile, which breaks its graph here and runs the wait as it is.
