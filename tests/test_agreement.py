@@ -39,7 +39,7 @@ BF16 = torch.bfloat16
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
-    kind: str  # gather | optimizer | fsdp | fsdp-deferred
+    kind: str  # gather | optimizer | checkpoint | fsdp | fsdp-deferred
     make: Callable  # make(rank, world) -> a call to run on that rank
     match: str | None  # regex every rank's message must match; None: every rank must succeed
 
@@ -181,6 +181,45 @@ case("same optimizer: lr as equal tensors, betas as list and tuple, 1 and 1.0, 0
 case("same SGD with momentum in two groups", "optimizer",
      _opt(lambda r, w: functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
           groups_of=functools.partial(_two_groups, wd_last=0.0)))
+
+
+def _checkpoint(edit_of):
+    """Each rank loads its own copy of a checkpoint, edited by ``edit_of(rank, world)`` (a
+    function of its qzero.json, or None)."""
+
+    def make(rank, world, tmp):
+        import json
+        import shutil
+
+        base = os.path.join(tmp, "base")
+        model = Net()
+        opt = qzero.ZeroOptimizer(model, _adamw(rank, world))
+        opt.backward(model.loss())
+        opt.step()
+        opt.save_checkpoint(base)
+        mine = os.path.join(tmp, f"rank{rank}")
+        shutil.copytree(base, mine)
+        edit = edit_of(rank, world)
+        if edit is not None:
+            path = os.path.join(mine, "qzero.json")
+            with open(path) as f:
+                meta = json.load(f)
+            edit(meta)
+            with open(path, "w") as f:
+                json.dump(meta, f)
+        return lambda: opt.load_checkpoint(mine)
+
+    return make
+
+
+def _huge_lr(meta):
+    for g in meta["groups"]:
+        g["hyperparameters"]["lr"] = 10**400
+
+
+case("checkpoint: a 401-digit learning rate in one rank's copy (not a ValueError)", "checkpoint",
+     _checkpoint(lambda r, w: _huge_lr if r == w - 1 else None), r"too large|\blr\b|rank\(s\) \[[12]\] rejected")
+case("checkpoint: every rank's copy intact", "checkpoint", _checkpoint(lambda r, w: None))
 
 
 # ====================================================================== qzero.fsdp's settings
@@ -332,7 +371,8 @@ case("before init_process_group: the same settings", "fsdp-deferred", _deferred(
 def worker(rank, world, kind, ids, tmp):
     out = {}
     for k, cid in enumerate(ids):
-        extra = (os.path.join(tmp, f"store{k}"),) if kind == "fsdp-deferred" else ()
+        extra = {"fsdp-deferred": (os.path.join(tmp, f"store{k}"),), "checkpoint": (os.path.join(tmp, f"ckpt{k}"),)}
+        extra = extra.get(kind, ())
         call = BY_ID[cid].make(rank, world, *extra)
         try:
             call()
