@@ -151,10 +151,13 @@ def install_group(model: nn.Module):
     try:
         from torch.distributed.fsdp import FSDPModule
 
-        module = next(m for m in model.modules() if isinstance(m, FSDPModule))
-        return mesh_group(parameter_groups(module, "")[0].mesh_info.mesh)
-    except Exception:  # noqa: BLE001 - not sharded, or an FSDP2 laid out otherwise: its error is agreed on
-        return None
+        for module in model.modules():  # the root often holds no parameters of its own
+            if isinstance(module, FSDPModule):
+                for pg in parameter_groups(module, ""):
+                    return mesh_group(pg.mesh_info.mesh)
+    except Exception:  # noqa: BLE001 - an FSDP2 laid out otherwise: the installer's own error is agreed on
+        pass
+    return None
 
 
 def agree_install(function: str, group, error: Exception | None, *, fmt, group_size, small_param_numel,
@@ -176,7 +179,8 @@ def agree_install(function: str, group, error: Exception | None, *, fmt, group_s
 class DeferredAgreement:
     """An installer's agreement for when it ran before a process group existed: run once, over
     the default process group, at the first forward of a module of ``model`` or the first call
-    of :meth:`ensure` (the first quantized gather), whichever comes first. A forward pre-hook
+    of :meth:`ensure` (the first quantized gather), whichever comes first once a process group
+    exists (before that, there is no one to disagree with). A forward pre-hook
     registered for every module runs before FSDP2's own (which FSDP2 puts first on the module),
     so the exchange precedes FSDP2's first all-gather on every rank. A failed agreement raises
     again on every later forward or gather, without communicating."""
@@ -193,15 +197,16 @@ class DeferredAgreement:
     def _before_forward(self, module, args):
         if module in self._modules:
             self.ensure()
+        elif not self._modules:  # the model is gone
+            self._hook.remove()
 
     def ensure(self) -> None:
-        if not self.done:
+        if not self.done and distributed():
             self.done = True
-            if distributed():
-                try:
-                    agree_install(self.function, None, None, **self.settings)
-                except Exception as e:  # noqa: BLE001 - kept, to be raised again on every later use
-                    self.error = e
+            try:
+                agree_install(self.function, None, None, **self.settings)
+            except Exception as e:  # noqa: BLE001 - kept, to be raised again on every later use
+                self.error = e
             if self.error is None:
                 self._hook.remove()
         if self.error is not None:
