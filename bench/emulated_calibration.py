@@ -217,8 +217,9 @@ def fit(emu: list[dict], real: list[dict], scale: float, arms=FIT_ARMS) -> dict:
     candidates = sorted({e["ctas"] for e in emu if e["regime"] == "pcie" and e["preset"] == "qwen3-4b"})
     scores = {}
     for k in candidates:
-        rows = [r for r in table(emu, real, scale, k) if r["folder"] == REAL_FLOOR[0] and r["arm"] in arms]
-        if rows and all(r["diff_ms"] is not None for r in rows):
+        rows = [r for r in table(emu, real, scale, k) if r["folder"] == REAL_FLOOR[0] and r["arm"] in arms
+                and r["diff_ms"] is not None]
+        if len(rows) >= 2:
             scores[k] = {"score": sum((r["diff_ms"] / tolerance(r["real_exposed_ms"])) ** 2 for r in rows),
                          "diffs": {r["arm"]: round(r["diff_ms"], 1) for r in rows}}
     if not scores:
