@@ -52,6 +52,7 @@ are: moved as it moves them, never on the link.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -75,6 +76,7 @@ class LinkModel:
     ctas: int = 0  # CTAs resident while a transfer is on the link (0: one one-warp CTA holds it)
     warps: int = 16  # warps per resident CTA
     traffic: float = 0.0  # HBM bytes the resident CTAs move per wire byte, paced over the transfer
+    spin: int = 0  # 1: the resident warps read the timer without pausing (keep issuing), 0: they nap
     time_scale: float = 1.0
 
     def __post_init__(self):
@@ -83,6 +85,8 @@ class LinkModel:
         for what in ("latency", "traffic"):
             if not getattr(self, what) >= 0 or math.isnan(getattr(self, what)):
                 raise ValueError(f"link {self.name}: {what} must be >= 0, got {getattr(self, what)}")
+        if self.spin not in (0, 1):
+            raise ValueError(f"link {self.name}: spin must be 0 or 1, got {self.spin}")
         if self.ctas < 0 or self.warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"link {self.name}: ctas must be >= 0 and warps one of 1..32 (a power of two), got "
                              f"ctas={self.ctas}, warps={self.warps}")
@@ -110,6 +114,8 @@ class LinkModel:
         text += f", {self.ctas} resident CTAs x {self.warps} warps" if self.ctas else ", one one-warp CTA holds it"
         if self.traffic:
             text += f", {self.traffic:g} HBM bytes per wire byte"
+        if self.spin:
+            text += ", spinning"
         if self.time_scale != 1.0:
             text += f", time scale {self.time_scale:.4g}"
         return text
@@ -231,8 +237,7 @@ class Link:
     def __init__(self, model: LinkModel, clock=time.perf_counter, sleep=time.sleep, keep: int = 4096):
         self.model = model
         self.clock, self.sleep = clock, sleep
-        self.keep = keep
-        self.transfers: list[Transfer] = []
+        self.transfers: collections.deque[Transfer] = collections.deque(maxlen=keep)
         self.totals: dict[str, OpTotals] = {}
         self.count = 0
         self.free_at = 0.0  # host clock: when the last CPU transfer ends
@@ -253,8 +258,6 @@ class Link:
             t.end = t.start + t.seconds
             self.free_at = t.end
         self.transfers.append(t)
-        if len(self.transfers) > self.keep:
-            del self.transfers[: len(self.transfers) - self.keep]
         return t
 
     def hold_host(self, t: Transfer) -> None:
@@ -388,7 +391,7 @@ EMULATED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "
 
 
 def _world_of(group) -> int:
-    return dist.get_world_size(group)
+    return _WORLD.world if group is None or group is dist.group.WORLD else group.size()
 
 
 class EmulatedWorld:
@@ -422,12 +425,15 @@ class EmulatedWorld:
         caller = torch.cuda.current_stream(device)
         stream = dev.stream
         stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
+        torch.cuda.set_stream(stream)
+        try:
             written = deliver()
             if self.link.model.holds and wire.steps:
                 dev.hold(t.index, t.seconds, written or 0, self.link.model, wire)
             event = torch.cuda.Event()
             event.record(stream)
+        finally:
+            torch.cuda.set_stream(caller)
         for x in tensors:
             if x.device.type == "cuda":
                 x.record_stream(stream)
@@ -750,6 +756,8 @@ def _check(world: int = 2) -> int:
     big = [rnd((32 << 20) // n, torch.bfloat16) for _ in range(2)]
     outs = [torch.empty(n * big[0].numel(), device=dev, dtype=torch.bfloat16) for _ in range(2)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
     works = []
     for k in range(6):
         with torch.cuda.stream(streams[k % 2]):
@@ -769,6 +777,31 @@ def _check(world: int = 2) -> int:
           f"{', '.join(f'{(b[1] - a[2]) / 1e3:.1f}' for a, b in zip(log, log[1:]))} us", flush=True)
     failures += [] if worst < 0.02 and len(log) == 6 else ["hold"]
     failures += [] if order else ["order"]
+    # held under load: 5 ms transfers while matrix products keep every SM busy
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for spec in ("pcie", "pcie:ctas=16", "pcie:ctas=16,spin=1"):
+        w.set_link(parse_link(spec))
+        torch.cuda.synchronize()
+        first = w.link.count
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x = torch.empty(int(5e-3 * w.link.model.rate) // (n - 1) // 2, device=dev, dtype=torch.bfloat16)
+            o = torch.empty(n * x.numel(), device=dev, dtype=torch.bfloat16)
+            works = [dist.all_gather_into_tensor(o, x, async_op=True) for _ in range(4)]
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            torch.mm(a, a)
+        e1.record()
+        for wk in works:
+            wk.wait()
+        log = [row for row in w.link.device_log() if row[0] >= first]
+        held = [(b_ - a_) / 1e6 for _, a_, b_ in log]
+        print(f"under load, {spec}: 4 transfers of {1e3 * w.link.transfers[-1].seconds:.3f} ms held for "
+              f"{', '.join(f'{h:.3f}' for h in held)} ms; 20 products of 8192^3 took {e0.elapsed_time(e1):.1f} ms",
+              flush=True)
+    w.set_link(parse_link("pcie"))
     # host time of one emulated call (a small all-reduce, async, on the current stream)
     t = torch.ones(1024, device=dev)
     torch.cuda.synchronize()

@@ -5,8 +5,9 @@ The hold kernel runs on the link's stream after a collective's delivery. Each of
 reads the GPU's global timer, takes the transfer's start as the later of the previous
 transfer's end (kept on the device) and its own start less the delivery's estimated time,
 moves its share of the paced HBM traffic (copies through a scratch buffer, each piece not
-before its due time), then sleeps in short naps until ``start + duration``, and records its
-end. A CTA that gets an SM late (the GPU busy with compute) starts late and ends late, so the
+before its due time), then waits until ``start + duration`` (in short naps, or reading the
+timer without a pause: ``LinkModel.spin``, warps that keep issuing as NCCL's copy loops do),
+and records its end. A CTA that gets an SM late (the GPU busy with compute) starts late and ends late, so the
 transfer stretches, as NCCL's do when their CTAs are scheduled late. ``ctas == 0``: one
 one-warp CTA holds the link (no contention beyond one warp).
 
@@ -47,7 +48,7 @@ def _nap():
 
 @triton.jit(do_not_specialize=["duration_ns", "deliver_ns", "pieces", "piece_elems", "wrap", "parity", "slot"])
 def _hold_kernel(state_ptr, src_ptr, dst_ptr, duration_ns, deliver_ns, pieces, piece_elems, wrap, parity, slot,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, NAP: tl.constexpr):
     pid = tl.program_id(0)
     t0 = _now()
     free = tl.load(state_ptr + parity)
@@ -64,12 +65,14 @@ def _hold_kernel(state_ptr, src_ptr, dst_ptr, duration_ns, deliver_ns, pieces, p
         due = start + ((k + 1).to(tl.int64) * duration) // pieces
         t = _now()
         while t < due:
-            _nap()
+            if NAP:
+                _nap()
             t = _now()
         k += 1
     t = _now()
     while t < end:
-        _nap()
+        if NAP:
+            _nap()
         t = _now()
     if pid == 0:
         tl.store(state_ptr + 2 + 2 * slot, start)
@@ -125,7 +128,7 @@ class DeviceLink:
                 src, dst = self.scratch[:half], self.scratch[half:]
         slot = self.count % LOG
         args = (self.state, src, dst, duration_ns, deliver_ns, pieces, piece_elems, wrap, self.count % 2, slot)
-        self._launch(_hold_kernel, (max(1, ctas),), args, {"BLOCK": BLOCK},
+        self._launch(_hold_kernel, (max(1, ctas),), args, {"BLOCK": BLOCK, "NAP": not model.spin},
                      {"num_warps": model.warps if ctas else 1})
         self.indices.append(index)
         if len(self.indices) > LOG:

@@ -115,7 +115,7 @@ def test_transfers_run_one_at_a_time_in_issue_order(world_of):
     out = torch.empty(4 << 12)
     works = [dist.all_gather_into_tensor(out, x, async_op=True) for _ in range(3)]
     assert clock.now == 100.0  # issued, not waited: the host has not been held
-    ts = link.transfers
+    ts = list(link.transfers)
     assert [t.index for t in ts] == [0, 1, 2] and all(t.is_async for t in ts)
     want = el.parse_link("pcie:latency=1e-5").seconds((4 - 1) * x.numel() * 4, (4 - 1) * x.numel() * 4, 3)
     for a, b in zip(ts, ts[1:]):
@@ -286,12 +286,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import link_kernels as lk
 sig = dict(state_ptr="*i64", src_ptr="*i32", dst_ptr="*i32", duration_ns="i64", deliver_ns="i32", pieces="i32",
-           piece_elems="i32", wrap="i32", parity="i32", slot="i32", BLOCK="constexpr")
-for warps in (1, 16):
-    k = triton.compile(ASTSource(fn=lk._hold_kernel, signature=sig, constexprs={(10,): lk.BLOCK}),
+           piece_elems="i32", wrap="i32", parity="i32", slot="i32", BLOCK="constexpr", NAP="constexpr")
+for warps, nap in ((1, True), (16, True), (16, False)):
+    k = triton.compile(ASTSource(fn=lk._hold_kernel, signature=sig, constexprs={(10,): lk.BLOCK, (11,): nap}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = k.asm["ptx"]
-    print(warps, ptx.count("%globaltimer"), ptx.count("nanosleep"), ptx.count("atom.global"))
+    print(int(nap), ptx.count("%globaltimer"), ptx.count("nanosleep"), ptx.count("atom.global"))
 """
 
 
@@ -301,9 +301,9 @@ def test_hold_kernel_compiles_for_sm90_with_its_timer_naps_and_atomics():
     assert out.returncode == 0, out.stderr[-3000:]
     for line in out.stdout.split("\n"):
         if line.strip():
-            warps, timer, naps, atoms = map(int, line.split())
+            nap, timer, naps, atoms = map(int, line.split())
             # the start, each piece's due time and the final wait read the timer inside their loops
-            assert timer >= 3 and naps >= 2 and atoms >= 2, line
+            assert timer >= 3 and atoms >= 2 and (naps >= 2 if nap else naps == 0), line
 
 
 def test_order_balanced_rounds():
