@@ -114,23 +114,25 @@ def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
     return rec
 
 
-class _ZeroedEmpty:
-    """``torch`` for ``qzero.engine`` in an emulated world, with ``empty`` returning zeros.
+def _clearing_side_channel(pack_chunk):
+    """``qzero.chunks.pack_chunk`` for ``qzero.engine`` in an emulated world: this rank's side
+    channel of exact elements is zeroed before the pack.
 
-    The gather engine allocates its receive buffers with ``torch.empty``. On a real world every
-    rank writes its own slot whole; here the other ranks' slots are copies of rank 0's, and a
-    rank's side channel of exact elements only runs as far as rank 0's count of them: the rest
-    of another rank's would be whatever the allocator's memory held (NaN bits, say). Zeroed
-    buffers make that tail decode as zeros (one memset per buffer and gather: microseconds)."""
+    On a real world every rank writes its own slot of a chunk's receive buffer, its side
+    channel as long as its own count of exact elements. Here the other ranks' slots are copies
+    of rank 0's, whose side channel is only as long as rank 0's count: the rest of another
+    rank's would be whatever the buffer held before (a previous chunk's codes and scales read
+    as bf16: NaN, say). Zeroed, it decodes as zeros. One memset of the side channel per chunk,
+    on the stream of the pack (microseconds)."""
 
-    def __init__(self, module):
-        self._module = module
+    def pack(flat, plan, chunk, rank, buf, kernels):
+        lay = chunk.payload
+        if plan.quantized and lay.exact_numel:
+            at = rank * chunk.payload_bytes + lay.exact_offset
+            buf[at : at + lay.exact_numel * plan.elem_size].zero_()
+        return pack_chunk(flat, plan, chunk, rank, buf, kernels)
 
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-    def empty(self, *args, **kwargs):
-        return self._module.zeros(*args, **kwargs)
+    return pack
 
 
 def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
@@ -151,7 +153,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     from qzero.train import TrainSettings, _summary, make_deterministic, resolve_device
     from qzero.workload import build_model, load_corpus, model_config
 
-    qzero.engine.torch = _ZeroedEmpty(torch)
+    qzero.engine.pack_chunk = _clearing_side_channel(qzero.engine.pack_chunk)
 
     s = TrainSettings(**given)
     kind = resolve_device(s)
