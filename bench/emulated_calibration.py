@@ -163,16 +163,22 @@ def emulated_rows(dirs: list[str]) -> list[dict]:
 
 
 def _find(emu: list[dict], preset, ag, rs, regime, arm, ctas=None):
+    """The emulated measurement of one arm: the median of its runs' medians over every folder
+    given (runs on several machines pool here), or None."""
     hits = [e for e in emu if e["preset"] == preset and e["allgather_bucket"] == ag and e["reduce_bucket"] == rs
             and e["arm"] == arm and e["regime"] == regime and e["runs"] and e["median_ms"] is not None
-            and (ctas is None or e["ctas"] == ctas)]
-    return hits[-1] if hits else None
+            and e.get("finite") is not False and (ctas is None or e["ctas"] == ctas)]
+    if not hits:
+        return None
+    pooled = dict(hits[-1], median_ms=statistics.median(e["median_ms"] for e in hits), pooled=len(hits),
+                  medians=[round(e["median_ms"], 1) for e in hits])
+    return pooled
 
 
 def emulated_floor(emu: list[dict], preset: str) -> float | None:
     """This host's 1-GPU step for ``preset`` (any buckets: a world of one gathers nothing)."""
     hits = [e["median_ms"] for e in emu if e["preset"] == preset and e["arm"] == "gpu1" and e["runs"]
-            and e["median_ms"] is not None]
+            and e["median_ms"] is not None and e.get("finite") is not False]
     return statistics.median(hits) if hits else None
 
 
@@ -198,7 +204,8 @@ def table(emu: list[dict], real: list[dict], scale: float, ctas: int | None) -> 
         e = _find(emu, r["preset"], r["ag"], r["rs"], r["regime"], r["arm"], ctas)
         row = {**r, "real_floor_ms": f_real, "real_floor_from": "measured" if r["preset"] in floor_real else
                "emulated x S", "real_exposed_ms": r["real_ms"] - f_real if f_real is not None else None,
-               "emulated_ms": e["median_ms"] if e else None, "emulated_floor_ms": e_floor,
+               "emulated_ms": e["median_ms"] if e else None, "emulated_runs": e["medians"] if e else None,
+               "emulated_floor_ms": e_floor,
                "emulated_exposed_ms": (e["median_ms"] - e_floor) * scale if e and e_floor is not None else None,
                "link": e["link"] if e else None, "link_busy_ms_modelled": e["link_busy_ms_modelled"] if e else None,
                "link_busy_ms_measured": e["link_busy_ms_measured"] if e else None}

@@ -2,17 +2,19 @@
 transfer, hold and contention): the link's stream, and the one kernel that holds it.
 
 The hold kernel runs on the link's stream after a collective's delivery. Each of its CTAs
-reads the GPU's global timer, takes the transfer's start as the later of the previous
-transfer's end (kept on the device) and its own start less the delivery's estimated time,
-moves its share of the paced HBM traffic (copies through a scratch buffer, each piece not
+reads the GPU's global timer; the transfer's start is the later of the previous transfer's
+end (kept on the device) and the first CTA's start less the delivery's estimated time (the
+CTAs agree on it through an atomic minimum, so one that gets its SM late holds to the same
+end instead of stretching the transfer); each CTA moves its share of the paced HBM traffic (copies through a scratch buffer, each piece not
 before its due time), then waits until ``start + duration`` (in short naps, or reading the
 timer without a pause: ``LinkModel.spin``, warps that keep issuing as NCCL's copy loops do),
-and records its end. A CTA that gets an SM late (the GPU busy with compute) starts late and ends late, so the
-transfer stretches, as NCCL's do when their CTAs are scheduled late. ``ctas == 0``: one
-one-warp CTA holds the link (no contention beyond one warp).
+and records its end. When no CTA gets an SM (the GPU full of compute), the transfer starts late, as NCCL's do
+when their kernels are scheduled late. ``ctas == 0``: one one-warp CTA holds the link (no
+contention beyond one warp).
 
-The previous transfer's end lives in one of two device words, alternating between
-transfers, so a late CTA of a transfer still reads the end of the one before it. A log of
+The previous transfer's end and the current one's start live in two device words each,
+alternating between transfers, so a late CTA of a transfer still reads its own; each
+transfer clears the next one's start words for their minimum. A log of
 ``(start, end)`` per transfer (the last :data:`LOG` transfers) stays on the device for
 :meth:`DeviceLink.log`.
 """
@@ -46,14 +48,27 @@ def _nap():
                                      is_pure=False, pack=1)
 
 
+#: Device words of the link's timeline: the end of the last transfer (two, alternating), the
+#: start of the current one (two, alternating), then the log's (start, end) pairs.
+FREE, START, LOG_BASE = 0, 2, 4
+NEVER = 2**63 - 1
+
+
 @triton.jit(do_not_specialize=["duration_ns", "deliver_ns", "pieces", "piece_elems", "wrap", "parity", "slot"])
 def _hold_kernel(state_ptr, src_ptr, dst_ptr, duration_ns, deliver_ns, pieces, piece_elems, wrap, parity, slot,
-                 BLOCK: tl.constexpr, NAP: tl.constexpr):
+                 BLOCK: tl.constexpr, NAP: tl.constexpr, LOG: tl.constexpr):
     pid = tl.program_id(0)
     t0 = _now()
+    # the next transfer's start word and log start: cleared for its CTAs' minimum (it cannot
+    # begin before every CTA of this one has ended: one stream)
+    tl.store(state_ptr + 2 + 1 - parity, 9223372036854775807)
+    tl.store(state_ptr + 4 + 2 * ((slot + 1) % LOG), 9223372036854775807)
     free = tl.load(state_ptr + parity)
     duration = duration_ns.to(tl.int64)
-    start = tl.maximum(free, t0 - deliver_ns.to(tl.int64))
+    mine = tl.maximum(free, t0 - deliver_ns.to(tl.int64))
+    # one start for every CTA: the earliest; a CTA that got its SM late holds to the same end
+    first = tl.atomic_min(state_ptr + 2 + parity, mine)
+    start = tl.minimum(first, mine)
     end = start + duration
     k = 0
     while k < pieces:
@@ -74,9 +89,8 @@ def _hold_kernel(state_ptr, src_ptr, dst_ptr, duration_ns, deliver_ns, pieces, p
         if NAP:
             _nap()
         t = _now()
-    if pid == 0:
-        tl.store(state_ptr + 2 + 2 * slot, start)
-    tl.atomic_max(state_ptr + 3 + 2 * slot, t)
+    tl.atomic_min(state_ptr + 4 + 2 * slot, start)
+    tl.atomic_max(state_ptr + 5 + 2 * slot, t)
     tl.atomic_max(state_ptr + 1 - parity, t)
 
 
@@ -100,7 +114,9 @@ class DeviceLink:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.state = torch.zeros(2 + 2 * LOG, dtype=torch.int64, device=device)
+        self.state = torch.zeros(LOG_BASE + 2 * LOG, dtype=torch.int64, device=device)
+        self.state[START:LOG_BASE] = NEVER
+        self.state[LOG_BASE::2] = NEVER
         self.scratch: torch.Tensor | None = None
         self.count = 0  # transfers held so far
         self.indices: list[int] = []  # the link's transfer index of each held transfer (the newest LOG)
@@ -128,7 +144,7 @@ class DeviceLink:
                 src, dst = self.scratch[:half], self.scratch[half:]
         slot = self.count % LOG
         args = (self.state, src, dst, duration_ns, deliver_ns, pieces, piece_elems, wrap, self.count % 2, slot)
-        self._launch(_hold_kernel, (max(1, ctas),), args, {"BLOCK": BLOCK, "NAP": not model.spin},
+        self._launch(_hold_kernel, (max(1, ctas),), args, {"BLOCK": BLOCK, "NAP": not model.spin, "LOG": LOG},
                      {"num_warps": model.warps if ctas else 1})
         self.indices.append(index)
         if len(self.indices) > LOG:
@@ -138,6 +154,6 @@ class DeviceLink:
     def log(self) -> list[tuple[int, int, int]]:
         """``(transfer index, start_ns, end_ns)`` of the held transfers still in the log, oldest first."""
         torch.cuda.synchronize(self.device)
-        rows = self.state[2:].view(-1, 2).tolist()
+        rows = self.state[LOG_BASE:].view(-1, 2).tolist()
         first = self.count - len(self.indices)
         return [(idx, *rows[(first + k) % LOG]) for k, idx in enumerate(self.indices)]

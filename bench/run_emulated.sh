@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The emulated link on one GPU, calibrated and used, inside one time limit (bench/emulated_link.py,
+# The emulated link on one GPU, calibrated and used, within LIMIT seconds (bench/emulated_link.py,
 # bench/emulated_matrix.py, bench/emulated_calibration.py):
 #   check      every emulated collective on the GPU; what a resident CTA costs (contention)
 #   floor      the 1-GPU step of Qwen3-4B here -> the time scale S against the two-GPU host
