@@ -390,10 +390,6 @@ EMULATED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "
             "reduce", "all_gather", "reduce_scatter", "all_to_all", "all_reduce_coalesced", "barrier")
 
 
-def _world_of(group) -> int:
-    return _WORLD.world if group is None or group is dist.group.WORLD else group.size()
-
-
 class EmulatedWorld:
     """Rank 0 of a fake DP-``world`` world whose collectives deliver (see the note) and hold
     :attr:`link`. Made by :func:`init_emulated_world`."""
@@ -403,6 +399,10 @@ class EmulatedWorld:
         self.link = Link(model, clock=clock, sleep=sleep)
         self.originals: dict[str, object] = {}
         self.rebound: list[tuple[object, str, object]] = []
+
+    def _n(self, group) -> int:
+        """The world size of ``group`` (this world's for the default group)."""
+        return self.world if group is None or group is dist.group.WORLD else group.size()
 
     def set_link(self, model: LinkModel) -> None:
         """Change the link's model from the next collective on (synchronize first: transfers
@@ -447,7 +447,7 @@ class EmulatedWorld:
 
     # -- the collectives (torch.distributed's signatures)
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
         if output_tensor.numel() != n * input_tensor.numel():
             raise ValueError(f"all_gather_into_tensor: output has {output_tensor.numel()} elements, expected "
                              f"{n} x {input_tensor.numel()}")
@@ -460,7 +460,7 @@ class EmulatedWorld:
         return self._run("all_gather", wire, [output_tensor, input_tensor], deliver, async_op, [output_tensor])
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected {n} x "
                              f"{output.numel()}")
@@ -473,7 +473,7 @@ class EmulatedWorld:
         return self._run("reduce_scatter", wire, [output, input], deliver, async_op, [output])
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
 
         def deliver():
             _reduced(tensor, op, n)
@@ -483,7 +483,7 @@ class EmulatedWorld:
         return self._run("all_reduce", wire, [tensor], deliver, async_op, [tensor])
 
     def all_reduce_coalesced(self, tensors, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
 
         def deliver():
             for x in tensors:
@@ -494,12 +494,12 @@ class EmulatedWorld:
         return self._run("all_reduce", wire, list(tensors), deliver, async_op, list(tensors))
 
     def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
-        n = _world_of(group)
+        n = self._n(group)
         wire = wire_bytes("broadcast", n, tensor.numel() * tensor.element_size())
         return self._run("broadcast", wire, [tensor], lambda: 0, async_op, [tensor])
 
     def reduce(self, tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
-        n = _world_of(group)
+        n = self._n(group)
         if dst is None and group_dst is None:
             raise ValueError("reduce: give dst or group_dst")
         mine = (group_dst if group_dst is not None else dist.get_group_rank(group or dist.group.WORLD, dst)) == 0
@@ -514,7 +514,7 @@ class EmulatedWorld:
         return self._run("reduce", wire, [tensor], deliver, async_op, [tensor])
 
     def all_gather(self, tensor_list, tensor, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
         if len(tensor_list) != n:
             raise ValueError(f"all_gather: {len(tensor_list)} outputs for world size {n}")
 
@@ -528,7 +528,7 @@ class EmulatedWorld:
         return self._run("all_gather", wire, [*tensor_list, tensor], deliver, async_op, list(tensor_list))
 
     def reduce_scatter(self, output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
         if len(input_list) != n:
             raise ValueError(f"reduce_scatter: {len(input_list)} inputs for world size {n}")
 
@@ -541,7 +541,7 @@ class EmulatedWorld:
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
         send = list(input_split_sizes) if input_split_sizes else [input.shape[0] // n] * n
         recv = list(output_split_sizes) if output_split_sizes else [output.shape[0] // n] * n
         if len(send) != n or len(recv) != n or sum(send) != input.shape[0] or sum(recv) != output.shape[0]:
@@ -573,7 +573,7 @@ class EmulatedWorld:
         return self._run("all_to_all", wire, [output, input], deliver, async_op, [output])
 
     def all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
-        n = _world_of(group)
+        n = self._n(group)
         if len(output_tensor_list) != n or len(input_tensor_list) != n:
             raise ValueError(f"all_to_all: {len(output_tensor_list)} outputs and {len(input_tensor_list)} inputs "
                              f"for world size {n}")
@@ -592,7 +592,7 @@ class EmulatedWorld:
                          list(output_tensor_list))
 
     def barrier(self, group=None, async_op=False, device_ids=None, timeout=None):
-        n = _world_of(group)
+        n = self._n(group)
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         probe = torch.zeros(1, device="cuda" if cuda else "cpu")
         # NCCL's barrier is a one-element all-reduce the host then waits for
