@@ -34,6 +34,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.checkpoint.api import CheckpointException
 
+from . import error_feedback
 from .checkpoint_index import INDEX_FILE, IndexedReader, read_index
 
 if TYPE_CHECKING:
@@ -50,7 +51,11 @@ def logical_pieces(group: FlatGroup) -> list[tuple[int, int, int]]:
     """``(local offset, length, logical offset)`` of the parameter elements in this rank's
     partition. The logical buffer is the parameters back to back in model order, which is
     the same at every world size and for either flat order; adjacent pieces are merged."""
-    layout, lo, hi = group.layout, group.lo, group.hi
+    return logical_pieces_between(group.layout, group.lo, group.hi)
+
+
+def logical_pieces_between(layout, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """:func:`logical_pieces` of flat ``[lo, hi)`` (local offsets relative to ``lo``)."""
     logical = 0
     pieces: list[tuple[int, int, int]] = []
     for s in layout.slots:
@@ -106,6 +111,7 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
         sd[f"group{i}.master"] = _sharded(g.master, g, opt)
         for key, value in opt.optimizer.state.get(g.master, {}).items():
             sd[f"group{i}.state.{key}"] = _sharded(value, g, opt) if value.shape == g.master.shape else value
+    sd.update(error_feedback.state_entries(opt))
     return sd
 
 
@@ -122,7 +128,7 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 "hyperparameters": json.loads(json.dumps(hyper, default=_json_default)),
             }
         )
-    return {
+    meta = {
         "format": FORMAT_VERSION,
         "world_size": opt.world_size,
         "optimizer": type(opt.optimizer).__name__,
@@ -131,6 +137,10 @@ def _metadata(opt: ZeroOptimizer) -> dict:
         "module_state": {k: list(v.shape) for k, v in _module_state(opt).items()},
         "groups": groups,
     }
+    residuals = error_feedback.metadata(opt)
+    if residuals is not None:
+        meta[error_feedback.META_KEY] = residuals
+    return meta
 
 
 def _json_default(v):
@@ -248,6 +258,7 @@ def _check_schema(meta: dict, path: str) -> None:
                 )
             if not all(type(d) is int and d >= 0 for d in spec["shape"]):
                 raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} with shape {spec['shape']!r}")
+    error_feedback.check_metadata(meta, path)
     scaler = meta["loss_scaler"]
     for key in _SCALER_INTS:
         if type(scaler.get(key)) is not int:
@@ -291,6 +302,7 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                 if math.prod(spec["shape"]) > g.master.numel():
                     raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} larger than its group")
                 expected[f"group{i}.state.{key}"] = spec["shape"]
+    expected.update(error_feedback.expected_entries(opt, meta))
     for fqn, shape in expected.items():
         entry = index.state_dict_metadata.get(fqn)
         if entry is None:
@@ -384,6 +396,8 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                 targets[f"group{i}.state.{key}"] = t
             state[key] = t
         fills.append((g, state, saved["hyperparameters"]))
+    residual_targets, finish_residuals = error_feedback.load_plan(opt, meta)
+    targets.update(residual_targets)
 
     def agree(read_error):  # every rank's tensors are checked before any is copied
         agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, read_error, {}, "load_checkpoint")
@@ -392,6 +406,7 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
         dcp.load(targets, storage_reader=IndexedReader(path, index, agree), process_group=opt.process_group)
     except CheckpointException as e:
         raise ValueError(_read_failure(e, path)) from e
+    finish_residuals()
     for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
         # padding holds zeros (it was never trained)
         for a, b in g.layout.padding_ranges(g.lo, g.hi):
