@@ -35,14 +35,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
-def collect(preset: str, steps: int, probes: list[int], world: int, seq: int, per_rank: int, seed: int):
-    """``{probe step: [per rank: [bf16 gradient of each quantized parameter]]}`` and the names."""
+def collect(preset: str, steps: int, probes: list[int], world: int, seq: int, per_rank: int, seed: int,
+            only: str | None):
+    """``{probe step: [per rank: [bf16 gradient of each quantized parameter]]}`` and the names
+    (``only``: a regular expression the measured parameters' names must match)."""
+    import re
+
     from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
 
     corpus = load_corpus(limit=2_000_000)
     model = build_model(model_config(preset), torch.float32, torch.device("cpu"), seed)
     small = PRESETS[preset].small_param_numel
-    names = [n for n, p in model.named_parameters() if p.numel() > small]
+    names = [n for n, p in model.named_parameters() if p.numel() > small and (only is None or re.search(only, n))]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     out = {}
     for step in range(1, steps + 1):
@@ -92,6 +96,8 @@ def measure(grads: dict, fmt: str, group: int, rotation: int, ef_steps: list[int
 
     num = den = pnum = pden = 0.0
     for step, ranks in grads.items():
+        if step in ef_steps[1:]:
+            continue  # single-step errors: the first of the consecutive probes stands for them
         world = len(ranks)
         for k in range(len(ranks[0])):
             pieces = [ranks[r][k] for r in range(world)]
@@ -123,9 +129,12 @@ def measure(grads: dict, fmt: str, group: int, rotation: int, ef_steps: list[int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
-    p.add_argument("--steps", type=int, default=120, help="training steps (the last probe is at most this)")
-    p.add_argument("--probe", default="10,60,117,118,119,120", help="steps whose gradients are measured")
-    p.add_argument("--steps-ef", default="117,118,119,120", help="consecutive probes for the cumulative error")
+    p.add_argument("--steps", type=int, default=100, help="training steps (the last probe is at most this)")
+    p.add_argument("--probe", default="30,97,98,99,100", help="steps whose gradients are measured")
+    p.add_argument("--steps-ef", default="97,98,99,100", help="consecutive probes for the cumulative error")
+    p.add_argument("--only", default=r"embed|lm_head|layers\.(0|3)\.",
+                   help="regular expression: measure the parameters whose names match (default: the "
+                   "embedding, the head, the first and the last layer)")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--per-rank", type=int, default=2, help="sequences per rank and step")
@@ -137,11 +146,10 @@ def main(argv=None) -> int:
     probes = [int(s) for s in args.probe.split(",")]
     ef_steps = [int(s) for s in args.steps_ef.split(",")]
     t0 = time.time()
-    grads, names = collect(args.preset, args.steps, probes, args.world, args.seq, args.per_rank, args.seed)
-    arms = [("int8", 64, 0)]
-    for group in (32, 64, 128):
-        arms.append(("int4", group, 0))
-        arms += [("int4", group, h) for h in (8, 16, 32, 64, 128) if h <= group]
+    grads, names = collect(args.preset, args.steps, probes, args.world, args.seq, args.per_rank, args.seed, args.only)
+    arms = [("int8", 64, 0), ("int4", 32, 0), ("int4", 32, 8), ("int4", 32, 16), ("int4", 32, 32),
+            ("int4", 64, 0), ("int4", 64, 16), ("int4", 64, 32), ("int4", 64, 64),
+            ("int4", 128, 0), ("int4", 128, 32), ("int4", 128, 128)]
     rows = []
     for fmt, group, rotation in arms:
         row = {"format": fmt, "group_size": group, "rotation_block": rotation, **measure(grads, fmt, group, rotation, ef_steps)}

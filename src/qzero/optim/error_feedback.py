@@ -16,10 +16,10 @@ per parameter. Residuals are in the units of the gradients as they are reduced: 
 loss scaling they are rescaled when the scale grows and dropped on a skipped step (whose
 gradients are dropped too).
 
-Checkpoint form: per flat group, a ``[world, parameters]`` bf16 tensor in the logical
-coordinates the masters are saved in (the parameters back to back; see
-:mod:`qzero.optim.checkpoint`), row ``r`` rank ``r``'s residuals (zeros on its own partition),
-each rank writing its row. A load at the same world size with the same partitions (the
+Checkpoint form: per flat group, a 1-D bf16 tensor of ``world x parameters`` elements: ``world``
+rows, each in the logical coordinates the masters are saved in (the parameters back to back;
+see :mod:`qzero.optim.checkpoint`), row ``r`` (at ``r x parameters``) rank ``r``'s residuals
+(zeros on its own partition), each rank writing its row. A load at the same world size with the same partitions (the
 checkpoint records a digest of them) reads every rank's row back: the resumed run is bit
 for bit the uninterrupted one. Any other load (another world size, another flat order) sums
 every element's residuals over the saved rows (fp32, in row order), rounds the sum to bf16
@@ -111,12 +111,12 @@ def _placement(opt: ZeroOptimizer, device: torch.device) -> str:
 def _row_shards(opt: ZeroOptimizer, ef: ErrorFeedback, own: torch.Tensor) -> list[Shard]:
     """This rank's row in logical coordinates: its residuals, and ``own`` on its own partition."""
     where = _placement(opt, ef.residual.device)
+    row = ef.rank * ef.layout.used_numel
     shards = []
     for q in range(ef.world):
         src = own if q == ef.rank else ef.partition_view(q)
         for local, length, at in _partition_pieces(ef.layout, q):
-            shards.append(Shard(src[local : local + length].view(1, length),
-                                ShardMetadata([ef.rank, at], [1, length], where)))
+            shards.append(Shard(src[local : local + length], ShardMetadata([row + at], [length], where)))
     return shards
 
 
@@ -126,8 +126,8 @@ def state_entries(opt: ZeroOptimizer) -> dict:
     for i, ef in enumerate(opt.error_feedback):
         if ef is not None:
             own = torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)
-            out[state_key(i)] = init_from_local_shards(_row_shards(opt, ef, own), ef.world,
-                                                       ef.layout.used_numel, process_group=opt.process_group)
+            out[state_key(i)] = init_from_local_shards(_row_shards(opt, ef, own), ef.world * ef.layout.used_numel,
+                                                       process_group=opt.process_group)
     return out
 
 
@@ -166,7 +166,7 @@ def expected_entries(opt: ZeroOptimizer, meta: dict) -> dict[str, list[int]]:
     for i, ef in enumerate(opt.error_feedback):
         saved = _saved(meta, i)
         if ef is not None and saved is not None:
-            out[state_key(i)] = [saved[0], ef.layout.used_numel]
+            out[state_key(i)] = [saved[0] * ef.layout.used_numel]
     return out
 
 
@@ -185,16 +185,17 @@ def load_plan(opt: ZeroOptimizer, meta: dict):
         n = ef.layout.used_numel
         if world == ef.world and digest == partitions_digest(ef.layout):
             scratch = torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)
-            targets[state_key(i)] = init_from_local_shards(_row_shards(opt, ef, scratch), world, n,
+            targets[state_key(i)] = init_from_local_shards(_row_shards(opt, ef, scratch), world * n,
                                                            process_group=opt.process_group)
             continue
-        # resharded: this rank carries the residuals of the partition before its own
+        # resharded: this rank carries the residuals of the partition before its own, every saved row
         q = (ef.rank - 1) % ef.world
         where = _placement(opt, ef.residual.device)
         pieces = [(local, torch.zeros(world, length, dtype=RESIDUAL_DTYPE, device=ef.residual.device), at)
                   for local, length, at in _partition_pieces(ef.layout, q)]
-        shards = [Shard(t, ShardMetadata([0, at], list(t.shape), where)) for _, t, at in pieces]
-        targets[state_key(i)] = init_from_local_shards(shards, world, n, process_group=opt.process_group)
+        shards = [Shard(rows[r], ShardMetadata([r * n + at], [rows.shape[1]], where))
+                  for _, rows, at in pieces for r in range(world)]
+        targets[state_key(i)] = init_from_local_shards(shards, world * n, process_group=opt.process_group)
         after.append((ef, q, pieces))
 
     def finish() -> None:
