@@ -7,7 +7,7 @@
 * Reduced shards on gloo groups (worlds 2, 3, 4; both flat orders; stages 1 and 2; two
   micro-batches): in the rotated domain, every element within half an INT4 step of each
   other sender's rotated group (plus fp32 rounding); small parameters bit-exact; replicas
-  identical; NaN/Inf still found.
+  identical. (NaN/Inf with the rotation: ``test_grad_quant.py``'s non-finite test.)
 * Error feedback: the residual is what the payload missed; over steps everything the owners
   received plus the residuals still held is the sum of the gradients; the residuals follow
   the fp16 loss scale; they are checkpointed, resumed bit-exactly and resharded.
@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_grad_quant import ADAMW, GS, SMALL, SHAPES, Chosen, contributions, grad_worker, coeffs, piece
+from test_grad_quant import (ADAMW, GS, HAVE_KERNELS, SHAPES, SMALL, Chosen, assert_kernels_match_reference, coeffs,
+                             contributions, grad_worker)
 
 import qzero
 from qzero.layout import _payload_layout
@@ -81,16 +82,6 @@ def test_rotation_scale_is_the_fp32_reciprocal_square_root():
 
 # ------------------------------------------------------------------ kernels against the reference
 
-try:
-    from qzero.quant import gradients_triton as kernels
-
-    HAVE_KERNELS = kernels.AVAILABLE
-except ImportError:  # pragma: no cover
-    HAVE_KERNELS = False
-
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
 @pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # NaN groups, under the interpreter
 @pytest.mark.parametrize("dtype,fmt,group_size,rotation,ef", [
@@ -103,50 +94,7 @@ CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != 
     (torch.float32, "fp8", 16, 16, True),
 ])
 def test_kernels_match_reference(dtype, fmt, group_size, rotation, ef):
-    from qzero.quant import triton as weight_kernels
-
-    device = "cuda" if CUDA else "cpu"
-    n = 200_003 if CUDA else 331  # odd: a lone low nibble, a partial rotation block
-    gen = torch.Generator().manual_seed(group_size + rotation + 7 * len(fmt))
-    saved = weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems
-    weight_kernels.TUNING.block_elems = weight_kernels.TUNING.exact_block_elems = 64  # many programs
-    try:
-        world = 4
-        idx = torch.tensor([3, 4, 5, 6, 100, 101, n - 1], dtype=torch.int64, device=device)
-        f = get_format(fmt)
-        layout = _payload_layout(n, f.value_bytes(n), -(-n // group_size), idx.numel(), dtype.itemsize)
-        payloads = []
-        for s in range(world - 1):
-            x = piece(n, dtype, gen, device)
-            x[40 + s] = float("nan")  # a NaN group, an Inf group, an Inf exact element
-            x[140 + s] = float("-inf")
-            x[101] = float("inf")
-            a = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-            b = a.clone()
-            ra = (piece(n, torch.float32, gen, device) * 1e-2).to(ref.RESIDUAL_DTYPE) if ef else None
-            rb = ra.clone() if ef else None
-            for _ in range(2):  # twice: the second pack adds the residual the first left
-                ref.pack_gradient(x, a, layout, group_size, fmt, idx, rotation, ra)
-                kernels.pack_gradient(x, b, layout, group_size, fmt, idx, rotation, rb)
-                assert torch.equal(a, b), f"payload {s} differs at bytes {(a != b).nonzero()[:5].flatten().tolist()}"
-                if ef:
-                    assert torch.equal(ra.view(torch.int16), rb.view(torch.int16)), "residuals differ"
-                    assert bool(torch.isfinite(ra).all()) and ra[idx].eq(0).all()
-            payloads.append(a)
-        payloads = torch.cat(payloads)
-        own = piece(n, dtype, gen, device)
-        own[77] = float("nan")  # in the owner's own piece
-        for rank in (0, 2, world - 1):
-            want = torch.empty(n, dtype=torch.float32, device=device)
-            got = torch.empty_like(want)
-            ref.dequantize_sum(payloads, own, want, layout, rank, world, group_size, fmt, idx, rotation)
-            kernels.dequantize_sum(payloads, own, got, layout, rank, world, group_size, fmt, idx, rotation)
-            assert torch.equal(want.view(torch.int32), got.view(torch.int32))
-            nonfinite = ~torch.isfinite(want)
-            assert nonfinite[40].item() and nonfinite[141].item() and nonfinite[77].item()
-            assert want[101] == float("inf")  # exact: its own value, not spread by the rotation
-    finally:
-        weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems = saved
+    assert_kernels_match_reference(dtype, fmt, group_size, rotation, ef)
 
 
 def test_rotation_lowers_the_error_of_a_group_with_an_outlier():
@@ -271,41 +219,6 @@ def test_int4_without_rotation_within_half_a_step():
                   zero_quantized_gradients_format="int4", zero_quantized_gradients_rotation="none")
     results = run_distributed(grad_worker, world, kwargs, micro)
     check_shards(results, world, micro, 2, fmt="int4")
-
-
-def test_non_finite_gradients_are_found_with_the_rotation():
-    world = 3
-    # rank 1: NaN in a large parameter, +Inf in a small (exact) one, -Inf in another large one
-    poison = {"rank": 1, "at": [(2, 5, float("nan")), (1, 2, float("inf")), (4, 0, float("-inf"))]}
-    kwargs = dict(stage=2, flat_order="interleaved", reduce_bucket_size=300, small_param_numel=SMALL,
-                  zero_quantized_gradients=True, zero_quantized_gradients_group_size=GS,
-                  zero_quantized_gradients_format="int4", zero_quantized_gradients_rotation_block=H)
-    results = run_distributed(grad_worker, world, kwargs, 1, torch.bfloat16, poison)
-    assert all(res["error"] and "qzero: non-finite" in res["error"] for res in results)  # raised on every rank
-    slots = results[0]["slots"]
-    exact = {k for start, m, is_exact in slots if is_exact for k in range(start, start + m)}
-    expected = set()
-    for i, j, _ in poison["at"]:
-        f = slots[i][0] + j
-        if slots[i][2]:
-            expected.add(f)  # exact: just that element
-            continue
-        owner = next(r for r, res in enumerate(results) if res["lo"] <= f < res["lo"] + res["shard"].numel())
-        flat_lo, n = next((a, n) for a, n in results[owner]["pieces"] if a <= f < a + n)
-        if owner == poison["rank"]:  # the owner's own piece: its rotation block (unless a partial tail)
-            b0 = flat_lo + (f - flat_lo) // H * H
-            span = range(b0, b0 + H) if b0 + H <= flat_lo + n else [f]
-        else:  # a quantized group arrives as NaN: the whole group
-            g0 = flat_lo + (f - flat_lo) // GS * GS
-            span = range(g0, min(g0 + GS, flat_lo + n))
-        expected.update(set(span) - exact)
-    found = set()
-    for res in results:
-        found.update(int(k) + res["lo"] for k in (~torch.isfinite(res["shard"])).nonzero().flatten())
-    assert found == expected
-    inf_at = slots[1][0] + 2
-    owner = next(res for res in results if res["lo"] <= inf_at < res["lo"] + res["shard"].numel())
-    assert owner["shard"][inf_at - owner["lo"]] == float("inf")  # exact elements keep their value
 
 
 # ------------------------------------------------------------------ error feedback
@@ -458,7 +371,7 @@ def test_residuals_follow_the_fp16_loss_scale():
 
 
 def ckpt_worker(rank, world, path, mode, order="contiguous"):
-    from test_optim import batch, make_model, rank_slice
+    from test_optim import make_model, train_steps
 
     from qzero.optim.checkpoint import logical_pieces_between
 
@@ -468,17 +381,6 @@ def ckpt_worker(rank, world, path, mode, order="contiguous"):
                            zero_quantized_gradients_rotation_block=H, zero_quantized_gradients_error_feedback=True)
     opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
     losses = []
-
-    def train(steps, offset):
-        for step in range(offset, offset + steps):
-            tokens, targets = batch(step, 0)
-            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
-            opt.backward(loss)
-            t = loss.detach().reshape(1).clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
-            opt.step()
-            opt.zero_grad()
 
     def logical_residuals():  # this rank's residuals in logical coordinates (fp32, zeros on its own partition)
         ef, layout = opt.error_feedback[0], opt.groups[0].layout
@@ -491,14 +393,12 @@ def ckpt_worker(rank, world, path, mode, order="contiguous"):
         return out
 
     if mode == "save":
-        train(3, 0)
+        train_steps(model, opt, rank, world, range(0, 3), losses)
         opt.save_checkpoint(path)
-        at_save = logical_residuals()
-        train(2, 3)
     else:
         opt.load_checkpoint(path)
-        at_save = logical_residuals()
-        train(2, 3)
+    at_save = logical_residuals()
+    train_steps(model, opt, rank, world, range(3, 5), losses)
     return {"losses": losses[-2:], "at_save": at_save, "residual": opt.error_feedback[0].residual.clone(),
             "flat": opt.groups[0].flat.clone()}
 

@@ -80,6 +80,17 @@ if triton is not None:
         return g[:, None] * GS + (j[None, :] // H + 1) * H <= rem
 
     @triton.jit
+    def _exact_in_tile(idx_ptr, blk_ptr, pid, base, offs, STEPS: tl.constexpr):
+        """``(is_exact, position in the side channel, first side-channel index of the tile)``."""
+        is_exact = offs < 0
+        pos = tl.zeros(offs.shape, tl.int32)
+        lo = tl.load(blk_ptr + pid)
+        hi = tl.load(blk_ptr + pid + 1)
+        if hi > lo:
+            is_exact, pos = _exact_runs(idx_ptr, lo, hi, base, offs, STEPS)
+        return is_exact, pos, lo
+
+    @triton.jit
     def _grad_pack_kernel(
         src_ptr,  # int16 (bf16/fp16) or int32 (fp32) view of the piece
         values_ptr,  # uint8
@@ -114,12 +125,8 @@ if triton is not None:
             x = x + _widen(tl.load(res_ptr + base + offs, mask=valid, other=0), True)
         is_exact = offs < 0
         if HAS_EXACT:
-            lo = tl.load(blk_ptr + pid)
-            hi = tl.load(blk_ptr + pid + 1)
-            if hi > lo:
-                found, pos = _exact_runs(idx_ptr, lo, hi, base, offs, STEPS)
-                tl.store(side_ptr + lo + pos, bits, mask=found & valid)
-                is_exact = found
+            is_exact, pos, lo = _exact_in_tile(idx_ptr, blk_ptr, pid, base, offs, STEPS)
+            tl.store(side_ptr + lo + pos, bits, mask=is_exact & valid)
         x = tl.where(is_exact, 0.0, x)
         if ROT > 0:
             full = _whole_blocks(g, j, rem, GS, ROT)
@@ -184,11 +191,7 @@ if triton is not None:
         gmask = g * GS < rem
         is_exact = offs < 0
         if HAS_EXACT:
-            lo = tl.load(blk_ptr + pid)
-            hi = tl.load(blk_ptr + pid + 1)
-            if hi > lo:
-                found, _ = _exact_runs(idx_ptr, lo, hi, base, offs, STEPS)
-                is_exact = found
+            is_exact, _, _ = _exact_in_tile(idx_ptr, blk_ptr, pid, base, offs, STEPS)
         if ROT > 0:
             full = _whole_blocks(g, j, rem, GS, ROT)
         acc = tl.zeros((G, GS_PAD), tl.float32)
