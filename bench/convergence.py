@@ -4,8 +4,9 @@ gradient reduction) reach the loss of bf16?
 Arms (default): ``bf16`` (plain gather, ``quantized=false``), ``int8-g64``, ``int8-g8192``,
 ``fp8-g64`` and ``int4-g64``. An arm name is a weight spec (``bf16`` or ``<fmt>-g<group size>``)
 optionally followed by ``+gq-<fmt>-g<group size>``, the quantized gradient reduction
-(``zero_quantized_gradients=true`` with that format, int8 or fp8, and group size), e.g.
-``int8-g64+gq-int8-g64``. Every arm trains the same randomly initialised Qwen3-shaped
+(``zero_quantized_gradients=true`` with that format, int8, fp8 or int4, and group size; then
+``-h<block>`` for the Hadamard rotation or ``-noh`` for none, which int4 must state, and
+``-ef`` for error feedback), e.g. ``int8-g64+gq-int8-g64`` or ``int8-g64+gq-int4-g64-h32-ef``. Every arm trains the same randomly initialised Qwen3-shaped
 model (preset ``qwen3-125m-byte``: hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64,
 MLP 3840, byte vocabulary, 125,456,640 parameters) on the same batches of real text (by
 default :func:`qzero.workload.load_corpus`: this Python's standard-library ``*.py`` sources,

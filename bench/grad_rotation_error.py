@@ -91,10 +91,23 @@ def reduce_once(pieces: list[torch.Tensor], fmt: str, group: int, rotation: int,
     return out, perr, pnorm
 
 
-def measure(grads: dict, fmt: str, group: int, rotation: int, ef_steps: list[int]) -> dict:
+def crest(g: torch.Tensor, group: int, rotation: int) -> float:
+    """Mean over groups of absmax / RMS (rotated first when ``rotation``): what sets a group's step."""
+    from qzero.quant.gradients import hadamard
+
+    x = g.float()
+    x = hadamard(x, rotation) if rotation else x
+    x = x[: x.numel() // group * group].view(-1, group)
+    rms = x.pow(2).mean(1).sqrt()
+    keep = rms > 0
+    return float((x.abs().amax(1)[keep] / rms[keep]).mean())
+
+
+def measure(grads: dict, fmt: str, group: int, rotation: int, ef_steps: list[int], names: list[str]) -> dict:
     from qzero.quant.gradients import RESIDUAL_DTYPE
 
     num = den = pnum = pden = 0.0
+    per_param = {n: [0.0, 0.0] for n in names}
     for step, ranks in grads.items():
         if step in ef_steps[1:]:
             continue  # single-step errors: the first of the consecutive probes stands for them
@@ -103,10 +116,14 @@ def measure(grads: dict, fmt: str, group: int, rotation: int, ef_steps: list[int
             pieces = [ranks[r][k] for r in range(world)]
             exact = sum(p.double() for p in pieces)
             got, pe, pn = reduce_once(pieces, fmt, group, rotation)
-            num += float((got.double() - exact).pow(2).sum())
-            den += float(exact.pow(2).sum())
+            e2, x2 = float((got.double() - exact).pow(2).sum()), float(exact.pow(2).sum())
+            num, den = num + e2, den + x2
+            per_param[names[k]][0] += e2
+            per_param[names[k]][1] += x2
             pnum, pden = pnum + pe, pden + pn
-    row = {"reduced_rel_err": (num / den) ** 0.5, "payload_rel_err": (pnum / pden) ** 0.5}
+    row = {"reduced_rel_err": (num / den) ** 0.5, "payload_rel_err": (pnum / pden) ** 0.5,
+           "reduced_rel_err_by_parameter": {n: (a / b) ** 0.5 if b else 0.0 for n, (a, b) in per_param.items()},
+           "crest_by_parameter": {n: crest(grads[min(grads)][1][k], group, rotation) for k, n in enumerate(names)}}
     for ef in (False, True):  # the cumulative reduced gradient over consecutive steps
         world, params = len(grads[ef_steps[0]]), len(grads[ef_steps[0]][0])
         num = den = 0.0
@@ -139,6 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--per-rank", type=int, default=2, help="sequences per rank and step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", default=None,
+                   help="comma-separated <fmt>-g<group>-h<block> (h0: no rotation); default: the table's twelve")
+    p.add_argument("--by-parameter", action="store_true", help="also print each parameter's error and crest factor")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -150,9 +170,11 @@ def main(argv=None) -> int:
     arms = [("int8", 64, 0), ("int4", 32, 0), ("int4", 32, 8), ("int4", 32, 16), ("int4", 32, 32),
             ("int4", 64, 0), ("int4", 64, 16), ("int4", 64, 32), ("int4", 64, 64),
             ("int4", 128, 0), ("int4", 128, 32), ("int4", 128, 128)]
+    if args.arms:
+        arms = [(f, int(g), int(h)) for f, g, h in (a.replace("-g", " ").replace("-h", " ").split() for a in args.arms.split(","))]
     rows = []
     for fmt, group, rotation in arms:
-        row = {"format": fmt, "group_size": group, "rotation_block": rotation, **measure(grads, fmt, group, rotation, ef_steps)}
+        row = {"format": fmt, "group_size": group, "rotation_block": rotation, **measure(grads, fmt, group, rotation, ef_steps, names)}
         row["bits_per_element"] = (4 if fmt == "int4" else 8) + 32 / group
         rows.append(row)
         print(f"{fmt} g{group} H{rotation or '-'}: reduced {row['reduced_rel_err']:.4f}", file=sys.stderr, flush=True)
@@ -163,6 +185,13 @@ def main(argv=None) -> int:
         print(f"| {r['format']} | {r['group_size']} | {r['rotation_block'] or 'none'} | {r['bits_per_element']:.2f} | "
               f"{r['payload_rel_err']:.4f} | {r['reduced_rel_err']:.4f} | {r['cumulative_rel_err']:.4f} | "
               f"{r['cumulative_rel_err_ef']:.4f} |")
+    if args.by_parameter:
+        print("\n| parameter | " + " | ".join(f"{r['format']} g{r['group_size']} H{r['rotation_block'] or '-'} err / crest"
+                                          for r in rows) + " |")
+        print("|---|" + "---|" * len(rows))
+        for n in names:
+            print(f"| {n} | " + " | ".join(f"{r['reduced_rel_err_by_parameter'][n]:.4f} / {r['crest_by_parameter'][n]:.2f}"
+                                         for r in rows) + " |")
     record = {
         "what": "gradient relative error of the quantized reduction vs rotation block (torch reference, CPU)",
         "settings": vars(args), "parameters_measured": names,

@@ -18,9 +18,10 @@ fp32 scales, side channel; the same layout the weight gather uses):
   finite group never produces one. Exact elements (small parameters) travel verbatim in
   the side channel, in the source dtype.
 * **residual** (error feedback, :data:`RESIDUAL_DTYPE`): what this pack failed to send,
-  ``x - rotate(value * scale)`` in fp32 (``x`` the rotated input before rotation, i.e. the
-  gradient plus the previous residual), rounded once to bf16; zero at exact elements and
-  in non-finite groups. It is added to the same elements' next pack.
+  ``x - rotate(value * scale)`` in fp32 (``x`` the fp32 gradient plus the previous residual,
+  exact elements zeroed, before the rotation; without a rotation, ``x - value * scale``),
+  rounded once to bf16; zero at exact elements and in non-finite groups. It is added to the
+  same elements' next pack.
 * **dequantize and sum** (:func:`dequantize_sum`): the owner adds, in fp32 and in rank
   order ``0, 1, ..., world - 1`` starting from zero, each rank's contribution: its own
   piece unquantized (widened to fp32; with a rotation, its exact elements set to zero and
