@@ -541,3 +541,12 @@ def test_deepspeed_adapter_parses_the_new_gradient_keys():
         qds.prepare_config(cfg(2, zero_quantized_gradients_rotation_block=48))
     with pytest.raises(ValueError, match="needs zero_quantized_gradients=true"):
         qds.prepare_config(cfg(2, zero_quantized_gradients_error_feedback=True))
+
+
+def test_qualify_refuses_a_gradient_refinement_without_quantized_gradients(capsys):
+    from qzero.cli import main
+
+    code = main(["qualify", "--candidate", 'zero_quantized_gradients_format="int4"', "--out", "/nonexistent/qz"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("qzero: error: --candidate zero_quantized_gradients_format")
+    assert "add --candidate zero_quantized_gradients=true" in err[0]
