@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import canonical
+from ..comm import local_outcome
 from ..config import DEFAULT_ROTATION_BLOCK, GRADIENT_FORMATS, GRADIENT_ROTATIONS
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES, check_rotation_block
-from ._comms import check_arguments, groups_to_convert, keep_report, stored_report
+from ._comms import agree_install, check_arguments, groups_to_convert, install_group, keep_report, stored_report
 
 __all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
 
@@ -111,23 +113,35 @@ def quantize_group_reduces(
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
-    check_arguments(model, group_size, small_param_numel, kernels)
-    if fmt not in GRADIENT_FORMATS:
-        raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
-    block = _rotation_block(fmt, group_size, rotation, rotation_block)
-    plans = groups_to_convert(
-        model, function="quantize_group_reduces", setter="set_custom_reduce_scatter", attr="_reduce_scatter_comm",
-        what="reduce-scatter", ours=GroupQuantizedReduceScatter,
-        own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
-        kernels_for=gradient_kernels_for)
-    infos = []
-    for name, module, pg in plans:
-        comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
-                                           small_param_numel=small_param_numel, kernels=kernels, name=name,
-                                           rotation=block)
+    block = 0
+
+    def plan():
+        nonlocal block
+        check_arguments(model, group_size, small_param_numel, kernels)
+        if fmt not in GRADIENT_FORMATS:
+            raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
+        block = _rotation_block(fmt, group_size, rotation, rotation_block)
+        out = []
+        for name, module, pg in groups_to_convert(
+                model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
+                attr="_reduce_scatter_comm", what="reduce-scatter", ours=GroupQuantizedReduceScatter,
+                own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
+                kernels_for=gradient_kernels_for):
+            comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
+                                               small_param_numel=small_param_numel, kernels=kernels, name=name,
+                                               rotation=block)
+            out.append((module, comm, _describe(name, pg, comm)))
+        return out
+
+    plans, error = local_outcome(plan)
+    # the rotation travels with the format: ranks that rotate differently disagree on it
+    agreed_fmt = f"{fmt} rotated by blocks of {block}" if block else fmt
+    agree_install("quantize_group_reduces", install_group(model), error, fmt=agreed_fmt, group_size=group_size,
+                  small_param_numel=small_param_numel, layout_name="parameter groups",
+                  layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
+    for module, comm, _ in plans:
         module.set_custom_reduce_scatter(comm)
-        infos.append(_describe(name, pg, comm))
-    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(infos)))
+    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for *_, info in plans)))
 
 
 def _rotation_block(fmt: str, group_size: int, rotation: str | None, block: int) -> int:

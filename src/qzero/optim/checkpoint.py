@@ -378,7 +378,7 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
         check_index_matches(opt, meta, index, path)
         fields = {"checkpoint metadata": _digest(json.dumps(meta, sort_keys=True).encode()),
                   "checkpoint index": _digest(raw_index)}
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - any local failure is agreed on, so no peer waits for this rank
         error, fields = e, None
     agree_group = opt.process_group
     agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
