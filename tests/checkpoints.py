@@ -41,6 +41,16 @@ def fresh(factory=ADAMW):
     return opt, model
 
 
+def save_genuine(root) -> tuple[str, dict]:
+    """A checkpoint after 3 steps at world size 1 under ``root``, and the state it holds."""
+    model = small_model()
+    opt = qzero.ZeroOptimizer(model, ADAMW)
+    train(opt, model, 3, 0)
+    path = os.path.join(str(root), "ckpt")
+    opt.save_checkpoint(path)
+    return path, snapshot(opt, model)
+
+
 def snapshot(opt, model) -> dict:
     opt.wait_for_weights()
     return {

@@ -35,7 +35,7 @@ import tracemalloc
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoints import ADAMW, Attempt, assert_same, fresh, small_model, snapshot, train
+from checkpoints import ADAMW, Attempt, assert_same, fresh, save_genuine, small_model, snapshot, train
 from distributed import run_distributed
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
@@ -50,13 +50,7 @@ TIMEOUT = 90.0
 @pytest.fixture(scope="module")
 def genuine(tmp_path_factory):
     """A checkpoint after 3 steps at world size 1, and the state it holds."""
-    root = tmp_path_factory.mktemp("genuine")
-    model = small_model()
-    opt = qzero.ZeroOptimizer(model, ADAMW)
-    train(opt, model, 3, 0)
-    path = str(root / "ckpt")
-    opt.save_checkpoint(path)
-    return path, snapshot(opt, model)
+    return save_genuine(tmp_path_factory.mktemp("genuine"))
 
 
 @pytest.fixture
@@ -137,19 +131,21 @@ BAD_CHUNKS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(BAD_CHUNKS))
-def test_a_chunk_that_cannot_be_copied_changes_nothing(attempt, kind):
-    """The last tensor read is the bad one: the masters and the buffer before it must stay."""
+@pytest.mark.parametrize("kind,declared", [("meta tensor", False), ("bits16", False), ("bits16", True),
+                                           ("float4_e2m1fn_x2", False), ("float4_e2m1fn_x2", True)])
+def test_a_chunk_that_cannot_be_copied_changes_nothing(attempt, kind, declared):
+    """The last tensor read is the bad one: the masters and the buffer before it must stay.
+    ``declared``: the index gives the chunk's dtype too (refused before reading), or fp32."""
     md = attempt.trusted_index()
     n = md.state_dict_metadata["group0.state.exp_avg_sq"].size[0]
     bad = BAD_CHUNKS[kind](n)
-    ship(attempt, md, "group0.state.exp_avg_sq", bad, "__9_0.distcp", dtype=None if bad.is_meta else bad.dtype)
+    ship(attempt, md, "group0.state.exp_avg_sq", bad, "__9_0.distcp", dtype=bad.dtype if declared else None)
     attempt.write_index(pickle.dumps(md))
     msg = attempt.load_refused("group0.state.exp_avg_sq")
     assert ("meta" in msg) if bad.is_meta else (str(bad.dtype).removeprefix("torch.") in msg), msg
 
 
-def _one_rank_bad_run(rank, world, path):
+def _load_run(rank, world, path):
     model = small_model(seed=50 + rank)
     opt = qzero.ZeroOptimizer(model, ADAMW)
     train(opt, model, 1, 99 + rank)
@@ -170,7 +166,7 @@ def test_a_chunk_only_one_rank_reads_changes_nothing_on_any_rank(tmp_path):
     assert info.relative_path != "__9_0.distcp"
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(md, f)
-    for msg, unchanged in run_distributed(_one_rank_bad_run, 2, path, timeout=TIMEOUT):
+    for msg, unchanged in run_distributed(_load_run, 2, path, timeout=TIMEOUT):
         assert msg is not None and ("meta" in msg or "rank 1" in msg), msg
         assert unchanged
 
@@ -394,17 +390,10 @@ def test_a_non_finite_master_or_state_is_refused_at_load(tmp_path, name):
     assert ("'0.weight'" if name == "master" else name) in msg, msg
 
 
-def _nan_load_run(rank, world, path):
-    model = small_model(seed=50 + rank)
-    opt = qzero.ZeroOptimizer(model, ADAMW)
-    train(opt, model, 1, 99 + rank)
-    return load_outcome(opt, model, path)
-
-
 def test_a_non_finite_master_in_one_ranks_shard_is_refused_on_every_rank(tmp_path):
     path = str(tmp_path / "ckpt")
     _save_run(0, 1, path, 3, ("master", 2000))  # loaded at world 2: inside rank 1's partition
-    for msg, unchanged in run_distributed(_nan_load_run, 2, path, timeout=TIMEOUT):
+    for msg, unchanged in run_distributed(_load_run, 2, path, timeout=TIMEOUT):
         assert msg is not None and ("non-finite" in msg or "rank(s) [1]" in msg) and unchanged, msg
 
 

@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint.format_utils as format_utils
-from checkpoints import ADAMW, Attempt, Call, assert_same, files_under, fresh, small_model, snapshot, train
+from checkpoints import ADAMW, Attempt, Call, assert_same, files_under, fresh, save_genuine, small_model, snapshot, train
 from distributed import run_distributed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -68,13 +68,7 @@ class Canary:
 @pytest.fixture(scope="module")
 def genuine(tmp_path_factory):
     """A checkpoint after 3 steps, and the state it holds."""
-    root = tmp_path_factory.mktemp("genuine")
-    model = small_model()
-    opt = qzero.ZeroOptimizer(model, ADAMW)
-    train(opt, model, 3, 0)
-    path = str(root / "ckpt")
-    opt.save_checkpoint(path)
-    return path, snapshot(opt, model)
+    return save_genuine(tmp_path_factory.mktemp("genuine"))
 
 
 @pytest.fixture

@@ -372,8 +372,9 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
         raise ValueError(f"{path!r} was saved for another model: frozen parameters / buffers differ "
                          f"({show(diff[:3])})")
     if meta["optimizer"] != type(opt.optimizer).__name__:
-        raise ValueError(f"{path!r} holds {show(meta['optimizer'])} state, this optimizer is "
-                         f"{type(opt.optimizer).__name__}")
+        saved = meta["optimizer"] if meta["optimizer"].isidentifier() and len(meta["optimizer"]) <= 60 else show(
+            meta["optimizer"])
+        raise ValueError(f"{path!r} holds {saved} state, this optimizer is {type(opt.optimizer).__name__}")
     for i, (saved, g) in enumerate(zip(meta["groups"], opt.groups)):
         shapes = [list(s.shape) for s in g.layout.slots]
         if len(saved["shapes"]) != len(shapes):
@@ -464,7 +465,7 @@ def kept_state(opt: ZeroOptimizer, meta: dict, path: str) -> list[dict[str, dict
     ``{"sharded", "shape", "dtype", "device"}`` ([Note: the state an optimizer keeps])."""
     name = type(opt.optimizer).__name__
     out = []
-    for i, (g, saved, pg) in enumerate(zip(opt.groups, meta["groups"], opt.optimizer.param_groups)):
+    for g, saved, pg in zip(opt.groups, meta["groups"], opt.optimizer.param_groups):
         try:
             state, like = _trial_state(opt, g, _resumed_hyperparameters(pg, saved["hyperparameters"]))
         except Exception as e:  # noqa: BLE001 - any optimizer may be inside
@@ -605,18 +606,20 @@ class _PendingLoad:
 
     def agree_after_read(self, path: str) -> None:
         """Finite masters and state; the same replicated tensors on every rank."""
-        opt = self.opt
-        error = None
-        try:
-            self._check_finite(path)
-        except ValueError as e:
-            error = e
-        replicated = {name: _tensor_digest(t) for name, t in _module_state(opt).items()}
+        replicated = dict(_module_state(self.opt))
         for i, state in enumerate(self.states):
             for key, spec in self.meta["groups"][i]["state"].items():
                 if not spec["sharded"]:
-                    replicated[f"group{i}.state.{key}"] = _tensor_digest(state[key])
-        _agree_on_read(opt, error, replicated, path)
+                    replicated[f"group{i}.state.{key}"] = state[key]
+        error, digests = None, dict.fromkeys(replicated, 0)
+        try:
+            self._check_finite(path)
+            digests = {name: _tensor_digest(t) for name, t in replicated.items()}
+        except ValueError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+            error = ValueError(f"{path!r}: checking the tensors read failed ({type(e).__name__}: {show(str(e))})")
+        _agree_on_read(self.opt, error, digests, path)
 
     def _check_finite(self, path: str) -> None:
         for i, (g, state) in enumerate(zip(self.opt.groups, self.states)):

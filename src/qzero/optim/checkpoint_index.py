@@ -58,11 +58,19 @@ MAX_INDEX_BYTES = 64 << 20
 #: ``torch.save`` writes around them (about 1.6 KiB with torch 2.4 to 2.13).
 ARCHIVE_SLACK = 64 << 10
 
-#: Dtypes that ``Tensor.copy_`` converts between (the bit and packed dtypes it cannot).
-CASTABLE_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-})
+
+def _dtypes(*names: str) -> frozenset:
+    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+#: Dtypes that ``Tensor.copy_`` converts between.
+CONVERTIBLE_DTYPES = _dtypes(
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "int64", "int32", "int16",
+    "int8", "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+#: Dtypes that ``Tensor.copy_`` copies into their own dtype only (bit for bit, converting nothing).
+SAME_DTYPE_ONLY = _dtypes("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2")
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -115,25 +123,29 @@ def show(value, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_regular_file(directory: str, name: str, limit: int, where: str) -> bytes:
-    """The bytes of ``directory/name``, opened without following a link and without blocking,
+#: How checkpoint files are opened: never through a link, never waiting (a FIFO opens at once).
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_regular_file(directory: str, name: str, limit: int, where: str, what: str | None = None) -> bytes:
+    """The bytes of ``directory/name`` (``what`` in messages), opened with :data:`OPEN_FLAGS`,
     which must be a regular file of at most ``limit`` bytes (checked before reading it)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    what = what or name
     try:
-        fd = os.open(os.path.join(directory, name), flags)
+        fd = os.open(os.path.join(directory, name), OPEN_FLAGS)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ValueError(f"{where}: {name} is a link (qzero reads no checkpoint file through a link)") from None
-        raise ValueError(f"{where}: cannot read {name}: {e.strerror or e}") from None
+            raise ValueError(f"{where}: {what} is a link (qzero reads no checkpoint file through a link)") from None
+        raise ValueError(f"{where}: cannot read {what}: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{where}: {name} is not a regular file")
+            raise ValueError(f"{where}: {what} is not a regular file")
         if st.st_size > limit:
-            raise ValueError(f"{where}: {name} is larger than {limit} bytes ({st.st_size}); qzero does not read it")
+            raise ValueError(f"{where}: {what} is larger than {limit} bytes ({st.st_size}); qzero does not read it")
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise ValueError(f"{where}: {name} is larger than {limit} bytes; qzero does not read it")
+        raise ValueError(f"{where}: {what} is larger than {limit} bytes; qzero does not read it")
     return data
 
 
@@ -200,10 +212,9 @@ def read_index(directory: str, where: str | None = None) -> tuple[_dcp_md.Metada
     Raises :class:`IndexRefused` (a ValueError) naming what is wrong."""
     where = where or repr(directory)
     try:
-        raw = read_regular_file(directory, INDEX_FILE, MAX_INDEX_BYTES, where)
+        raw = read_regular_file(directory, INDEX_FILE, MAX_INDEX_BYTES, where, f"the checkpoint index {INDEX_FILE}")
     except ValueError as e:
-        msg = str(e).replace(f"cannot read {INDEX_FILE}", f"cannot read the checkpoint index {INDEX_FILE}")
-        raise IndexRefused(msg) from None
+        raise IndexRefused(str(e)) from None
     if not raw:
         raise IndexRefused(f"{where}: the checkpoint index {INDEX_FILE} is empty")
     unpickler = IndexUnpickler(io.BytesIO(raw), where)
@@ -516,9 +527,8 @@ class IndexedReader(dcp.FileSystemReader):
     directory, checks it (a dense, unquantized CPU tensor of the dtype the index gives,
     which ``copy_`` can convert into its target, of the expected size) and copies it into
     its target. A failure raises: DCP gathers every rank's outcome and raises on all of
-    them. The targets are the loader's staging tensors (see
-    :func:`qzero.optim.checkpoint.load_checkpoint`), so a refusal part-way through writes
-    nothing that the model or the optimizer holds.
+    them. Whatever was copied before it is put back by the loader ([Note: all or nothing]
+    in :mod:`qzero.optim.checkpoint`).
     """
 
     def __init__(self, directory: str, index: _dcp_md.Metadata) -> None:
@@ -556,8 +566,7 @@ class IndexedReader(dcp.FileSystemReader):
         info = self._index.storage_data[req.storage_index]
         fqn = req.storage_index.fqn
         rel, where = info.relative_path, f"{self._directory!r}: {show(fqn)} in {show(info.relative_path)}"
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(os.path.join(self._directory, rel), flags)
+        fd = os.open(os.path.join(self._directory, rel), OPEN_FLAGS)
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ValueError(f"{self._directory!r}: tensor file {show(rel)} is not a regular file")
@@ -590,8 +599,10 @@ class IndexedReader(dcp.FileSystemReader):
 
 
 def castable(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether ``dst_tensor.copy_(src_tensor)`` converts ``src`` into ``dst``."""
-    return src in CASTABLE_DTYPES and dst in CASTABLE_DTYPES
+    """Whether ``dst_tensor.copy_(src_tensor)`` can copy ``src`` into ``dst``."""
+    if src == dst:
+        return src in CONVERTIBLE_DTYPES or src in SAME_DTYPE_ONLY
+    return src in CONVERTIBLE_DTYPES and dst in CONVERTIBLE_DTYPES
 
 
 def _first_line(e: BaseException) -> str:
@@ -599,6 +610,6 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else ""
 
 
-__all__ = ["ARCHIVE_SLACK", "CASTABLE_DTYPES", "INDEX_DTYPES", "INDEX_FILE", "INDEX_GLOBALS", "IndexRefused",
+__all__ = ["ARCHIVE_SLACK", "CONVERTIBLE_DTYPES", "INDEX_DTYPES", "INDEX_FILE", "INDEX_GLOBALS", "IndexRefused",
            "IndexUnpickler", "IndexedReader", "MAX_INDEX_BYTES", "castable", "read_index", "read_regular_file",
-           "rebuild_index", "show"]
+           "rebuild_index", "SAME_DTYPE_ONLY", "show"]
