@@ -560,7 +560,7 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     agree_or_raise(opt.process_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
     try:
         try:
-            dcp.load(load.targets, storage_reader=IndexedReader(path, index), process_group=opt.process_group)
+            dcp.load(load.targets(), storage_reader=IndexedReader(path, index), process_group=opt.process_group)
         except CheckpointException as e:
             raise ValueError(_read_failure(e, path)) from e
         load.agree_after_read(path)
@@ -579,25 +579,32 @@ class _PendingLoad:
     """What one load reads into, and how it is put in place or undone ([Note: all or nothing])."""
 
     def __init__(self, opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]]):
+        """Allocate (local only: no collective, it runs before the ranks agree)."""
         self.opt, self.meta = opt, meta
-        module = _module_state(opt)
-        self.targets: dict = dict(module)
         self.states: list[dict[str, torch.Tensor]] = []
         for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
-            self.targets[f"group{i}.master"] = _sharded(g.master, g, opt)
             state = {}
             for key, spec in saved["state"].items():
-                dtype = STATE_DTYPES[spec["dtype"]]
                 if spec["sharded"]:
-                    state[key] = torch.zeros(g.master.shape, dtype=dtype, device=g.master.device)
-                    self.targets[f"group{i}.state.{key}"] = _sharded(state[key], g, opt)
+                    shape, device = g.master.shape, g.master.device
                 else:
-                    state[key] = torch.zeros(spec["shape"], dtype=dtype, device=kept[i][key]["device"])
-                    self.targets[f"group{i}.state.{key}"] = state[key]
+                    shape, device = spec["shape"], kept[i][key]["device"]
+                state[key] = torch.zeros(shape, dtype=STATE_DTYPES[spec["dtype"]], device=device)
             self.states.append(state)
         # what is read in place, copied aside (to the host) to be put back on a refusal
-        self._in_place = [g.master for g in opt.groups] + list(module.values())
+        self._in_place = [g.master for g in opt.groups] + list(_module_state(opt).values())
         self._saved = [t.detach().to("cpu", copy=True) for t in self._in_place]
+
+    def targets(self) -> dict:
+        """The state dict DCP reads into (collective at world size > 1: it builds ShardedTensors)."""
+        opt = self.opt
+        out: dict = dict(_module_state(opt))
+        for i, (g, state) in enumerate(zip(opt.groups, self.states)):
+            out[f"group{i}.master"] = _sharded(g.master, g, opt)
+            specs = self.meta["groups"][i]["state"]
+            for key, t in state.items():
+                out[f"group{i}.state.{key}"] = _sharded(t, g, opt) if specs[key]["sharded"] else t
+        return out
 
     def undo(self) -> None:
         with torch.no_grad():
