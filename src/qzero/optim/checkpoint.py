@@ -22,7 +22,6 @@ is a ``ValueError`` that names the file and the field.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..chunks import all_gather_into
+from ..agreement import digest
 from .checkpoint_index import INDEX_FILE, IndexedReader, castable, read_index, read_regular_file, show
 
 if TYPE_CHECKING:
@@ -549,8 +548,8 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
             check_state(opt, meta, kept, path)
             index, raw_index = read_checked_index(path)
             check_index_matches(opt, meta, index, path)
-            fields = {"checkpoint metadata": _digest(json.dumps(meta, sort_keys=True).encode()),
-                      "checkpoint index": _digest(raw_index)}
+            fields = {"checkpoint metadata": digest(json.dumps(meta, sort_keys=True)),
+                      "checkpoint index": digest(raw_index)}
             load = _PendingLoad(opt, meta, kept)
         except ValueError as e:
             error, fields, load = _bounded(e), None, None
@@ -612,21 +611,27 @@ class _PendingLoad:
                 t.copy_(saved)
 
     def agree_after_read(self, path: str) -> None:
-        """Finite masters and state; the same replicated tensors on every rank."""
+        """Finite masters and state; the same replicated tensors on every rank (one exchange,
+        [Note: agreement] in qzero/agreement.py: a differing tensor is named by its details)."""
+        from ..comm import agree_or_raise
+
         replicated = dict(_module_state(self.opt))
         for i, state in enumerate(self.states):
             for key, spec in self.meta["groups"][i]["state"].items():
                 if not spec["sharded"]:
                     replicated[f"group{i}.state.{key}"] = state[key]
-        error, digests = None, dict.fromkeys(replicated, 0)
+        error, fields, details = None, None, None
         try:
             self._check_finite(path)
-            digests = {name: _tensor_digest(t) for name, t in replicated.items()}
+            digests = {name: f"bytes digest {_tensor_digest(t):016x}" for name, t in sorted(replicated.items())}
+            name = "a replicated tensor (frozen parameter, buffer or scalar optimizer state)"
+            fields, details = {name: digest(json.dumps(digests))}, {name: digests}
         except ValueError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
             error = ValueError(f"{path!r}: checking the tensors read failed ({type(e).__name__}: {show(str(e))})")
-        _agree_on_read(self.opt, error, digests, path)
+        agree_or_raise(self.opt.process_group, self.opt.world_size, self.opt.groups[0].master.device, error, fields,
+                       f"load_checkpoint({path!r}), after reading", details)
 
     def _check_finite(self, path: str) -> None:
         for i, (g, state) in enumerate(zip(self.opt.groups, self.states)):
@@ -683,41 +688,7 @@ def _first_non_finite(flat: torch.Tensor, pieces, chunk: int = 1 << 22) -> int |
 
 def _tensor_digest(t: torch.Tensor) -> int:
     """A digest of a tensor's bytes (a host copy of one tensor at a time)."""
-    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
-
-
-def _agree_on_read(opt: ZeroOptimizer, error: ValueError | None, replicated: dict[str, int], path: str) -> None:
-    """Raise on every rank if any rank refused what it read, or if a replicated tensor's digest
-    differs between ranks (each rank reads its own view of the directory). Every rank sends
-    the same number of values: the replicated tensors follow from the model and the agreed
-    metadata."""
-    names = sorted(replicated)
-    if opt.world_size > 1:
-        device = opt.groups[0].master.device
-        row = torch.tensor([0 if error is not None else 1] + [replicated[n] for n in names], dtype=torch.int64,
-                           device=device)
-        table = torch.empty(opt.world_size * row.numel(), dtype=torch.int64, device=device)
-        all_gather_into(table, row, group=opt.process_group)
-        rows = table.view(opt.world_size, -1).tolist()
-        refused = [r for r, row in enumerate(rows) if row[0] == 0]
-        if error is None and refused:
-            raise ValueError(f"load_checkpoint: rank(s) {refused} refused the tensors they read; nothing was loaded")
-        for k, name in enumerate(names):
-            values = [row[1 + k] for row in rows]
-            if error is None and len(set(values)) > 1:
-                odd = [r for r, v in enumerate(values) if v != values[0]]
-                raise ValueError(
-                    f"{path!r}: the replicated tensor {name!r} differs between ranks (rank(s) {odd} read other bytes "
-                    "than rank 0): each rank read its own copy of the checkpoint and the copies differ; nothing was "
-                    "loaded"
-                )
-    if error is not None:
-        raise error
-
-
-def _digest(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+    return digest(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _read_failure(e: CheckpointException, path: str) -> str:

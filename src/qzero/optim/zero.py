@@ -17,12 +17,12 @@ the update of the rest. The bits are those of one whole update.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from ..agreement import digest, optimizer_fields
 from ..comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
 from ..engine import DEPTH as OVERLAP_DEPTH
@@ -59,7 +59,7 @@ class ZeroOptimizer:
     ):
         config = ZeroConfig() if config is None else config
         world, rank, agree_group, error = world_or_default(process_group)
-        groups = names = inner = flat_groups = context = None
+        groups = names = inner = flat_groups = context = fields = details = None
         try:
             if error is not None:
                 raise error
@@ -82,13 +82,16 @@ class ZeroOptimizer:
             inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
             if not isinstance(inner, torch.optim.Optimizer):
                 raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
-        except (TypeError, ValueError) as e:
-            error = e
-        fields = None
-        if error is None:
-            fields = {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups)}
+            # What every rank must have alike ([Note: agreement] in qzero/agreement.py): the inner
+            # optimizer as built (class, every group's hyperparameters) among them. Later changes
+            # to param_groups (an LR scheduler's) are the caller's to keep alike.
+            inner_fields, details = optimizer_fields(inner)
+            fields = {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups),
+                      **inner_fields}
+        except Exception as e:  # noqa: BLE001 - any local failure is agreed on, so no peer waits for this rank
+            error, fields, details = e, None, None
         device = groups[0][0][0].device if groups else None
-        agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer")
+        agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer", details)
 
         self.config = config
         self.process_group = process_group
@@ -398,5 +401,4 @@ def _model_digest(model: torch.nn.Module, groups) -> int:
     trainable = [[(tuple(p.shape), str(p.dtype)) for p in params] for params, _ in groups]
     frozen = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters() if not p.requires_grad]
     buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    text = repr((trainable, frozen, buffers))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    return digest(repr((trainable, frozen, buffers)))
