@@ -160,54 +160,68 @@ def _saved(meta: dict, i: int):
     return entry["world_size"], entry["partitions"][i]
 
 
-def expected_entries(opt: ZeroOptimizer, meta: dict) -> dict[str, list[int]]:
-    """DCP entries a load will read, with their sizes."""
+def expected_entries(opt: ZeroOptimizer, meta: dict) -> dict[str, tuple[list[int], torch.dtype]]:
+    """DCP entries a load will read, with their sizes and dtypes."""
     out = {}
     for i, ef in enumerate(opt.error_feedback):
         saved = _saved(meta, i)
         if ef is not None and saved is not None:
-            out[state_key(i)] = [saved[0] * ef.layout.used_numel]
+            out[state_key(i)] = ([saved[0] * ef.layout.used_numel], RESIDUAL_DTYPE)
     return out
 
 
-def load_plan(opt: ZeroOptimizer, meta: dict):
-    """``(targets, finish)``: the DCP targets of the residuals this optimizer reads from a
-    checkpoint with metadata ``meta``, and what to run after ``dcp.load`` filled them."""
-    targets, after = {}, []
-    for i, ef in enumerate(opt.error_feedback):
-        if ef is None:
-            continue
-        saved = _saved(meta, i)
-        if saved is None:
-            after.append((ef, None, []))  # nothing saved: zero residuals
-            continue
-        world, digest = saved
-        n = ef.layout.used_numel
-        if world == ef.world and digest == partitions_digest(ef.layout):
-            scratch = torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)
-            targets[state_key(i)] = init_from_local_shards(_row_shards(opt, ef, scratch), world * n,
-                                                           process_group=opt.process_group)
-            continue
-        # resharded: this rank carries the residuals of the partition before its own, every saved row
-        q = (ef.rank - 1) % ef.world
-        where = _placement(opt, ef.residual.device)
-        pieces = [(local, torch.zeros(world, length, dtype=RESIDUAL_DTYPE, device=ef.residual.device), at)
-                  for local, length, at in _partition_pieces(ef.layout, q)]
-        shards = [Shard(rows[r], ShardMetadata([r * n + at], [rows.shape[1]], where))
-                  for _, rows, at in pieces for r in range(world)]
-        targets[state_key(i)] = init_from_local_shards(shards, world * n, process_group=opt.process_group)
-        after.append((ef, q, pieces))
+class ResidualLoad:
+    """The residuals' part of one checkpoint load: what DCP reads them into, and how they are
+    put in place. A load at the same world size and partitions reads every rank's row straight
+    into its residual buffer (``in_place``: the loader keeps a copy to put back on a refusal);
+    a resharded one reads the saved rows of the partition this rank now carries into buffers
+    of their own and sums them at :meth:`commit`; without saved residuals :meth:`commit` zeroes
+    them."""
 
-    def finish() -> None:
-        for ef, q, pieces in after:
-            ef.reset()
-            if q is None:
+    def __init__(self, opt: ZeroOptimizer, meta: dict):
+        """Local only (no collective): it runs before the ranks agree."""
+        self.opt = opt
+        self._direct, self._summed, self._zeroed = [], [], []
+        for i, ef in enumerate(opt.error_feedback):
+            if ef is None:
                 continue
+            saved = _saved(meta, i)
+            if saved is None:
+                self._zeroed.append(ef)
+            elif saved[0] == ef.world and saved[1] == partitions_digest(ef.layout):
+                self._direct.append((i, ef, torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)))
+            else:  # resharded: this rank carries the residuals of the partition before its own, every saved row
+                q = (ef.rank - 1) % ef.world
+                pieces = [(local, torch.zeros(saved[0], length, dtype=RESIDUAL_DTYPE, device=ef.residual.device), at)
+                          for local, length, at in _partition_pieces(ef.layout, q)]
+                self._summed.append((i, ef, q, pieces, saved[0]))
+
+    @property
+    def in_place(self) -> list[torch.Tensor]:
+        return [ef.residual for _, ef, _ in self._direct]
+
+    def targets(self) -> dict:
+        """DCP targets (collective at world size > 1: it builds ShardedTensors)."""
+        out, pg = {}, self.opt.process_group
+        for i, ef, scratch in self._direct:
+            out[state_key(i)] = init_from_local_shards(_row_shards(self.opt, ef, scratch),
+                                                       ef.world * ef.layout.used_numel, process_group=pg)
+        for i, ef, _, pieces, world in self._summed:
+            n = ef.layout.used_numel
+            where = _placement(self.opt, ef.residual.device)
+            shards = [Shard(rows[r], ShardMetadata([r * n + at], [rows.shape[1]], where))
+                      for _, rows, at in pieces for r in range(world)]
+            out[state_key(i)] = init_from_local_shards(shards, world * n, process_group=pg)
+        return out
+
+    def commit(self) -> None:
+        for ef in self._zeroed:
+            ef.reset()
+        for _, ef, q, pieces, _ in self._summed:
+            ef.reset()
             dst = ef.partition_view(q)
             for local, rows, _ in pieces:
                 total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
                 for row in rows:  # fp32, in the saved ranks' order
                     total += row.to(torch.float32)
                 dst[local : local + rows.shape[1]].copy_(total)
-
-    return targets, finish
