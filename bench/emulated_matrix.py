@@ -126,13 +126,36 @@ def _clearing_side_channel(pack_chunk):
     on the stream of the pack (microseconds)."""
 
     def pack(flat, plan, chunk, rank, buf, kernels):
-        lay = chunk.payload
-        if plan.quantized and lay.exact_numel:
+        lay = chunk.payload  # None where each rank has its own layout: see _decoding_as_rank0
+        if plan.quantized and lay is not None and lay.exact_numel:
             at = rank * chunk.payload_bytes + lay.exact_offset
             buf[at : at + lay.exact_numel * plan.elem_size].zero_()
         return pack_chunk(flat, plan, chunk, rank, buf, kernels)
 
     return pack
+
+
+def _decoding_as_rank0(unpack_chunk):
+    """``qzero.chunks.unpack_chunk`` for ``qzero.engine`` in an emulated world: where the ranks'
+    payloads of a chunk have layouts of their own (some rank has an exact group: ``PER_RANK``,
+    ``[Note: exact groups]`` in qzero/layout.py), every slot, a copy of rank 0's, is decoded with
+    rank 0's layout and group runs into its own rank's slice. Decoded with another rank's layout,
+    rank 0's bytes would be read as scales where they are codes (NaN, say). One unpack per rank
+    instead of one for all: a few launches more per such chunk."""
+    from qzero.chunks import exact_index
+    from qzero.layout import PayloadKind
+
+    def unpack(flat, plan, chunk, rank, buf, kernels):
+        if chunk.kind is not PayloadKind.PER_RANK:
+            return unpack_chunk(flat, plan, chunk, rank, buf, kernels)
+        p, pb, n = plan.partition_numel, chunk.payload_bytes, chunk.numel
+        layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
+        idx = exact_index(plan, chunk, 0, flat.device)
+        for r in range(plan.world_size):
+            kernels.unpack_payload(buf[r * pb : (r + 1) * pb], flat[r * p + chunk.offset :][:n], layout,
+                                   plan.group_size, plan.fmt, idx, runs)
+
+    return unpack
 
 
 def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
@@ -154,6 +177,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     from qzero.workload import build_model, load_corpus, model_config
 
     qzero.engine.pack_chunk = _clearing_side_channel(qzero.engine.pack_chunk)
+    qzero.engine.unpack_chunk = _decoding_as_rank0(qzero.engine.unpack_chunk)
 
     s = TrainSettings(**given)
     kind = resolve_device(s)
