@@ -50,8 +50,9 @@ def large_shapes(threshold: int, limit: int):
 @st.composite
 def models(draw, limit=400_000):
     """A model as ordered parameter shapes: all small, all large, or mixed, with the default
-    threshold or a low one (as the CPU presets use), and how it is gathered."""
-    threshold = draw(st.sampled_from([DEFAULT_SMALL_PARAM_NUMEL, 1024, 100]))
+    threshold or a low one (as the CPU presets use), and how it is gathered: parameters of
+    about ``limit`` elements at most (thresholds above it are not drawn), a few dozen chunks."""
+    threshold = draw(st.sampled_from([t for t in (DEFAULT_SMALL_PARAM_NUMEL, 1024, 100) if 4 * t <= limit]))
     kind = draw(st.sampled_from(["all-small", "all-large", "mixed"]))
     count = draw(st.integers(1, 12))
     small, large = small_shapes(threshold), large_shapes(threshold, limit // 2)
@@ -65,7 +66,8 @@ def models(draw, limit=400_000):
     fmt = draw(st.sampled_from(["int8", "int8", "int4", "fp8"]))
     order = draw(st.sampled_from(["contiguous", "interleaved"]))
     unit = world * group
-    bucket = draw(st.one_of(st.just(500_000_000), st.integers(unit, max(unit, total // 3 + unit))))
+    least = max(unit, total // 40)  # at most about 40 chunks a partition
+    bucket = draw(st.one_of(st.just(500_000_000), st.integers(least, max(least, total // 3 + unit))))
     elem = draw(st.sampled_from([2, 2, 4]))
     return shapes, threshold, world, group, fmt, order, bucket, elem
 
