@@ -208,6 +208,7 @@ def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
         "group size": plan.group_size,
         "bucket_numel": plan.bucket_numel,
         "exact ranges": int.from_bytes(digest, "little"),
+        "delta payload": int(plan.delta),
     }
 
 

@@ -404,8 +404,11 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     for grads in opt.grads:
         grads.zero()
     # The configured gather, as after a step: resuming at the same world size is bit-exact.
+    # Delta gathers: the replica is rebuilt from the masters by an exact resync.
     with torch.no_grad():
         for g in opt.groups:
+            if g.delta is not None:
+                g.delta.resync_due()
             g.gather()
 
 

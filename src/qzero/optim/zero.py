@@ -86,7 +86,9 @@ class ZeroOptimizer:
             error = e
         fields = None
         if error is None:
-            fields = {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups)}
+            # The delta settings by name first (a mismatch is reported by them), then the whole config.
+            fields = {**_delta_fields(config), "config": config.digest(),
+                      "model (parameter and buffer shapes)": _model_digest(model, groups)}
         device = groups[0][0][0].device if groups else None
         agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer")
 
@@ -136,7 +138,7 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16); stage 2 reduces gradients as they appear."""
-        self.wait_for_weights()
+        self._finish_gathers()
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:
             grads.after_backward()
@@ -196,9 +198,21 @@ class ZeroOptimizer:
         return True
 
     def wait_for_weights(self) -> None:
-        """Finish a gather still running under gather-ahead (a no-op otherwise)."""
+        """Finish a gather still running under gather-ahead (a no-op otherwise). With delta
+        gathers, also raise (on every rank) if the last gather refused non-finite differences."""
+        self._finish_gathers()
+        self._check_delta()
+
+    def _finish_gathers(self) -> None:
         if self.ahead is not None:
             self.ahead.wait_all()
+
+    def _check_delta(self) -> None:
+        """One host synchronisation on the refusal flags of the delta gathers ([Note: delta loop])."""
+        loops = [g.delta for g in self.groups if g.delta is not None]
+        if loops and bool(torch.cat([d.refused for d in loops]).any()):
+            for i, d in enumerate(loops):
+                d.check(f"the weight gather of optimizer step {self.steps_taken} (flat group {i})")
 
     def close(self) -> None:
         """Finish any running gather and take qzero's hooks off the model and its parameters
@@ -221,7 +235,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def gather_exact_weights(self) -> None:
         """Make every replica's weights the exact bf16/fp16 rounding of the fp32 masters
-        (for evaluation or export); the next ``step()`` gathers as configured again."""
+        (for evaluation or export); the next ``step()`` gathers as configured again. With
+        delta gathers this is an exact resync: the next differences are taken against it."""
         self.wait_for_weights()
         for g in self.groups:
             g.gather_exact()
@@ -300,7 +315,8 @@ class ZeroOptimizer:
         numel = sum(g.layout.used_numel for g in self.groups)
         return (
             f"ZeroOptimizer(stage={self.config.stage}, world_size={self.world_size}, params={numel:,}, "
-            f"quantized={self.config.zero_quantized_weights}, inner={type(self.optimizer).__name__})"
+            f"quantized={self.config.zero_quantized_weights}, delta={self.config.zero_quantized_weights_delta}, "
+            f"inner={type(self.optimizer).__name__})"
         )
 
 
@@ -368,6 +384,16 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
             f"({world} x {config.zero_quantized_weights_group_size})"
             + (f" for each of the {depth} chunks gather-ahead keeps in flight" if depth > 1 else "")
         )
+
+
+def _delta_fields(config: ZeroConfig) -> dict[str, int]:
+    """The delta settings as integers, by their ZeroConfig names (agreed on across ranks)."""
+    return {
+        "zero_quantized_weights_delta": int(config.zero_quantized_weights_delta),
+        "zero_quantized_weights_format": 1 + sorted(("fp8", "int4", "int8")).index(config.zero_quantized_weights_format),
+        "zero_quantized_weights_group_size": config.zero_quantized_weights_group_size,
+        "zero_quantized_weights_delta_resync_steps": config.zero_quantized_weights_delta_resync_steps,
+    }
 
 
 def _broadcast_module_state(model: torch.nn.Module, src: int, group, world: int) -> None:
