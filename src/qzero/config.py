@@ -224,12 +224,8 @@ class ZeroConfig:
                      "solo_reduce", "sliced_update", "zero_quantized_gradients", "zero_quantized_weights_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        try:
-            check_group_size(self.zero_quantized_weights_group_size)
-            get_format(self.zero_quantized_weights_format)
-        except ValueError as e:
-            what = "group_size" if "group_size" in str(e) else "format"
-            raise ValueError(f"zero_quantized_weights_{what}: {e}") from None
+        check_group_size(self.zero_quantized_weights_group_size)
+        get_format(self.zero_quantized_weights_format)
         self._check_delta()
         if self.gather_schedule not in GATHER_SCHEDULES:
             raise ValueError(f"gather_schedule must be one of {GATHER_SCHEDULES}, got {self.gather_schedule!r}")
