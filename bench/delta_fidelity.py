@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--groups", default=",".join(map(str, GROUPS)), help="group sizes to measure")
+    ap.add_argument("--formats", default="int4,int8")
+    ap.add_argument("--scales", default="fp32,bf16", help="scale dtypes to measure")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -111,12 +114,14 @@ def main() -> None:
 
     start = flat16()
     settings = {}
-    for fmt in ("int4", "int8"):
-        for g in GROUPS:
-            for sd in ("fp32", "bf16"):
+    groups = [int(g) for g in args.groups.split(",")]
+    for fmt in args.formats.split(","):
+        for g in groups:
+            for sd in args.scales.split(","):
                 settings[(fmt, g, sd, 0)] = DeltaReplica(start, fmt, g, sd)
-    for k in RESYNCS:
-        settings[("int4", 256, "fp32", k)] = DeltaReplica(start, "int4", 256, "fp32", k)
+    if 256 in groups and "int4" in args.formats and "fp32" in args.scales:
+        for k in RESYNCS:
+            settings[("int4", 256, "fp32", k)] = DeltaReplica(start, "int4", 256, "fp32", k)
     direct = {(fmt, g): [] for fmt in ("int8", "int4") for g in (64, 256)}
     update = []
     losses = []
@@ -166,8 +171,7 @@ def main() -> None:
         loss_first=losses[0], loss_last=mean(losses[-10:]),
         update_rel_mean=mean(update[tail]),
         delta=rows, direct=direct_rows,
-        traces={f"{fmt}-g{g}-{sd}": settings[(fmt, g, sd, 0)].trace for fmt in ("int4", "int8") for g in (64, 256, 2048)
-                for sd in ("fp32",)},
+        traces={f"{fmt}-g{g}-{sd}": rep.trace for (fmt, g, sd, k), rep in settings.items() if k == 0},
         environment=dict(torch=torch.__version__, python=platform.python_version(), device="CPU: " + platform.processor(),
                          threads=args.threads, seconds=time.perf_counter() - t0),
     )

@@ -284,3 +284,70 @@ def test_defaults_and_every_way_in():
                                                     "zero_quantized_weights_delta_resync_steps": -2}})
     kept = prepare_config({**ds, "zero_optimization": {**ds["zero_optimization"], "zero_quantized_weights_delta": False}})
     assert "zero_quantized_weights_delta" not in kept.ds_config["zero_optimization"]
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_run(rank, world, path, mode, order="contiguous", delta=True):
+    model = make_model(seed=rank if mode == "save" else rank + 10)  # a loaded run must not depend on its init
+    cfg = qzero.ZeroConfig(**{**BASE, "zero_quantized_weights_delta": delta}, allgather_bucket_size=world * GS * 8,
+                           flat_order=order)
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
+    losses, payloads = [], []
+
+    def train(steps, offset):
+        for step in range(offset, offset + steps):
+            tokens, targets = batch(step, 0)
+            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
+            opt.backward(loss)
+            t = loss.detach().reshape(1).clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+            opt.step()
+            opt.zero_grad()
+            payloads.append(opt.last_gather[0].payload)
+
+    exact_after_load = None
+    if mode == "save":
+        train(3, 0)
+        opt.save_checkpoint(path)
+        train(3, 3)
+    else:
+        opt.load_checkpoint(path)
+        g = opt.groups[0]
+        exact_after_load = torch.equal(g.own.view(torch.int16), g.master.to(g.dtype).view(torch.int16))
+        train(3, 3)
+    opt.wait_for_weights()
+    return losses[-3:], [g.flat.clone() for g in opt.groups], payloads[-3:], exact_after_load
+
+
+def test_resume_at_the_same_world_size_is_bit_exact(tmp_path):
+    """The replica is saved with the masters: a resumed run continues bit for bit (losses and
+    replicas), its gathers deltas against the restored replica, not an exact resync."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(checkpoint_run, 2, path, "save")
+    resumed = run_distributed(checkpoint_run, 2, path, "load")
+    for a, b in zip(saved, resumed):
+        assert a[0] == b[0], "losses after resume differ"
+        for x, y in zip(a[1], b[1]):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), "replicas after resume differ"
+        assert b[2] == ["int4 delta"] * 3
+        assert b[3] is False  # the restored replica is the loop's, not bf16(master)
+
+
+def test_reshard_resumes_from_an_exact_resync(tmp_path):
+    """Saved at world 2, loaded at world 3 in the other flat order: the load ends with an exact
+    resync (the replica is bf16(master)), then deltas; a checkpoint saved without delta gathers
+    loads the same way."""
+    path = str(tmp_path / "ckpt")
+    run_distributed(checkpoint_run, 2, path, "save", "interleaved")
+    resumed = run_distributed(checkpoint_run, 3, path, "load", "contiguous")
+    for r in resumed:
+        assert r[3] is True and r[2] == ["int4 delta"] * 3
+    for r in resumed[1:]:
+        assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(r[1], resumed[0][1]))
+    plain_path = str(tmp_path / "plain")
+    run_distributed(checkpoint_run, 2, plain_path, "save", "contiguous", False)
+    for r in run_distributed(checkpoint_run, 2, plain_path, "load", "contiguous"):
+        assert r[3] is True and r[2] == ["int4 delta"] * 3

@@ -332,3 +332,33 @@ def test_delta_kernels_compile_without_fused_multiply_add():
         assert not re.search(r"\bfma\.", text), name
         assert not re.search(r"\.ftz\.f32", text), name
         assert re.search(r"\bmul\.rn\.f32", text) and re.search(r"\b(add|sub)\.rn\.f32", text), name
+
+
+@gpu_only
+@pytest.mark.parametrize("stage", [None, "pack", "gather", "unpack"])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
+    """Delta gathers through the engine on the GPU: the ``streams`` schedule (each side stream
+    late in turn) gives the bits of the ``inline`` one, replica and refusal flag alike."""
+    from qzero.chunks import DeltaInputs
+    from qzero.engine import CommContext, start_gather
+
+    rng = np.random.default_rng(17)
+    numel = 1 << 22
+    m, r = step_pair(numel, torch.bfloat16, rng, "cuda")
+    exact = [(0, 1000), (70_000, 140_000), (numel - 300, numel)]
+    plan = plan_gather(numel, 1, fmt=fmt, group_size=256, exact_ranges=exact, bucket_numel=1 << 19, delta=True)
+
+    def gather(context):
+        flat, refused = r.clone(), torch.zeros(1, dtype=torch.int32, device="cuda")
+        start_gather(flat, plan, None, context, delta=DeltaInputs(m, refused)).wait()
+        torch.cuda.synchronize()
+        return flat, int(refused.item())
+
+    want = gather(CommContext("cuda", schedule="inline"))
+    streams = CommContext("cuda", schedule="streams")
+    if stage is not None:
+        streams.delay_cycles[stage] = 2_000_000
+    for _ in range(2):
+        got = gather(streams)
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and got[1] == want[1] == 0

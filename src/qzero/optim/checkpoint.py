@@ -106,6 +106,8 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
         sd[f"group{i}.master"] = _sharded(g.master, g, opt)
         for key, value in opt.optimizer.state.get(g.master, {}).items():
             sd[f"group{i}.state.{key}"] = _sharded(value, g, opt) if value.shape == g.master.shape else value
+        if g.delta is not None:  # [Note: the replica in a checkpoint]
+            sd[replica_key(i)] = _sharded(g.own, g, opt)
     return sd
 
 
@@ -120,6 +122,7 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 "used_numel": g.layout.used_numel,
                 "state": _state_keys(opt, g),
                 "hyperparameters": json.loads(json.dumps(hyper, default=_json_default)),
+                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g)}} if g.delta is not None else {}),
             }
         )
     return {
@@ -291,6 +294,9 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                 if math.prod(spec["shape"]) > g.master.numel():
                     raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} larger than its group")
                 expected[f"group{i}.state.{key}"] = spec["shape"]
+        if restores_replica(g, saved):
+            check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta")
+            expected[replica_key(i)] = [g.layout.used_numel]
     for fqn, shape in expected.items():
         entry = index.state_dict_metadata.get(fqn)
         if entry is None:
@@ -383,6 +389,8 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                 t = torch.zeros(spec["shape"], dtype=dtype, device=_scalar_device(opt, g, key))
                 targets[f"group{i}.state.{key}"] = t
             state[key] = t
+        if restores_replica(g, saved):
+            targets[replica_key(i)] = _sharded(g.own, g, opt)
         fills.append((g, state, saved["hyperparameters"]))
 
     def agree(read_error):  # every rank's tensors are checked before any is copied
@@ -404,9 +412,12 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     for grads in opt.grads:
         grads.zero()
     # The configured gather, as after a step: resuming at the same world size is bit-exact.
-    # Delta gathers: the replica is rebuilt from the masters by an exact resync.
+    # Delta gathers: the saved replica, or an exact resync ([Note: the replica in a checkpoint]).
     with torch.no_grad():
-        for g in opt.groups:
+        for g, saved in zip(opt.groups, meta["groups"]):
+            if restores_replica(g, saved):
+                g.restore_replica(saved["delta"])
+                continue
             if g.delta is not None:
                 g.delta.resync_due()
             g.gather()
@@ -443,3 +454,44 @@ def _scalar_device(opt: ZeroOptimizer, group: FlatGroup, key: str) -> torch.devi
     pg = opt.optimizer.param_groups[0]
     on_device = pg.get("fused") or pg.get("capturable")
     return group.master.device if on_device else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- delta gathers: the replica
+
+# [Note: the replica in a checkpoint]
+# With delta gathers the weights every rank holds (the replica) are not bf16(master): they
+# are where the closed loop has brought them ([Note: delta loop] in qzero/optim/delta.py). A
+# checkpoint therefore also holds, per flat group, the replica (``group{i}.replica``: the
+# logical buffer in the flat dtype, each rank writing its partition, like the masters) and
+# the loop's state with the layout it ran on (``groups[i].delta`` in qzero.json). A load into
+# the same layout (world size, flat order, group size and format: ``layout_key``) puts the
+# replica back (each rank its partition, then the plain gather of the partitions) and the
+# loop's state with it, so the run continues bit for bit; any other load (another world
+# size, a checkpoint without a replica) ends with an exact resync instead.
+
+
+def replica_key(i: int) -> str:
+    return f"group{i}.replica"
+
+
+def layout_key(group: FlatGroup) -> list:
+    """What the replica's bits depend on besides the values: where every parameter sits and how
+    the partitions are cut into groups (JSON values)."""
+    plan = group.gather_plan
+    slots = hashlib.blake2b(repr([(s.start, s.numel) for s in group.layout.slots]).encode(), digest_size=7)
+    return [group.world_size, group.layout.numel, group.layout.order, plan.group_size, plan.fmt,
+            int.from_bytes(slots.digest(), "little")]
+
+
+def check_loop_state(d: dict, where: str) -> None:
+    from .delta import LoopState
+
+    if d.get("state") not in [s.value for s in LoopState] or type(d.get("deltas")) is not int or d["deltas"] < 0:
+        raise ValueError(f"{where} is {d!r}; expected a loop state ({[s.value for s in LoopState]}) and a count >= 0")
+
+
+def restores_replica(group: FlatGroup, saved: dict) -> bool:
+    """Whether a load puts the saved replica back (the same on every rank: the metadata and the
+    layout are agreed on)."""
+    delta = saved.get("delta")
+    return group.delta is not None and isinstance(delta, dict) and delta.get("layout") == layout_key(group)

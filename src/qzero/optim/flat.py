@@ -181,6 +181,14 @@ class FlatGroup:
             self._update = None  # this step's update is complete
         return True
 
+    def restore_replica(self, loop_state: dict) -> None:
+        """After a checkpoint load put this rank's partition of the saved replica in place: zero
+        its padding, gather the partitions as they are (plainly) and take up the saved loop."""
+        for a, b in self.layout.padding_ranges(self.lo, self.hi):
+            self.own[a:b].zero_()
+        start_gather(self.flat, self.exact_plan, self.process_group, self.context).wait()
+        self.delta.load_state_dict(loop_state)
+
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization): with delta
         gathers, an exact resync."""
