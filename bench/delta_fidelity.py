@@ -28,6 +28,7 @@ import time
 import torch
 
 from qzero.layout import plan_flat_layout
+from qzero.qualify.env import _cpu_name
 from qzero.quant import reference
 from qzero.quant.formats import SCALE_BYTES, get_format
 from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
@@ -172,7 +173,7 @@ def main() -> None:
         update_rel_mean=mean(update[tail]),
         delta=rows, direct=direct_rows,
         traces={f"{fmt}-g{g}-{sd}": rep.trace for (fmt, g, sd, k), rep in settings.items() if k == 0},
-        environment=dict(torch=torch.__version__, python=platform.python_version(), device="CPU: " + platform.processor(),
+        environment=dict(torch=torch.__version__, python=platform.python_version(), device="CPU: " + _cpu_name(),
                          threads=args.threads, seconds=time.perf_counter() - t0),
     )
     os.makedirs(args.out, exist_ok=True)

@@ -274,6 +274,12 @@ def test_defaults_and_every_way_in():
 
     arm = settings_from({"quantized": True, "zero_quantized_weights_delta": True, "group_size": 512})
     assert arm.zero.zero_quantized_weights_delta and arm.zero.zero_quantized_weights_group_size == 512
+    from qzero.train import validate
+    from qzero.workload import WorkloadError
+
+    for engine in ("deepspeed", "fsdp2"):  # their gathers send no delta payloads: refused, not ignored
+        with pytest.raises(WorkloadError, match="zero_quantized_weights_delta is a setting of the qzero engine"):
+            validate(settings_from({"engine": engine, "quantized": True, "zero_quantized_weights_delta": True}))
     from qzero.integrations.deepspeed_config import prepare_config
 
     ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}}
