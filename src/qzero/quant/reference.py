@@ -304,7 +304,7 @@ def unpack_payloads(
     q = torch.nn.functional.pad(q, (0, groups * group_size - n)).view(w, groups, group_size)
     out = (q * scales[:, :, None]).reshape(w, groups * group_size)[:, :n].to(flat.dtype)
     flat.view(w, partition_numel)[:, offset : offset + n].copy_(out)
-    _scatter_exact(buf, flat, w * layout.nbytes, exact)
+    _scatter_exact(buf[: w * layout.nbytes], flat, exact)
 
 
 def unpack_delta_payloads(
@@ -332,7 +332,7 @@ def unpack_delta_payloads(
     q = _codes(values, n, get_format(fmt))
     bad = _add_codes(flat.view(w, partition_numel)[:, offset : offset + n], q, scales, group_size)
     refused.view(-1)[:1].add_(bad.to(refused.dtype))
-    _scatter_exact(buf, flat, w * layout.nbytes, exact)
+    _scatter_exact(buf[: w * layout.nbytes], flat, exact)
 
 
 def _sections(buf: torch.Tensor, layout, n: int, w: int, group_size: int, fmt: str):
@@ -343,12 +343,12 @@ def _sections(buf: torch.Tensor, layout, n: int, w: int, group_size: int, fmt: s
     return rows[:, layout.values_offset : layout.values_offset + get_format(fmt).value_bytes(n)], scales
 
 
-def _scatter_exact(buf: torch.Tensor, flat: torch.Tensor, nbytes: int, exact) -> None:
-    """Every rank's exact elements from their side channels into ``flat``, as raw bits."""
+def _scatter_exact(buf: torch.Tensor, flat: torch.Tensor, exact) -> None:
+    """Every rank's exact elements from their side channels in ``buf`` into ``flat``, as raw bits."""
     if exact is not None and exact[0].numel():
         src, dst = exact
         bits = raw_bits(flat.dtype)
-        flat.view(bits).index_copy_(0, dst, buf[:nbytes].view(bits)[src])
+        flat.view(bits).index_copy_(0, dst, buf.view(bits)[src])
 
 
 def raw_bits(dtype: torch.dtype) -> torch.dtype:
