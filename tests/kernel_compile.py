@@ -92,7 +92,7 @@ def main(quick: bool) -> dict:
                                                                                **qt.PACK_OPTIONS)
         for wide in (False, True):
             ints = "i64" if wide else "i32"
-            sig = dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i32", n="i32", offset=ints, partition=ints,
+            sig = dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset=ints, partition=ints,
                        payload_bytes="i32", scales_offset="i32")
             const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
             results[f"delta unpack all ranks {dst} {fmt} {ints}"] = build(qt._unpack_delta_ranks_kernel, sig, const,

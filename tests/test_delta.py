@@ -211,7 +211,10 @@ def test_non_finite_differences_are_refused_on_every_rank(how):
         assert finite, "a non-finite value reached a replica"
     assert torch.equal(results[0][2].view(torch.int16), results[1][2].view(torch.int16))
     at, lo = results[1][4], results[1][2].numel() // 2
-    group = slice(lo + (at - lo) // GS * GS, lo + (at - lo) // GS * GS + GS)
+    start = lo + (at - lo) // GS * GS
+    group = slice(start, start + GS)
+    for msg, *_ in results:  # named: the parameter and the refused group's flat index
+        assert f"flat index {start})" in msg, msg
     for _, _, flat, before, _ in results:  # the refused group kept its bits on every rank
         assert torch.equal(flat[group].view(torch.int16), before[group].view(torch.int16))
 

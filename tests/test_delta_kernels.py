@@ -69,7 +69,7 @@ def pack(kind, m, r, fmt, gs, exact, gen):
 def apply(kind, payload, r, plan, fmt, gs):
     n = r.numel()
     flat = r.clone()
-    refused = torch.zeros(1, dtype=torch.int32, device=r.device)
+    refused = reference.refusal_flag(r.device)
     kind.unpack_delta_payloads(payload, flat, n, 0, n, 1, plan.chunks[0].payload, gs, fmt,
                                exact_scatter(plan, plan.chunks[0], r.device), refused)
     return flat, int(refused.item())
@@ -92,7 +92,7 @@ def test_reference_step_matches_fp64_model(fmt, gs, dtype):
     payload, plan = pack(reference, m, r, fmt, gs, exact, gen)
     got, refused = apply(reference, payload, r, plan, fmt, gs)
     want, scales = fp64_model.delta_step_fp64(m, r, gs, fmt, exact.numpy())
-    assert refused == 0
+    assert refused == reference.NOT_REFUSED
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     t = m.to(dtype)
     err = (got.double() - t.double()).abs().numpy()
@@ -125,20 +125,21 @@ def test_closed_loop_does_not_drift(fmt):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_non_finite_differences_are_refused(dtype):
     """A NaN master, an Inf master and (fp16) a finite master beyond the dtype's range make
-    their groups' scales NaN: the unpack leaves those groups as they were and raises the flag;
-    every other group is applied."""
+    their groups' scales NaN: the unpack leaves those groups as they were and lowers the flag
+    to the first one's index; every other group is applied."""
     gs, n = 16, 16 * 6
     gen = torch.Generator().manual_seed(3)
     m = torch.randn(n, generator=gen) * 0.1
     r = (m + 0.01).to(dtype)
-    m[3] = float("nan")
+    m[19] = float("nan")
     m[20] = float("inf")
+    m[70] = float("-inf")
     if dtype == torch.float16:
         m[40] = 7e4  # rounds to fp16 inf
     payload, plan = pack(reference, m, r, "int4", gs, None, gen)
     got, refused = apply(reference, payload, r, plan, "int4", gs)
-    assert refused == 1
-    bad = [0, 1] + ([2] if dtype == torch.float16 else [])
+    assert refused == 16  # the first refused group starts at element 16
+    bad = [1, 4] + ([2] if dtype == torch.float16 else [])
     for g in range(n // gs):
         sl = slice(g * gs, (g + 1) * gs)
         if g in bad:
@@ -175,7 +176,7 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     outs = []
     for kind in (reference, tk):
         flat = r.clone()
-        refused = torch.zeros(1, dtype=torch.int32, device=m.device)
+        refused = reference.refusal_flag(m.device)
         kind.unpack_delta_payloads(bufs[0], flat, n, 0, n, world, chunk.payload, gs, fmt,
                                    exact_scatter(plan, chunk, m.device), refused)
         outs.append((flat, int(refused.item())))
@@ -213,10 +214,11 @@ def test_kernels_world_3_small_tiles_and_refusals(fmt, monkeypatch):
     n = 3 * (64 * 5 + 24)
     m, r = step_pair(n, torch.bfloat16, rng)
     exact = torch.tensor(sorted({0, 5, 6, 7, 60, 61, 62, 63, 64, 65, n // 3, n // 3 + 1, n - 1}), dtype=torch.int64)
-    assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == 0
-    m[200] = float("nan")
+    assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == reference.NOT_REFUSED
     m[n - 50] = float("inf")
-    assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == 1
+    assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == (n - 50) // 8 * 8
+    m[203] = float("nan")
+    assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == 200  # the smallest index wins
 
 
 @cpu_only
@@ -251,7 +253,7 @@ def test_kernels_refuse_bad_arguments():
     with pytest.raises(ValueError, match="fp32"):
         tk.pack_delta_payload(torch.zeros(64, dtype=torch.float64), r, out, layout, 8, "int4", None)
     with pytest.raises(ValueError, match="refusal flag"):
-        tk.unpack_delta_payloads(out, r, 64, 0, 64, 1, layout, 8, "int4", None, torch.zeros(1))
+        tk.unpack_delta_payloads(out, r, 64, 0, 64, 1, layout, 8, "int4", None, torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="delta payload"):
         plan_gather(64, 1, fmt="fp8", group_size=8, delta=True)
 
@@ -273,7 +275,7 @@ def test_gpu_kernels_match_reference(fmt, gs, dtype, soft, monkeypatch):
     if dtype == torch.bfloat16:
         m[1000:1256] = torch.randn(256, device="cuda") * 1e-39  # subnormal targets
     exact = fp64_model.random_exact(rng, 3 * per_rank).cuda()
-    assert check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=3) == 0
+    assert check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=3) == reference.NOT_REFUSED
 
 
 _PTX_SCRIPT = r"""
@@ -296,7 +298,7 @@ pack = ptx(qt._pack_delta_kernel,
                 idx_ptr="*fp32", blk_ptr="*fp32", n="i64"),
            dict(IS_BF16=True, SOFT=False, FMT=2, QMAX=7.0, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16, HAS_EXACT=False, STEPS=11))
 unpack = ptx(qt._unpack_delta_ranks_kernel,
-             dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i32", n="i32", offset="i32", partition="i32",
+             dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset="i32", partition="i32",
                   payload_bytes="i32", scales_offset="i32"),
              dict(IS_BF16=True, SOFT=False, FMT=2, GS=64, GS_PAD=64, G=16))
 print(json.dumps({"pack": pack, "unpack": unpack}))
@@ -350,7 +352,7 @@ def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
     plan = plan_gather(numel, 1, fmt=fmt, group_size=256, exact_ranges=exact, bucket_numel=1 << 19, delta=True)
 
     def gather(context):
-        flat, refused = r.clone(), torch.zeros(1, dtype=torch.int32, device="cuda")
+        flat, refused = r.clone(), reference.refusal_flag("cuda")
         start_gather(flat, plan, None, context, delta=DeltaInputs(m, refused)).wait()
         torch.cuda.synchronize()
         return flat, int(refused.item())
@@ -361,4 +363,5 @@ def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
         streams.delay_cycles[stage] = 2_000_000
     for _ in range(2):
         got = gather(streams)
-        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and got[1] == want[1] == 0
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+        assert got[1] == want[1] == reference.NOT_REFUSED

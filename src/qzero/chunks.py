@@ -53,8 +53,9 @@ class DeltaInputs(NamedTuple):
     target: torch.Tensor
     """fp32, this rank's partition by local offset (the master shard): what the replica should become."""
     refused: torch.Tensor
-    """int32, one element on the flat buffer's device: made non-zero by an unpack that met a
-    group whose difference was not finite (and left it as it was). Read by the owner of the loop."""
+    """The refusal flag (:func:`qzero.quant.reference.refusal_flag`, on the flat buffer's device):
+    an unpack that met a group whose difference was not finite (and left it as it was) lowers
+    it to that group's flat index. Read by the owner of the loop."""
 
 
 def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,

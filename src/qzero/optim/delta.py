@@ -19,8 +19,9 @@ rounding of the masters):
 
 Refusals: a group whose difference is not finite is left as it was on every rank (every
 rank unpacks the same bytes, so they all decide alike) and the unpack raises a flag on the
-device; :meth:`DeltaLoop.check` reads it (one host synchronisation, done where the
-optimizer synchronises anyway) and raises on every rank.
+device (the flat index of the first such group); the optimizer reads it when it next
+synchronises anyway (the start of ``step()``, ``wait_for_weights()``) and raises on every
+rank, naming the parameter.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import enum
 import torch
 
 from ..chunks import DeltaInputs
+from ..quant.reference import NOT_REFUSED, refusal_flag
 
 
 class LoopState(enum.Enum):
@@ -45,7 +47,7 @@ class DeltaLoop:
         self.state = LoopState.RESYNC_DUE
         #: Delta gathers since the last exact one.
         self.deltas = 0
-        self.refused = torch.zeros(1, dtype=torch.int32, device=device)
+        self.refused = refusal_flag(device)
 
     def next_is_exact(self) -> bool:
         k = self.resync_steps
@@ -71,13 +73,21 @@ class DeltaLoop:
     def load_state_dict(self, d: dict) -> None:
         self.state, self.deltas = LoopState(d["state"]), int(d["deltas"])
 
-    def check(self, what: str) -> None:
-        """Raise (on every rank: they all unpacked the same bytes) if an unpack refused a group."""
-        if int(self.refused.item()):
-            self.refused.zero_()
-            raise FloatingPointError(
-                f"qzero: {what}: a delta weight gather met non-finite differences (the bf16/fp16 rounding of a "
-                "master, or its difference from the replica, overflowed, or a master is NaN/Inf); those groups "
-                "were left as they were on every rank, so no replica received them. Lower the learning rate, "
-                "clip gradients (gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
-            )
+    def take_refusal(self) -> int | None:
+        """The flat index of the first group an unpack refused since the last call, or None
+        (a host synchronisation); the flag is reset."""
+        at = int(self.refused.item())
+        if at == NOT_REFUSED:
+            return None
+        self.refused.fill_(NOT_REFUSED)
+        return at
+
+
+def refusal_error(culprits: list[str], what: str) -> FloatingPointError:
+    """The error every rank raises (they all unpacked the same bytes) after a refusal."""
+    return FloatingPointError(
+        f"qzero: {what}: a delta weight gather met non-finite differences in {', '.join(culprits)} (the bf16/fp16 "
+        "rounding of a master, or its difference from the replica, overflowed, or a master is NaN/Inf); those "
+        "groups were left as they were on every rank, so no replica received them. Lower the learning rate, clip "
+        "gradients (gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
+    )

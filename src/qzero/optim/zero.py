@@ -28,6 +28,8 @@ from ..config import ZeroConfig
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
+from ..quant.reference import NOT_REFUSED
+from .delta import refusal_error
 from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from .quantized_reduce import GradientQuantization
@@ -208,10 +210,17 @@ class ZeroOptimizer:
 
     def _check_delta(self) -> None:
         """One host synchronisation on the refusal flags of the delta gathers ([Note: delta loop])."""
-        loops = [g.delta for g in self.groups if g.delta is not None]
-        if loops and bool(torch.cat([d.refused for d in loops]).any()):
-            for i, d in enumerate(loops):
-                d.check(f"the weight gather of optimizer step {self.steps_taken} (flat group {i})")
+        loops = [(gi, g) for gi, g in enumerate(self.groups) if g.delta is not None]
+        if not loops or int(torch.cat([g.delta.refused for _, g in loops]).min()) == NOT_REFUSED:
+            return
+        culprits = []
+        for gi, g in loops:
+            at = g.delta.take_refusal()
+            if at is not None:
+                slot = next((s for s in g.layout.slots if s.start <= at < s.stop), None)
+                name = g.names[slot.index] if slot is not None else f"padding at flat index {at}"
+                culprits.append(f"{name!r} (group {gi}, flat index {at})")
+        raise refusal_error(culprits, f"the weight gather of optimizer step {self.steps_taken}")
 
     def close(self) -> None:
         """Finish any running gather and take qzero's hooks off the model and its parameters

@@ -37,7 +37,9 @@ replica slice ``r`` (bf16/fp16: the bits every rank holds for it):
 3. Every rank, the owner included, applies it in place:
    ``r <- RN(fp32(r) + value * scale)``, the product and the sum each rounded to fp32
    (nothing fused), then one rounding to the replica's dtype. A group whose scale is not
-   finite is left as it was, and reported; exact elements then take ``t``'s bits.
+   finite is left as it was, and reported (the refusal flag, an int64, becomes the smallest
+   flat index of such a group's first element; :data:`NOT_REFUSED` while there is none);
+   exact elements then take ``t``'s bits.
 
 The next step's difference is taken against the replica so updated, so one step's
 quantization error is carried into the next (a closed loop): after every step each
@@ -53,6 +55,13 @@ import torch
 from .formats import SCALE_BYTES, QuantFormat, get_format
 
 FLT_MIN = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal fp32
+#: The refusal flag of delta payloads while no group has been refused ([Note: delta payload]).
+NOT_REFUSED = 2**63 - 1
+
+
+def refusal_flag(device) -> torch.Tensor:
+    """A fresh refusal flag for :func:`unpack_delta_payloads` (int64, one element)."""
+    return torch.full((1,), NOT_REFUSED, dtype=torch.int64, device=device)
 
 
 def num_groups(numel: int, group_size: int) -> int:
@@ -146,7 +155,7 @@ def apply_delta(
     elements aside. Returns whether every group's scale was finite (the others are left as they were)."""
     n = replica.numel()
     q = _codes(values.view(1, -1), n, get_format(fmt))
-    return not bool(_add_codes(replica.view(1, n), q, scales.view(1, -1), group_size))
+    return not bool(_add_codes(replica.view(1, n), q, scales.view(1, -1), group_size).any())
 
 
 def _codes(values: torch.Tensor, n: int, f: QuantFormat) -> torch.Tensor:
@@ -162,8 +171,8 @@ def _codes(values: torch.Tensor, n: int, f: QuantFormat) -> torch.Tensor:
 
 def _add_codes(dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """``dst <- RN(fp32(dst) + q * scale)`` row by row (``dst``: [rows, n], a view written in
-    place); groups with a non-finite scale are left unchanged. Returns a bool tensor: whether
-    any scale was not finite (read without a host synchronisation)."""
+    place); groups with a non-finite scale are left unchanged. Returns which groups those were
+    (``[rows, groups]``, bool, on the device: no host synchronisation)."""
     rows, n = dst.shape
     groups = scales.shape[1]
     q = torch.nn.functional.pad(q, (0, groups * group_size - n)).view(rows, groups, group_size)
@@ -172,7 +181,7 @@ def _add_codes(dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_s
     refused = ~torch.isfinite(scales)
     keep = refused[:, :, None].expand(rows, groups, group_size).reshape(rows, -1)[:, :n]
     dst.copy_(torch.where(keep, dst, new))
-    return refused.any()
+    return refused
 
 
 def dequantize(
@@ -322,16 +331,19 @@ def unpack_delta_payloads(
 ) -> None:
     """Every source rank's delta payload of one chunk, added into the replica ``flat`` in
     place (step 3 of [Note: delta payload]), then every rank's exact elements put back, as
-    :func:`unpack_payloads` does. ``refused`` (an int32 tensor of one element) is made
-    non-zero when a group's scale is not finite (such groups are left unchanged); it is
-    never read here, so there is no host synchronisation."""
+    :func:`unpack_payloads` does. ``refused`` (:func:`refusal_flag`) takes the smallest flat
+    index of a group whose scale is not finite (such groups are left unchanged); it is never
+    read here, so there is no host synchronisation."""
     n, w = numel, world
     if n == 0:
         return
     values, scales = _sections(buf, layout, n, w, group_size, fmt)
     q = _codes(values, n, get_format(fmt))
     bad = _add_codes(flat.view(w, partition_numel)[:, offset : offset + n], q, scales, group_size)
-    refused.view(-1)[:1].add_(bad.to(refused.dtype))
+    starts = (torch.arange(w, device=flat.device)[:, None] * partition_numel + offset
+              + torch.arange(bad.shape[1], device=flat.device)[None, :] * group_size)
+    first = torch.where(bad, starts, torch.full_like(starts, NOT_REFUSED)).amin().view(1)
+    torch.minimum(refused.view(-1)[:1], first, out=refused.view(-1)[:1])
     _scatter_exact(buf[: w * layout.nbytes], flat, exact)
 
 

@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from .formats import SCALE_BYTES, get_format
-from .reference import FLT_MIN, num_groups
+from .reference import FLT_MIN, NOT_REFUSED, num_groups
 
 try:
     import triton
@@ -136,6 +136,7 @@ def _shape_of(numel: int, group_size: int, block: int, warps: int) -> _Launch:
 
 
 if triton is not None:
+    _NOT_REFUSED = tl.constexpr(NOT_REFUSED)
 
     @triton.jit
     def _widen(bits, IS_BF16: tl.constexpr):
@@ -492,7 +493,7 @@ if triton is not None:
     def _unpack_delta_ranks_kernel(
         buf_ptr,  # uint8: the receive buffer, rank r's payload at r * payload_bytes
         flat_ptr,  # int16 view of the bf16/fp16 flat buffer (the replica, updated in place)
-        refused_ptr,  # int32, one element: set to 1 where a group's scale is not finite
+        refused_ptr,  # int64, one element: the smallest flat index of a group whose scale is not finite
         n,  # elements of every rank's slice of the chunk
         offset,  # where the chunk starts in every partition
         partition,  # elements of a partition
@@ -508,7 +509,7 @@ if triton is not None:
         """Every source rank's delta payload of one chunk added into the replica in place:
         ``r <- RN(fp32(r) + q * scale)`` (compiled without fp contraction, like the pack, so
         the product and the sum round on their own); groups whose scale is not finite keep
-        their bits and set the refusal flag."""
+        their bits and lower the refusal flag to their flat index."""
         r = tl.program_id(1).to(tl.int64)
         values_ptr = buf_ptr + r * payload_bytes
         scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
@@ -518,8 +519,10 @@ if triton is not None:
         old = tl.load(dst_ptr + base + offs, mask=valid, other=0)
         new = _narrow(_widen(old, IS_BF16) + q * scale[:, None], IS_BF16, SOFT)
         tl.store(dst_ptr + base + offs, tl.where(ok[:, None], new, old), mask=valid)
-        if tl.max(tl.where(ok, 0, 1), axis=0) > 0:
-            tl.store(refused_ptr, 1)
+        start = r * partition + offset + base + g * GS  # flat index of each group's first element
+        first = tl.min(tl.where(ok, tl.full(start.shape, _NOT_REFUSED, tl.int64), start), axis=0)
+        if first < _NOT_REFUSED:
+            tl.atomic_min(refused_ptr, first)
 
     @triton.jit
     def _unpack_kernel(
@@ -911,8 +914,8 @@ def unpack_delta_payloads(
     f = get_format(fmt)
     _check_delta_format(f)
     bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout)
-    if refused.dtype != torch.int32 or refused.numel() < 1 or refused.device != flat.device:
-        raise ValueError("the refusal flag must be an int32 tensor on the flat buffer's device")
+    if refused.dtype != torch.int64 or refused.numel() < 1 or refused.device != flat.device:
+        raise ValueError("the refusal flag must be an int64 tensor on the flat buffer's device (reference.refusal_flag)")
     if numel == 0:
         return
     shape = _launch_shape(numel, group_size, False)
