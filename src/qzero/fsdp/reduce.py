@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import canonical
+from ..comm import local_outcome
 from ..config import GRADIENT_FORMATS
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
-from ._comms import check_arguments, groups_to_convert, keep_report, stored_report
+from ._comms import agree_install, check_arguments, groups_to_convert, install_group, keep_report, stored_report
 
 __all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
 
@@ -104,21 +106,28 @@ def quantize_group_reduces(
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
-    check_arguments(model, group_size, small_param_numel, kernels)
-    if fmt not in GRADIENT_FORMATS:
-        raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
-    plans = groups_to_convert(
-        model, function="quantize_group_reduces", setter="set_custom_reduce_scatter", attr="_reduce_scatter_comm",
-        what="reduce-scatter", ours=GroupQuantizedReduceScatter,
-        own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
-        kernels_for=gradient_kernels_for)
-    infos = []
-    for name, module, pg in plans:
-        comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
-                                           small_param_numel=small_param_numel, kernels=kernels, name=name)
+    def plan():
+        check_arguments(model, group_size, small_param_numel, kernels)
+        if fmt not in GRADIENT_FORMATS:
+            raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
+        out = []
+        for name, module, pg in groups_to_convert(
+                model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
+                attr="_reduce_scatter_comm", what="reduce-scatter", ours=GroupQuantizedReduceScatter,
+                own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
+                kernels_for=gradient_kernels_for):
+            comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
+                                               small_param_numel=small_param_numel, kernels=kernels, name=name)
+            out.append((module, comm, _describe(name, pg, comm)))
+        return out
+
+    plans, error = local_outcome(plan)
+    agree_install("quantize_group_reduces", install_group(model), error, fmt=fmt, group_size=group_size,
+                  small_param_numel=small_param_numel, layout_name="parameter groups",
+                  layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
+    for module, comm, _ in plans:
         module.set_custom_reduce_scatter(comm)
-        infos.append(_describe(name, pg, comm))
-    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(infos)))
+    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for *_, info in plans)))
 
 
 def group_reduce_report(model: nn.Module) -> GroupReduceReport:
