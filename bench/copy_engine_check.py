@@ -11,7 +11,7 @@ run of ``bench/gpu_check.py`` (INT8 gather, with and without gather-ahead, plain
 gradients, stages 1 and 2) with and without the setting must give bitwise the same losses
 and weights, and the replicas must stay bit-identical. To see which path NCCL chose, run
 with ``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL`` and look for ``[Copy Engine]`` in the
-log. Never set ``NCCL_NVLS_ENABLE=1`` here. Prints one line per check and exits non-zero
+log. Prints one line per check and exits non-zero
 on failure.
 """
 

@@ -162,3 +162,77 @@ def test_buffers_allocated_once_reused_and_aligned(monkeypatch):
     p.buffers("k", 1, 3000)  # larger: one new registration, the old slab let go
     assert registered == [2048, 3072] and p.held_bytes == 3072
     assert p.buffers("other", 0, 10) == [] and registered == [2048, 3072]
+
+
+# ---------------------------------------------------------------------- the hooks, on gloo
+
+
+class _GlooProvider(copy_engine.CopyEngineComm):
+    """CopyEngineComm with a gloo group and plain memory: what the engine and the gradient
+    exchange do with a provider (its group, its reused buffers) runs on CPU."""
+
+    def __init__(self, process_group, device):
+        self.device = device
+        self.group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+        self._slabs = {}
+        self.registered = []
+
+    def _allocate(self, nbytes):
+        self.registered.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _train_with_provider(rank, world, on):
+    import qzero.chunks as chunks
+    import qzero.optim.zero as zero_mod
+
+    zero_mod.check_copy_engine_support = lambda device, group: None  # CPU stands in for CUDA here
+    zero_mod.CopyEngineComm = _GlooProvider
+    groups_used = []
+    real_gather, real_a2a = chunks.all_gather_into, dist.all_to_all_single
+
+    def gather(out, inp, group=None, async_op=False):
+        groups_used.append(("gather", group))
+        return real_gather(out, inp, group=group, async_op=async_op)
+
+    def a2a(out, inp, *a, group=None, **kw):
+        groups_used.append(("a2a", group))
+        return real_a2a(out, inp, *a, group=group, **kw)
+
+    chunks.all_gather_into, dist.all_to_all_single = gather, a2a
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 24))
+    model = model.to(torch.bfloat16)
+    cfg = ZeroConfig(zero_quantized_weights=True, zero_quantized_gradients=True, copy_engine_collectives=on,
+                     allgather_bucket_size=world * 64 * 8, reduce_bucket_size=600, small_param_numel=40)
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=cfg)
+    provider = opt.context.copy_engine
+    registered = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(6, 48, generator=g).to(torch.bfloat16)
+        opt.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+        registered.append(list(provider.registered) if provider is not None else [])
+    opt.wait_for_weights()
+    flat = torch.cat([g.flat for g in opt.groups]).view(torch.int16).clone()
+    on_provider = {kind for kind, group in groups_used if provider is not None and group is provider.group}
+    return flat, registered, on_provider
+
+
+def test_gather_and_exchange_use_the_provider_same_bits():
+    """World 3 (gloo): with a provider the weight gather and the quantized all-to-all run on its
+    group and in its buffers, registered in the first step and reused after (the same sizes on
+    every rank: registration is collective), and training gives the same bits as without."""
+    from distributed import run_distributed
+
+    off = run_distributed(_train_with_provider, 3, False, timeout=240.0)
+    on = run_distributed(_train_with_provider, 3, True, timeout=240.0)
+    for r in range(3):
+        assert torch.equal(off[r][0], on[r][0]), f"rank {r}: weights differ with the provider"
+        assert torch.equal(on[r][0], on[0][0]), "replicas differ"
+        assert on[r][2] == {"gather", "a2a"}, on[r][2]
+        first, *later = on[r][1]
+        assert first and all(step == first for step in later), on[r][1]  # nothing registered after step 1
+        assert on[r][1] == on[0][1], "ranks registered different slabs"
