@@ -29,6 +29,7 @@ from ..copy_engine import CopyEngineComm, check_copy_engine_support
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
+from .error_feedback import ErrorFeedback
 from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from .quantized_reduce import GradientQuantization
@@ -111,13 +112,19 @@ class ZeroOptimizer:
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
         quant = GradientQuantization.from_config(config)
+        #: Per flat group, this rank's quantization residuals (error feedback; None without it,
+        #: and at world size 1, where nothing is quantized): optimizer state.
+        self.error_feedback: list[ErrorFeedback | None] = [
+            ErrorFeedback(g) if config.zero_quantized_gradients_error_feedback and world > 1 else None
+            for g in self.groups
+        ]
         self.grads = [
-            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant)
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant, ef)
             if config.stage == 1
             else Stage2Grads(
-                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant
+                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant, ef
             )
-            for g in self.groups
+            for g, ef in zip(self.groups, self.error_feedback)
         ]
         # Under gather-ahead every read of a weight through the model waits for its chunks
         # ([Note: reads wait] in qzero/overlap.py).
@@ -164,7 +171,11 @@ class ZeroOptimizer:
             for s in shards:
                 s.mul_(1.0 / self.scaler.scale)
             overflow = self._any_rank(torch.stack([(~torch.isfinite(s)).any() for s in shards]).any())
+            old_scale = self.scaler.scale
             self.scaler.update(overflow)
+            for ef in self.error_feedback:
+                if ef is not None:
+                    ef.after_scale_update(old_scale, self.scaler.scale, overflow)
             if overflow:
                 self.last_step_skipped = True
                 return False  # no update and no gather: the weights did not change
