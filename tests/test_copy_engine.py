@@ -236,3 +236,14 @@ def test_gather_and_exchange_use_the_provider_same_bits():
         first, *later = on[r][1]
         assert first and all(step == first for step in later), on[r][1]  # nothing registered after step 1
         assert on[r][1] == on[0][1], "ranks registered different slabs"
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_the_other_engines_refuse_it(engine):
+    """The FSDP2 and DeepSpeed engines run their own collectives: the setting would change nothing."""
+    from qzero.train import settings_from, validate
+    from qzero.workload import WorkloadError
+
+    s = settings_from({"engine": engine, "copy_engine_collectives": True})
+    with pytest.raises(WorkloadError, match=f"copy_engine_collectives is a setting of the qzero engine.*{engine}"):
+        validate(s)
