@@ -32,6 +32,8 @@ steps instead of being freed after each gather.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
@@ -93,6 +95,11 @@ def check_copy_engine_support(device, group) -> None:
         backend = str(dist.get_backend(group)).lower()
         if backend != "nccl":
             missing.append(f"a process group with the NCCL backend (this one's is {backend!r})")
+        if group is not None and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+            ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+            if ranks != sorted(ranks):
+                missing.append(f"a process group whose ranks ascend, or a PyTorch whose new_group takes sort_ranks "
+                               f"(this group's global ranks are {ranks})")
     version = _nccl_version()
     if version is None:
         missing.append(f"NCCL >= {'.'.join(map(str, MIN_NCCL))} (this PyTorch reports no NCCL)")
@@ -123,11 +130,20 @@ class CopyEngineComm:
 
         self._symm_mem = symm_mem
         self.device = torch.device(device)
-        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
-                 else list(range(dist.get_world_size())))
+        world = dist.get_world_size(process_group)
+        # Global ranks in the order of the group's ranks: rank r of the new group is rank r of
+        # process_group, so the gather's partitions and the all-to-all's splits mean the same.
+        ranks = [dist.get_global_rank(process_group, r) if process_group is not None else r for r in range(world)]
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
-        self.group = dist.new_group(ranks, backend="nccl", pg_options=opts, use_local_synchronization=True)
+        order = {"sort_ranks": False} if "sort_ranks" in inspect.signature(dist.new_group).parameters else {}
+        self.group = dist.new_group(ranks, backend="nccl", pg_options=opts, use_local_synchronization=True, **order)
+        if dist.get_rank(self.group) != dist.get_rank(process_group):
+            raise RuntimeError(  # check_copy_engine_support refuses such a group before
+                f"the zero-CTA group numbers this rank {dist.get_rank(self.group)}, the optimizer's group "
+                f"{dist.get_rank(process_group)}: this PyTorch sorts a new group's ranks, so a process group whose "
+                "ranks are not in ascending order cannot use copy_engine_collectives"
+            )
         symm_mem.set_backend("NCCL")
         # The communicator exists only after a first collective; a rendezvous needs it.
         dist.barrier(group=self.group, device_ids=[self.device.index or 0])
