@@ -247,3 +247,15 @@ def test_the_other_engines_refuse_it(engine):
     s = settings_from({"engine": engine, "copy_engine_collectives": True})
     with pytest.raises(WorkloadError, match=f"copy_engine_collectives is a setting of the qzero engine.*{engine}"):
         validate(s)
+
+
+def test_unsorted_group_without_sort_ranks_is_named(supported):
+    """A PyTorch whose new_group always sorts ranks could not keep a descending group's order."""
+    group = object()
+    supported.setattr(dist, "new_group", lambda ranks=None, backend=None, pg_options=None: None)
+    supported.setattr(dist, "get_world_size", lambda g=None: 2)
+    supported.setattr(dist, "get_global_rank", lambda g, r: [3, 1][r])
+    with pytest.raises(ValueError, match=r"needs a process group whose ranks ascend.*global ranks are \[3, 1\]"):
+        check_copy_engine_support(torch.device("cuda", 0), group)
+    supported.setattr(dist, "get_global_rank", lambda g, r: [1, 3][r])
+    assert check_copy_engine_support(torch.device("cuda", 0), group) is None
