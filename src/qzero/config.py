@@ -241,6 +241,16 @@ class ZeroConfig:
     rescaled with the loss scale and dropped on a skipped step. Needs
     ``zero_quantized_gradients``."""
 
+    copy_engine_collectives: bool = False
+    """Run qzero's weight all-gather and quantized gradient all-to-all on the GPU's copy
+    engines, with no SMs taken from the forward and backward (NCCL >= 2.28: a second process
+    group over the same ranks with the zero-CTA policy, the collectives' buffers in NCCL
+    symmetric memory). Needs CUDA, an NCCL process group and a PyTorch with NCCL's CTA policy
+    option and symmetric memory; the optimizer refuses it at construction, naming what is
+    missing. The bits are the same; the gather's receive buffers (at most one bucket) and the
+    all-to-all's payload buffers stay allocated between steps. A plain gradient reduce-scatter
+    needs arithmetic and keeps its SMs. See ``docs/copy-engine.md``."""
+
     def __post_init__(self) -> None:
         if self.overlap_param_gather is None:
             object.__setattr__(self, "overlap_param_gather", self.zero_quantized_weights is True)
@@ -257,7 +267,8 @@ class ZeroConfig:
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
         for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite",
                      "solo_reduce", "sliced_update", "zero_quantized_gradients",
-                     "zero_quantized_gradients_error_feedback", "zero_quantized_weights_delta"):
+                     "zero_quantized_gradients_error_feedback", "zero_quantized_weights_delta",
+                     "copy_engine_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..agreement import digest, optimizer_fields
 from ..comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
+from ..copy_engine import CopyEngineComm, check_copy_engine_support
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
@@ -76,6 +77,8 @@ class ZeroOptimizer:
             _check_flattenable(groups, names, config, world)
             # The streams and kernels of every gather this optimizer runs.
             context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels)
+            if config.copy_engine_collectives:
+                check_copy_engine_support(context.device, process_group)
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
             # touching the model, so that its errors, too, leave everything as it was.
             flat_groups = [
@@ -101,6 +104,8 @@ class ZeroOptimizer:
         self.process_group = process_group
         self.world_size, self.rank = world, rank
         self.model = model
+        if config.copy_engine_collectives:  # every rank passed the check: create the group together
+            context.copy_engine = CopyEngineComm(process_group, context.device)
         self.context = context
         self.groups = flat_groups
         self.optimizer = inner
