@@ -28,6 +28,7 @@ from ..config import ZeroConfig
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
+from .error_feedback import ErrorFeedback
 from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from .quantized_reduce import GradientQuantization
@@ -106,13 +107,19 @@ class ZeroOptimizer:
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
         quant = GradientQuantization.from_config(config)
+        #: Per flat group, this rank's quantization residuals (error feedback; None without it,
+        #: and at world size 1, where nothing is quantized): optimizer state.
+        self.error_feedback: list[ErrorFeedback | None] = [
+            ErrorFeedback(g) if config.zero_quantized_gradients_error_feedback and world > 1 else None
+            for g in self.groups
+        ]
         self.grads = [
-            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant)
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant, ef)
             if config.stage == 1
             else Stage2Grads(
-                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant
+                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant, ef
             )
-            for g in self.groups
+            for g, ef in zip(self.groups, self.error_feedback)
         ]
         # Under gather-ahead every read of a weight through the model waits for its chunks
         # ([Note: reads wait] in qzero/overlap.py).
@@ -159,24 +166,38 @@ class ZeroOptimizer:
             for s in shards:
                 s.mul_(1.0 / self.scaler.scale)
             overflow = self._any_rank(torch.stack([(~torch.isfinite(s)).any() for s in shards]).any())
+            old_scale = self.scaler.scale
             self.scaler.update(overflow)
+            for ef in self.error_feedback:
+                if ef is not None:
+                    ef.after_scale_update(old_scale, self.scaler.scale, overflow)
             if overflow:
                 self.last_step_skipped = True
                 return False  # no update and no gather: the weights did not change
         self.last_step_skipped = False
-        self.grad_norm = self._global_norm(shards)
+        masters = [g.master for g in self.groups]
+        slicing = self.config.sliced_update and sliced_update.sliceable(self.optimizer, masters)
+        # Before a sliced update the masters are checked too: 0 * their extremes (NaN when one
+        # is not finite, no full-size temporary) rides on the norm's all-reduce.
+        watch = None
+        if slicing and self.config.check_finite:
+            watch = torch.stack([torch.stack(torch.aminmax(m)) for m in masters]).mul(0).sum()
+        self.grad_norm, masters_check = self._global_norm(shards, watch)
         if self.config.gradient_clipping > 0:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coef)
-        masters = [g.master for g in self.groups]
-        if self.config.sliced_update and sliced_update.sliceable(self.optimizer, masters):
+        if slicing:
             # Update chunk by chunk as the gather asks for it. The update of Adam-family
-            # optimizers is bounded, so checking the gradients first stands in for checking
-            # the masters after (which would have to wait for the whole update). The global
-            # norm is finite unless a gradient is not (or the sum of squares overflows: then
-            # the check below finds nothing and returns); one sync, on a scalar.
-            if self.config.check_finite and not bool(torch.isfinite(self.grad_norm)):
+            # optimizers is bounded, so checking the gradients and the masters first stands
+            # in for checking the masters after (which would have to wait for the whole
+            # update). The global norm is finite unless a gradient is not (or the sum of
+            # squares overflows: then the check below finds nothing and returns), the masters'
+            # check unless a master is not; one sync, on two scalars.
+            checks = torch.stack([self.grad_norm, masters_check]) if self.config.check_finite else None
+            if checks is not None and not bool(torch.isfinite(checks).all()):
                 self._check_finite(shards, "gradients", "the update was skipped: the weights are unchanged")
+                self._check_finite(masters, "weights", "the update was skipped and nothing was gathered, so no "
+                                   "replica received them")
             sliced = sliced_update.SlicedUpdate(self.optimizer, masters)
             updates = [functools.partial(sliced.update, i) for i in range(len(self.groups))]
         else:
@@ -290,12 +311,15 @@ class ZeroOptimizer:
             "(gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
         )
 
-    def _global_norm(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """L2 norm of the whole gradient: every element lives in exactly one shard."""
+    def _global_norm(self, shards: list[torch.Tensor], also: torch.Tensor | None = None):
+        """L2 norm of the whole gradient (every element lives in exactly one shard), and the sum
+        over ranks of the scalar ``also`` (None without it), taken by the same all-reduce."""
         sq = torch.stack(torch._foreach_norm(shards)).pow(2).sum().reshape(1)  # no full-size temporaries
+        if also is not None:
+            sq = torch.cat([sq, also.reshape(1).to(sq.dtype)])
         if self.world_size > 1:
             dist.all_reduce(sq, group=self.process_group)
-        return sq.sqrt()[0]
+        return sq[0].sqrt(), (sq[1] if also is not None else None)
 
     def __repr__(self) -> str:
         numel = sum(g.layout.used_numel for g in self.groups)
