@@ -407,3 +407,35 @@ def test_from_arms_reads_older_records():
     broken = dict(records, **{"fp8-g64": older_record(True, "int4")})
     with pytest.raises(ValueError, match="fmt=int4"):
         conv.study_from_records(broken, conv.parse_arms(arms))
+
+
+def test_delta_arms_and_their_replica_error_on_the_cpu(tmp_path):
+    """A delta arm (``int4-delta-g64``) beside direct INT4 at world size 1: the arm runs with
+    ``zero_quantized_weights_delta``, its replica error is measured (every 2 steps and the last),
+    stays far below direct INT4's and is reported with its bytes per parameter and a plot; the
+    0.25% target applies to it."""
+    conv = load_script()
+    assert conv.parse_arm("int4-delta-g256") == conv.Arm("int4-delta-g256", quantized=True, fmt="int4",
+                                                         group_size=256, delta=True)
+    assert conv.parse_arm("int4-delta-g256").label == "INT4 delta g256"
+    assert conv.parse_arm("int8-delta-g64").zero_fields()["zero_quantized_weights_delta"] is True
+    assert [a.name for a in conv.parse_arms(conv.DELTA_ARMS)][-2:] == ["int4-delta-g256", "int4-delta-g2048"]
+    with pytest.raises(ValueError, match="fp8-delta-g64"):
+        conv.parse_arm("fp8-delta-g64")
+    out = tmp_path / "conv"
+    steps = 5
+    rc = conv.main(["--preset", "tiny", "--steps", str(steps), "--seq-len", "32", "--micro-batch", "2",
+                    "--arms", "bf16,int4-g64,int4-delta-g64", "--device", "cpu", "--last", "3", "--smooth", "2",
+                    "--replica-error-every", "2", "--threads", "1", "--out", str(out)])
+    assert rc == 0, (out / "arm_int4-delta-g64.log").read_text()[-3000:]
+    study = json.loads((out / "convergence.json").read_text())
+    assert study["settings"]["int4-delta-g64"]["zero"]["zero_quantized_weights_delta"] is True
+    direct, delta = study["arms"]["int4-g64"], study["arms"]["int4-delta-g64"]
+    assert delta["replica_error"]["steps"] == [1, 3, 5] and direct["replica_error"]["steps"] == [1, 3, 5]
+    assert delta["replica_error"]["rel_err"][0] == 0.0  # the first gather is an exact resync
+    assert 0 < max(delta["replica_error"]["rel_err"]) < 0.1 * min(direct["replica_error"]["rel_err"])
+    assert study["arms"]["bf16"]["replica_error"] is None  # not quantized: nothing to measure
+    assert 0.5 < delta["weight_bytes_per_param"] < 2.0 and direct["weight_bytes_per_param"] < 0.8
+    md = (out / "convergence.md").read_text()
+    assert "INT4 delta g64 vs bf16:" in md and "the 0.25% target" in md and "Replica error" in md
+    assert (out / "replica_error.png").read_bytes()[:4] == b"\x89PNG"

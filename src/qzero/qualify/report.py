@@ -84,6 +84,11 @@ def markdown(r: dict, plotted: bool = True) -> str:
             f"{_bits_per_param(r, a)} | {a['skipped_steps']} |"
         )
     t = r["thresholds"]
+    per_param = [f"{a['arm']} {a['weight_bytes_per_param']:.3f}" for a in r["arms"]
+                 if a.get("weight_bytes_per_param") is not None]
+    if per_param:
+        lines += ["", "Weight gather, bytes on the wire per parameter per step (mean over the measured steps): "
+                  + ", ".join(per_param) + "."]
     lines += [
         "",
         "Bits per parameter: what a rank sends per element it sends (its partition's weights in the "
