@@ -124,18 +124,23 @@ def test_train_with_fsdp2(tmp_path):
     assert rec["losses"][-1] < rec["losses"][0] and len(rec["sample"]) > 4000
 
 
-def test_bench_gather_ships_with_the_package(tmp_path, capsys):
-    """``qzero bench gather`` runs from the package (here: re-render a committed result)."""
-    import shutil
-
+def test_bench_gather_ships_with_the_package(tmp_path):
+    """``qzero bench gather`` runs from the package: ``--render`` rewrites the Markdown table of a
+    saved multi-GPU result (built here by the benchmark's own record code) from its JSON alone."""
+    from gather_results import gather_result
     from qzero.cli import main
 
-    src = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gather", "dp2_pcie.json")
+    times = {"bf16 one NCCL call": [29.0, 30.0, 31.0], "bf16": [39.0, 40.0, 41.0], "int8": [22.0, 20.0, 21.0],
+             "int8 payload only": [18.5, 19.0, 19.5]}
     path = tmp_path / "r.json"
-    shutil.copy(src, path)
+    path.write_text(json.dumps(gather_result(2, {1 << 30: times})))
     assert main(["bench", "gather", "--render", str(path)]) == 0
-    with open(os.path.splitext(src)[0] + ".md") as f:
-        assert (tmp_path / "r.md").read_text() == f.read()  # the committed table, rendered again
+    md = (tmp_path / "r.md").read_text()
+    assert md.startswith("# Gather, 2 x test GPU: test link\n")
+    # median 21 ms; 2 GiB of bf16 in 21 ms = 102 GB/s; 40 / 21 = 1.90x the bf16 arm, 30 / 21 = 1.43x one call
+    assert "| 1 Gi | int8 | 21.00 | 102 | 1.90x | 1.43x |" in md
+    assert "| 1 Gi | bf16 | 40.00 | 54 | 1.00x | 0.75x |" in md
+    assert md.count("| 1 Gi |") == len(times)
 
 
 def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
