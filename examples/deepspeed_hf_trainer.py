@@ -5,7 +5,9 @@
 
 The Trainer builds the DeepSpeed engine itself, so instead of swapping ``initialize``
 the DeepSpeed config gets ``zero_quantized_weights: true`` and the Trainer gets
-``QZeroCallback``. The model is a tiny Llama made from a config: nothing is downloaded.
+``QZeroCallback``. The model is a tiny byte-level Llama made from a config and the text is
+this Python's standard library sources: nothing is downloaded. The Trainer logs the loss
+every 5 steps; it falls from about ln 256 = 5.5.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from qzero.integrations.hf import QZeroCallback
+from qzero.workload import load_corpus
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -26,26 +29,23 @@ DS_CONFIG = {
 }
 
 
-def tiny_llama(vocab=512):
+def tiny_llama(vocab=256):
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=384,
-        intermediate_size=1024,
+        hidden_size=256,
+        intermediate_size=768,
         num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=256,
     )
     return LlamaForCausalLM(config)
 
 
-def random_tokens(n=256, seq=128, vocab=512):
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (seq,), generator=g)
-        rows.append({"input_ids": ids, "labels": ids})
-    return rows
+def text_rows(n=256, seq=128):
+    """``n`` sequences of ``seq`` byte tokens of text (the model learns to predict the next byte)."""
+    data = load_corpus(limit=n * seq)
+    return [{"input_ids": ids, "labels": ids} for ids in data.view(n, seq)]
 
 
 def main():
@@ -70,7 +70,7 @@ def main():
             report_to=[],
         )
         callback = QZeroCallback(group_size=64)
-        trainer = Trainer(tiny_llama(), training_args, train_dataset=random_tokens(), callbacks=[callback])
+        trainer = Trainer(tiny_llama(), training_args, train_dataset=text_rows(), callbacks=[callback])
         trainer.train()
     if trainer.is_world_process_zero():
         g = callback.gather

@@ -26,16 +26,13 @@ Options (unknown ones fail the test, so a typo cannot silently skip a block):
 from __future__ import annotations
 
 import ast
-import os
 import re
-import socket
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from distributed import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -134,42 +131,18 @@ def program(s: Snippet) -> str:
     return SETUPS.get(s.options.get("setup"), "") + s.code
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(s: Snippet, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(program(s), encoding="utf-8")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
     ranks = int(s.options.get("ranks", 1))
-    if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
-                   LOCAL_WORLD_SIZE=str(ranks))
-    procs = []
-    for r in range(ranks):
-        e = dict(env, RANK=str(r), LOCAL_RANK=str(r)) if ranks > 1 else env
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = []
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
+        results = run_script([str(script)], ranks, timeout=TIMEOUT, cwd=tmp_path)
+    except TimeoutError:
         pytest.fail(f"{s.id}: the snippet did not finish within {TIMEOUT} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
+    for r, (code, out) in enumerate(results):
+        if code != 0:
             who = f" (rank {r} of {ranks})" if ranks > 1 else ""
-            pytest.fail(f"{s.id}{who}: the snippet failed with exit code {p.returncode}:\n{out[-4000:]}")
+            pytest.fail(f"{s.id}{who}: the snippet failed with exit code {code}:\n{out[-4000:]}")
 
 
 SNIPPETS = all_snippets()
