@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_qualify_end_to_end_writes_a_report(tmp_path):
     assert report["arms"][1]["bytes_sent_per_step"] < 0.6 * report["arms"][0]["bytes_sent_per_step"]
     assert report["environment"]["command"].startswith("qzero qualify")
     assert report["differing_settings"] == {"overlap_param_gather": [False, True], "zero_quantized_weights": [False, True]}
-    for name in ("report.md", "loss.png", "step_times.png"):
+    for name in ("report.md", "loss.png", "step_times.png", "bytes.png"):
         assert (out / name).stat().st_size > 0
     assert all(log.stat().st_size > 0 for log in out.glob("arm*.log"))  # empty logs are not left behind
     assert "NOTHING TO SAVE ON CPU LOOPBACK" in res.stdout and "bytes on the wire per rank per step 0.5" in res.stdout
@@ -61,6 +62,7 @@ def test_train_runs_and_records(tmp_path):
     rec = json.loads(out.read_text())
     assert len(rec["losses"]) == 4 and rec["replicas_identical"]
     assert "replicas identical: True" in res.stdout
+    assert "resource_tracker" not in res.stderr and "leaked" not in res.stderr  # tqdm's lock once leaked a semaphore
 
 
 @pytest.mark.parametrize(
@@ -313,3 +315,61 @@ def test_help_does_not_import_torch():
     assert res.returncode == 0, res.stderr
     assert "zero_quantized_weights=true" in res.stdout and "qwen3-125m-byte" in res.stdout
     assert res.stdout.strip().endswith("torch imported: False")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: each process's parent pid)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def _is_rank(pid: int) -> bool:
+    """A rank past its start: spawned by multiprocessing and holding a socket (the process
+    group's store connects only after the rank has armed its parent-death handling)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" not in f.read():
+                return False
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("command", ["train", "qualify"])
+def test_ranks_die_with_a_sigkilled_parent(tmp_path, command):
+    """SIGKILL of the ``qzero train``/``qualify`` process (an OOM kill, a CI timeout) ends
+    everything it started: ranks, and for qualify the arm process between (which nothing
+    ended: its ranks trained on under it). For train, torch's own spawn already sends the
+    ranks SIGINT when the launcher dies; qzero's SIGKILL replaces it, which no rank can catch
+    or defer."""
+    from test_orphans import wait_dead
+
+    args = ["--steps", "100000", "--seq-len", "32", "--micro-batch", "2"]
+    if command == "qualify":
+        args += ["--out", str(tmp_path / "rep")]
+    parent = subprocess.Popen([sys.executable, "-m", "qzero.cli", command, *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and sum(map(_is_rank, _descendants(parent.pid))) < 2:
+            assert parent.poll() is None, f"qzero {command} exited early ({parent.returncode})"
+            time.sleep(0.5)
+        started = _descendants(parent.pid)
+        assert sum(map(_is_rank, started)) == 2, "the ranks did not start in time"
+    finally:
+        parent.kill()  # SIGKILL
+        parent.wait(timeout=30)
+    assert wait_dead(started, timeout=60) == [], f"processes of a SIGKILLed qzero {command} kept running"

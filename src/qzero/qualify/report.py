@@ -265,7 +265,8 @@ def bytes_figure(r: dict, plt):
     ax.set_xticks(range(len(arms)), [f"{a['arm']}\n{a['role']}" for a in arms])
     ax.set_ylabel(f"{unit} per rank per step")
     ax.set_title("bytes each rank sends per step, by arm")
-    ax.legend()
+    ax.set_ylim(0, 1.3 * top / size)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncol=len(bars))
     fig.tight_layout()
     return fig
 
