@@ -265,7 +265,7 @@ def test_arm_settings_take_zero_config_names_and_short_names():
     assert base.zero == b.zero
     _, b, c = arms("--no-overlap", "--preset", "small", "--baseline", "fmt=int4", "--baseline", "quantized=true",
                    "--candidate", "zero_quantized_weights_format=fp8", "--candidate", "group-size=128",
-                   "--candidate", "small_param_numel=0")
+                   "--candidate", "small_param_numel=0", "--candidate", "quantized=true")
     assert (b.zero.zero_quantized_weights_format, c.zero.zero_quantized_weights_format) == ("int4", "fp8")
     assert c.zero.zero_quantized_weights_group_size == 128 and b.zero.zero_quantized_weights_group_size == 64
     assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap holds for both
