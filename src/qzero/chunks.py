@@ -25,14 +25,43 @@ class PeerFailure(RuntimeError):
     """A collective failed: a peer rank died, or did not answer within the process group's timeout."""
 
 
+# [Note: peer failure]
+# ``peer_failure`` relabels what a collective raised as a PeerFailure, and nothing else: an
+# error of the inner optimizer's update, of a pack kernel or of an allocation that happens
+# inside the same ``with`` block is the caller's own and keeps its type and message. A
+# backend error is a ``torch.distributed.DistError`` (NCCL, store and network errors and
+# their timeouts), or a RuntimeError raised by torch.distributed's own code (a collective's
+# launch) or by a call of the ``with`` block itself into C++ (``Work.wait()``: gloo reports a
+# dead peer or a timeout as a plain RuntimeError there). An error raised deeper, in Python
+# code outside torch.distributed, is local. The blocks that use it hold collective launches
+# and waits (and the work between chunks, whose errors are local by this rule).
+
+
+def _raised_by_backend(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    below = frames[2:]  # frames[0] is peer_failure's, frames[1] the with block's
+    return not below or below[-1].f_globals.get("__name__", "").startswith("torch.distributed")
+
+
 @contextlib.contextmanager
 def peer_failure(what: str):
-    """Turn a backend error inside a collective into one clear :class:`PeerFailure`."""
+    """Turn a backend error inside a collective into one clear :class:`PeerFailure`
+    (only a backend error: [Note: peer failure])."""
     try:
         yield
     except PeerFailure:
         raise
-    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts are RuntimeErrors
+    except RuntimeError as e:
+        if not _raised_by_backend(e):
+            raise
         raise PeerFailure(
             f"qzero: {what} failed: a peer rank died or did not answer within the process group's timeout "
             f"(set it with init_process_group(timeout=...)). Backend said: {str(e).splitlines()[0] if str(e) else e!r}"

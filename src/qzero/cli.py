@@ -195,17 +195,20 @@ def _did_you_mean(key: str) -> str:
 
 def _arm(given: dict, overrides: dict, flag: str) -> TrainSettings:
     """An arm's settings: the flags' settings with the arm's on top (ZeroConfig's checks named by
-    flag). A setting of the quantized gather given to an arm whose gather is plain is refused."""
+    flag). A setting of the quantized gather (or reduction) given to an arm whose gather (or
+    reduction) is plain is refused."""
     from .train import settings_from
 
     try:
         settings = settings_from({**given, **overrides})
     except (TypeError, ValueError) as e:
         raise ValueError(f"{flag}: {_one_line(e)}") from None
-    moot = [name for name in QUANTIZED_ONLY if name in overrides]
-    if moot and not settings.zero.zero_quantized_weights:
-        raise ValueError(f"{flag} sets {moot[0]}, which only the quantized gather reads, but this arm's gather is "
-                         f"plain: add {flag} quantized=true, or drop it")
+    # a refinement of a quantized gather or reduction that the arm leaves plain: an A/B of nothing
+    for key in overrides:
+        switch = next((s for s in ("zero_quantized_weights", "zero_quantized_gradients") if key.startswith(s + "_")), None)
+        if switch and not getattr(settings.zero, switch):
+            raise ValueError(f"{flag} {key}=...: does nothing while {switch} is false (this arm's is); add "
+                             f"{flag} {switch}=true, or drop it")
     return settings
 
 

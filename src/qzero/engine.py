@@ -357,7 +357,8 @@ class _Streamed(GatherHandle):
                     packed = pack.record_event()
                 torch.cuda.set_stream(unpack)
                 if work is not None:
-                    work.wait()
+                    with peer_failure("the weight gather"):
+                        work.wait()
                 else:
                     unpack.wait_event(packed)
                 ctx._delay("unpack")

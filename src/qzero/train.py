@@ -177,6 +177,9 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 engines; the deepspeed "
                             "engine reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
                             "ignores that key), so it would change nothing")
+    if settings.zero.zero_quantized_gradients_error_feedback and settings.engine != "qzero":
+        raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero engine: its residuals "
+                            f"are ZeroOptimizer state, which the {settings.engine} engine does not have")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
