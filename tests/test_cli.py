@@ -106,7 +106,7 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--candidate", "quantised=true"], "unknown setting 'quantised'; did you mean quantized"),
         (["qualify", "--candidate", "quantized"], "expected KEY=VALUE"),
         (["qualify", "--baseline", "quantized=true", "--candidate", "quantized=true"], "no difference configured"),
-        (["qualify", "--candidate", "fmt=int4"], "--candidate zero_quantized_weights_format=...: does nothing while zero_quantized_weights is false"),
+        (["qualify", "--candidate", "fmt=int4"], "--candidate zero_quantized_weights_format=...: does nothing while this arm.s zero_quantized_weights is false"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):

@@ -207,7 +207,7 @@ def _arm(given: dict, overrides: dict, flag: str) -> TrainSettings:
     for key in overrides:
         switch = next((s for s in ("zero_quantized_weights", "zero_quantized_gradients") if key.startswith(s + "_")), None)
         if switch and not getattr(settings.zero, switch):
-            raise ValueError(f"{flag} {key}=...: does nothing while {switch} is false (this arm's is); add "
+            raise ValueError(f"{flag} {key}=...: does nothing while this arm's {switch} is false; add "
                              f"{flag} {switch}=true, or drop it")
     return settings
 
