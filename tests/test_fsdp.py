@@ -337,3 +337,60 @@ def test_meta_device_init():
         assert kind == "QuantizedGatherTensor"
         assert all(torch.equal(plain_masters[k], masters[k]) for k in masters)
         assert loss != plain_loss and abs(loss - plain_loss) <= 0.02 * plain_loss
+
+
+# ---------------------------------------------------------------------- inside frameworks: what they must not break
+
+
+def test_wrapped_parameters_have_their_own_addresses():
+    """Frameworks tell parameters apart by ``data_ptr()`` (Accelerate's FSDP2 prepare does)."""
+    from qzero.fsdp import quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert 0 not in ptrs and len(set(ptrs)) == len(ptrs)
+    assert model.mid.weight.data_ptr() == model.mid.weight.unwrapped.data_ptr()
+
+
+def test_optimizer_holding_a_quantized_parameter_twice_is_refused():
+    """The trace of a re-pointing by a shared key: one parameter several times, the others never updated."""
+    from qzero.fsdp import quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.param_groups[0]["params"] = [model.mid.weight, model.mid.weight, model.norm.weight]
+    before = model.mid.weight.unwrapped.clone()
+    with pytest.raises(RuntimeError, match="more than once.*'mid.weight', 2 times"):
+        opt.step()
+    assert torch.equal(model.mid.weight.unwrapped, before)
+    opt.param_groups[0]["params"] = list(model.parameters())  # a fresh list is checked again, and passes
+    model(batch(0, 0)).float().pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model.mid.weight.unwrapped, before)
+
+
+def test_stripped_parameter_is_refused_at_forward_and_reported():
+    from qzero.fsdp import gather_report, quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    assert "mid.weight" in gather_report(model).quantized and gather_report(model).not_gathered
+    model.mid.weight = nn.Parameter(model.mid.weight.unwrapped.clone())  # a plain tensor in its place
+    report = gather_report(model)
+    assert "mid.weight" not in report.quantized
+    assert dict(report.plain)["mid.weight"].startswith("stripped") and "stripped" in report.summary()
+    with pytest.raises(RuntimeError, match="no longer wrapped.*mid.weight"):
+        model(batch(0, 0))
+
+
+def test_load_state_dict_assign_keeps_the_quantized_gather():
+    """``load_state_dict(assign=True)`` (Accelerate's cpu_ram_efficient_loading) replaces the
+    parameters: each loaded tensor is wrapped like the parameter it replaces."""
+    from qzero.fsdp import QuantizedGatherTensor, gather_report, quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    assert isinstance(model.mid.weight, QuantizedGatherTensor)
+    assert model.mid.weight.unwrapped.data_ptr() == state["mid.weight"].data_ptr()
+    assert not any(why.startswith("stripped") for _, why in gather_report(model).plain)
+    model(batch(0, 0))  # the forward's check passes
