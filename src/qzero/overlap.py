@@ -8,6 +8,19 @@ chunks keep flowing while earlier layers compute. Everything that reads weights
 otherwise (backward, the next step, checkpoints, the exact re-gather, an explicit
 ``wait_for_weights()``) finishes the whole gather first.
 
+[Note: reads wait]
+A weight must never be read before its chunks have arrived. The forward pre-hooks cover
+a module's own forward; every other read of a parameter through a module goes through
+that module's ``_parameters`` dict, which gather-ahead replaces by a
+:class:`WaitingParameters`: looking a parameter up (``module.weight``, also from another
+module's forward, e.g. a tied embedding read by a head) waits for the chunks of that
+parameter, and walking the dict (``parameters()``, ``named_parameters()``,
+``state_dict()``, ``load_state_dict()``, ``.to()``, ``copy.deepcopy``) waits for those of
+the module's parameters first. So ``next(model.parameters())`` waits for the first
+module's chunks only, and ``list(model.parameters())`` for all of them. The one read that
+cannot wait is through a tensor reference taken before ``step()`` returned (a list of
+parameters kept from earlier): call ``wait_for_weights()`` before reading those.
+
 The bits are those of the synchronous gather: the engine runs the same chunks with the
 same functions either way; only the moment of waiting differs.
 """
@@ -52,8 +65,57 @@ def _parameters_read_by(module: torch.nn.Module):
             yield from _parameters_read_by(child)
 
 
+class WaitingParameters(dict):
+    """A module's ``_parameters`` under gather-ahead: reads wait for their chunks ([Note: reads
+    wait]). Writing, membership and iterating over names do not wait."""
+
+    __slots__ = ("_ahead",)
+
+    def __init__(self, params: dict, ahead: GatherAhead):
+        super().__init__(params)
+        self._ahead = ahead
+
+    def __getitem__(self, name):
+        p = dict.__getitem__(self, name)
+        if self._ahead.busy and p is not None:
+            self._ahead.wait_for(p)
+        return p
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def _wait_all(self) -> None:
+        if self._ahead.busy:
+            for p in dict.values(self):
+                if p is not None:
+                    self._ahead.wait_for(p)
+
+    def items(self):
+        self._wait_all()
+        return dict.items(self)
+
+    def values(self):
+        self._wait_all()
+        return dict.values(self)
+
+    def copy(self) -> dict:
+        self._wait_all()
+        return dict(dict.items(self))
+
+    def __reduce_ex__(self, protocol):  # pickle, copy.deepcopy: a plain dict of gathered weights
+        return (dict, (self.copy(),))
+
+
+def _inert() -> GatherAhead:
+    """A :class:`GatherAhead` of no module: what a copy of the model's hooks refers to."""
+    inert = GatherAhead.__new__(GatherAhead)
+    inert._setup(torch.nn.Module(), [], 0)
+    return inert
+
+
 class GatherAhead:
-    """Forward pre-hooks that wait for exactly the chunks a module's parameters live in."""
+    """Forward pre-hooks that wait for exactly the chunks a module's parameters live in, and
+    parameter dicts that make every other read of a weight wait too ([Note: reads wait])."""
 
     def __init__(self, model: torch.nn.Module, groups):
         """``groups``: flat groups with ``.layout.slots`` and ``.params`` (qzero's own)."""
@@ -71,10 +133,13 @@ class GatherAhead:
 
     def _setup(self, model: torch.nn.Module, ranges, num_groups: int) -> None:
         self.pending: list[GatherHandle | None] = [None] * num_groups
+        #: Whether any gather is still running (some ``pending`` is not None).
+        self.busy = False
         self._warned = False
         self._furthest = -1  # the furthest module (registration order) this forward has reached
         self._active = False
         index = {p: (gi, start, stop) for p, gi, start, stop in ranges}
+        ranges_of_params = list(ranges)
         self._needs: dict[torch.nn.Module, list[tuple[int, int, int]]] = {}
         self._position: dict[torch.nn.Module, int] = {}
         self._parent: dict[torch.nn.Module, torch.nn.Module] = {}
@@ -94,6 +159,16 @@ class GatherAhead:
         #: Modules whose forward ran before the first gather was started; None once learnt.
         self._ran: set[torch.nn.Module] | None = set()
         self._index_needs()
+        # Per parameter, per flat group: [group, spans, plan, last chunk], as in _index_needs.
+        self._param_waits: dict[torch.nn.Parameter, list[list]] = {}
+        for p, gi, start, stop in ranges_of_params:
+            self._param_waits.setdefault(p, []).append([gi, [(start, stop)], None, -1])
+        self._dicts: list[torch.nn.Module] = []
+        for module in model.modules():
+            own = module.__dict__.get("_parameters")
+            if own and any(p in self._param_waits for p in own.values() if p is not None):
+                module.__dict__["_parameters"] = WaitingParameters(own, self)
+                self._dicts.append(module)
 
     def _index_needs(self) -> None:
         """Per module, per flat group it reads from: its ranges, and the plan and last chunk
@@ -110,6 +185,7 @@ class GatherAhead:
         if self._ran is not None:
             self._learn()
         self.pending[gi] = pending
+        self.busy = True
         self._furthest = -1
         self._active = True  # the next forward is the one that overlaps this gather
 
@@ -131,10 +207,21 @@ class GatherAhead:
             self._handles.pop(module).remove()
         self._index_needs()
 
+    def __reduce__(self):
+        """A copy of the model (``copy.deepcopy(model)``, say for an EMA of the weights, or
+        ``torch.save(model)``) gets the gathered weights (:class:`WaitingParameters` copies
+        as a plain dict) and hooks that wait for nothing: it is not trained by this optimizer."""
+        return (_inert, ())
+
+    # Waiting runs the gather engine (collectives, host-side bookkeeping): never traced by
+    # torch.compile, which breaks its graph here and runs the wait as it is.
+    @torch.compiler.disable
     def _hook(self, module: torch.nn.Module, args) -> None:
+        position = self._position.get(module)
+        if position is None:
+            return  # a copy of the model's module (see __deepcopy__)
         if self._ran is not None:
             self._ran.add(module)
-        position = self._position[module]
         if self._active and position < self._furthest - REORDER_TOLERANCE and not self._warned:
             warnings.warn(
                 "qzero gather-ahead: the forward runs modules far out of their registration order; weights stay "
@@ -143,29 +230,35 @@ class GatherAhead:
             )
             self._warned = True
         self._furthest = max(self._furthest, position)
-        for wait in self._waits.get(module, ()):
+        self._wait(self._waits.get(module, ()))
+
+    @torch.compiler.disable
+    def wait_for(self, param: torch.nn.Parameter) -> None:
+        """Wait until ``param``'s chunks have arrived (no-op for a parameter qzero does not gather)."""
+        self._wait(self._param_waits.get(param, ()))
+
+    def _wait(self, waits) -> None:
+        for wait in waits:
             gi, spans, plan, last = wait
             pending = self.pending[gi]
             if pending is not None:
                 if plan is not pending.plan:
                     plan = wait[2] = pending.plan
                     last = wait[3] = max(last_chunk_needed(plan, a, b) for a, b in spans)
-                # Chunks finish in order: waiting for the module's last chunk of this group
-                # covers all its ranges there.
+                # Chunks finish in order: waiting for the last chunk of this group that holds
+                # any of the ranges covers all of them.
                 pending.wait_until(last)
                 if pending.done:
                     self.pending[gi] = None
+                    self.busy = any(p is not None for p in self.pending)
 
     def wait_all(self) -> None:
         for gi, pending in enumerate(self.pending):
             if pending is not None:
                 pending.wait()
                 self.pending[gi] = None
+        self.busy = False
         self._active = False
-
-    @property
-    def busy(self) -> bool:
-        return any(p is not None for p in self.pending)
 
     def remove(self) -> None:
         """Finish the gather, then take the hooks off the model."""
@@ -173,3 +266,7 @@ class GatherAhead:
         for h in self._handles.values():
             h.remove()
         self._handles = {}
+        for module in self._dicts:
+            if isinstance(module.__dict__.get("_parameters"), WaitingParameters):
+                module.__dict__["_parameters"] = dict(dict.items(module._parameters))
+        self._dicts = []

@@ -111,10 +111,9 @@ class ZeroOptimizer:
             )
             for g in self.groups
         ]
+        # Under gather-ahead every read of a weight through the model waits for its chunks
+        # ([Note: reads wait] in qzero/overlap.py).
         self.ahead = GatherAhead(model, self.groups) if config.overlap_param_gather else None
-        # model.state_dict() (torch.save, export) reads every weight: finish the gather first.
-        self._state_dict_hook = (model.register_state_dict_pre_hook(lambda *_: self.wait_for_weights())
-                                 if self.ahead is not None else None)
         self.scaler = LossScaler(config, enabled=self.groups[0].dtype == torch.float16)
         self.grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
@@ -206,7 +205,6 @@ class ZeroOptimizer:
         the optimizer must not be used afterwards."""
         if self.ahead is not None:
             self.ahead.remove()
-            self._state_dict_hook.remove()
         for grads in self.grads:
             grads.remove()
 
