@@ -11,7 +11,6 @@ optimizer re-pointed to the sharded parameters by ``data_ptr()``, and with
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from distributed import run_distributed  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+from frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts  # noqa: E402
 
 STEPS = 10
 
@@ -57,12 +55,11 @@ def worker(rank, world):
     out = {}
     for arm, quantize, low_ram in (("plain", False, False), ("quantized", True, False), ("low_ram", True, True)):
         run = example.train(fsdp2_accelerator(example, low_ram), quantize=quantize, steps=STEPS, corpus=corpus)
-        model, report = run["model"], run["report"]
+        model = run["model"]
         wrapped = {n: wrapped_in(p) for n, p in model.named_parameters() if wrapped_in(p) is not None}
         out[arm] = dict(
             losses=run["losses"],
-            wrapped=sorted(wrapped),
-            report=None if report is None else (report.quantized, report.plain, getattr(report, "not_gathered", ())),
+            facts=gather_facts(model, run["report"]),
             # every rank's shard of every quantized weight moved away from its initial value
             unchanged=[n for n, t in wrapped.items()
                        if torch.equal(t.unwrapped, initial[n].detach().chunk(world)[rank].reshape(t.shape))],
@@ -77,16 +74,9 @@ def runs():
 
 def _check_quantized_arm(runs, arm):
     for r in runs:
-        plain, run = r["plain"]["losses"], r[arm]["losses"]
-        quantized, plain_listed, not_gathered = r[arm]["report"]
-        # what the report counts is what travels: every listed parameter is wrapped, and gathered
-        assert len(quantized) > 10 and sorted(quantized) == r[arm]["wrapped"]
-        assert not not_gathered and not any(why.startswith("stripped") for _, why in plain_listed)
+        assert_report_is_what_travels(r[arm]["facts"])  # the report counts what travels
         assert r[arm]["unchanged"] == [], f"{arm}: quantized weights never updated: {r[arm]['unchanged']}"
-        assert run != plain, f"{arm}: bit-identical to plain FSDP2: nothing was quantized"
-        for step, (a, b) in enumerate(zip(run, plain)):
-            assert abs(a - b) <= 0.01 * b, f"{arm} step {step}: loss {a:.4f} vs plain {b:.4f}"
-        assert plain[-1] < 0.9 * plain[0]  # it learns, so the 1% is a statement about training
+        assert_trains_like_plain(r[arm]["losses"], r["plain"]["losses"], STEPS, arm)
 
 
 def test_accelerate_fsdp2_trains_like_plain_and_updates_every_quantized_weight(runs):

@@ -63,7 +63,7 @@ SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
 
 __all__ = [
     "SUPPORTED_DEEPSPEED",
-    "GatherReport",
+    "DeepSpeedGatherReport",
     "QuantizedGather",
     "QuantizedWeightsSettings",
     "disable",
@@ -214,7 +214,7 @@ def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSett
 # --------------------------------------------------------------------------- the replacement gather
 
 
-class GatherReport(NamedTuple):
+class DeepSpeedGatherReport(NamedTuple):
     """What the adapter's last gather moved (counted as it ran, never from the settings):
     elements of the flat groups it quantized and sent exactly, and per-rank bytes."""
 
@@ -280,9 +280,9 @@ class QuantizedGather:
     def owns(self, groups_flat) -> bool:
         return groups_flat is self.groups_flat
 
-    def report(self) -> GatherReport:
-        """What the last gather carried (see :class:`GatherReport`)."""
-        return GatherReport(self.calls, *self._last_elements, sum(s.bytes_sent for s in self.last_stats),
+    def report(self) -> DeepSpeedGatherReport:
+        """What the last gather carried (see :class:`DeepSpeedGatherReport`)."""
+        return DeepSpeedGatherReport(self.calls, *self._last_elements, sum(s.bytes_sent for s in self.last_stats),
                             sum(s.plain_bytes for s in self.last_stats))
 
     def wait_for_weights(self) -> None:

@@ -105,7 +105,7 @@ class QZeroCallback(TrainerCallback):
         if self.gather is not None:
             _log.info(self.gather.report().summary())
 
-    def report(self) -> qds.GatherReport | None:
+    def report(self) -> qds.DeepSpeedGatherReport | None:
         """What the last gather carried (None when the callback did not enable the adapter)."""
         return None if self.gather is None else self.gather.report()
 
