@@ -394,3 +394,23 @@ def test_load_state_dict_assign_keeps_the_quantized_gather():
     assert model.mid.weight.unwrapped.data_ptr() == state["mid.weight"].data_ptr()
     assert not any(why.startswith("stripped") for _, why in gather_report(model).plain)
     model(batch(0, 0))  # the forward's check passes
+
+
+def test_converted_model_pickles_and_deep_copies():
+    """torch tells a wrapper subclass by ``data_ptr() == 0`` when it pickles or copies one;
+    the wrapper's own address must not change how it is saved (torch.save(model), EMA copies)."""
+    import copy
+    import io
+
+    from qzero.fsdp import QuantizedGatherTensor, gather_report, quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        w = twin.mid.weight
+        assert isinstance(w, QuantizedGatherTensor) and isinstance(w, nn.Parameter)
+        assert torch.equal(w.unwrapped, model.mid.weight.unwrapped) and w.data_ptr() != model.mid.weight.data_ptr()
+        assert torch.equal(twin(batch(0, 0)), model(batch(0, 0)))  # its forward check holds its own parameters
+        assert gather_report(twin).quantized == gather_report(model).quantized

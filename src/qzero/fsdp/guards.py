@@ -83,9 +83,12 @@ class StrippedCheck:
     """
 
     def __init__(self, model: nn.Module, slots):
-        self.model = weakref.ref(model)
+        self.model = model
         self.slots = tuple(slots)
         self._sharded: dict | None = None  # (id(module), name) -> FSDP2's FSDPParam, once sharded
+
+    def __getstate__(self) -> dict:  # a pickled or copied model looks FSDP2's parameters up afresh
+        return {**self.__dict__, "_sharded": None}
 
     def current(self, record):
         """The parameter now in the (first) slot filled for ``record``."""
@@ -107,7 +110,7 @@ class StrippedCheck:
         # Between FSDP2's all-gather and its reshard the slot holds the unsharded parameter,
         # a plain tensor: then what counts is FSDP2's sharded parameter behind it.
         if self._sharded is None or (id(module), pname) not in self._sharded:
-            self._sharded = _fsdp_params(self.model())
+            self._sharded = _fsdp_params(self.model)
         fsdp_param = self._sharded.get((id(module), pname))
         held = wrapped_in(fsdp_param.sharded_param) if fsdp_param is not None else None
         return held is not None and held._record is record

@@ -36,8 +36,10 @@ read what ran from it, never what was installed.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -68,6 +70,20 @@ _KEEP_WRAPPED = {
     aten._to_copy.default,
     aten._pin_memory.default,
 }
+
+#: Set while torch's own pickling or copying runs (see QuantizedGatherTensor.data_ptr).
+_TORCH_VIEW = threading.local()
+
+
+@contextlib.contextmanager
+def _as_torch_sees_it():
+    before = getattr(_TORCH_VIEW, "active", False)
+    _TORCH_VIEW.active = True
+    try:
+        yield
+    finally:
+        _TORCH_VIEW.active = before
+
 
 #: Compute dtypes the Triton dequantizing kernel writes; others use the reference.
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -142,8 +158,19 @@ class QuantizedGatherTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         """The wrapped tensor's address (a wrapper subclass has no storage of its own, so
-        torch would answer 0 for every wrapped parameter alike)."""
+        torch would answer 0 for every wrapped parameter alike). Inside torch's own
+        ``__reduce_ex__``/``__deepcopy__``, which tell a wrapper subclass by that 0, it is 0."""
+        if getattr(_TORCH_VIEW, "active", False):
+            return 0
         return self._tensor.data_ptr()
+
+    def __reduce_ex__(self, protocol):
+        with _as_torch_sees_it():
+            return super().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        with _as_torch_sees_it():
+            return super().__deepcopy__(memo)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
