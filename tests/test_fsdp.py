@@ -414,3 +414,19 @@ def test_converted_model_pickles_and_deep_copies():
         assert torch.equal(w.unwrapped, model.mid.weight.unwrapped) and w.data_ptr() != model.mid.weight.data_ptr()
         assert torch.equal(twin(batch(0, 0)), model(batch(0, 0)))  # its forward check holds its own parameters
         assert gather_report(twin).quantized == gather_report(model).quantized
+
+
+def test_optimizer_check_leaves_the_sliced_update_alone():
+    """The duplicate check is a process-wide optimizer hook; qzero's own sliced update (which
+    refuses optimizers with hooks) must still slice once a model was converted."""
+    from qzero.fsdp import quantize_weight_gathers
+    from qzero.optim.update import sliceable
+
+    quantize_weight_gathers(build(), small_param_numel=SMALL)  # installs the process-wide check
+    master = torch.zeros(8, requires_grad=True)
+    opt = torch.optim.AdamW([master], lr=1e-3)
+    master.grad = torch.ones(8)
+    opt.step()
+    assert sliceable(opt, [master])
+    opt.register_step_pre_hook(lambda *_: None)  # anyone else's hook still turns it off
+    assert not sliceable(opt, [master])
