@@ -77,7 +77,7 @@ def forward_never_waits():
     are bound when they are registered."""
     from qzero import engine, overlap
 
-    hook, wait_until = overlap.GatherAhead._hook, engine._Streamed.wait_until
+    hook, wait_for, wait_until = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
     inside = [False]
 
     def enqueue_only(self, chunk_index):
@@ -88,18 +88,24 @@ def forward_never_waits():
         if self._enqueued <= last:
             self._enqueue_through(last)
 
-    def hook_no_wait(self, module, args):
-        inside[0] = True
-        try:
-            return hook(self, module, args)
-        finally:
-            inside[0] = False
+    def no_wait(method):
+        def wrapper(*args):
+            inside[0] = True
+            try:
+                return method(*args)
+            finally:
+                inside[0] = False
 
-    overlap.GatherAhead._hook, engine._Streamed.wait_until = hook_no_wait, enqueue_only
+        return wrapper
+
+    # Both ways a forward waits: its modules' pre-hooks and its reads of parameters.
+    overlap.GatherAhead._hook, overlap.GatherAhead.wait_for = no_wait(hook), no_wait(wait_for)
+    engine._Streamed.wait_until = enqueue_only
     try:
         yield
     finally:
-        overlap.GatherAhead._hook, engine._Streamed.wait_until = hook, wait_until
+        overlap.GatherAhead._hook, overlap.GatherAhead.wait_for = hook, wait_for
+        engine._Streamed.wait_until = wait_until
 
 
 def main() -> None:

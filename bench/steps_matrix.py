@@ -473,8 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan(args: argparse.Namespace) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
-    """Common settings, each arm's settings and diff, reference and peers; validated (raises SpecError)."""
+def plan(args: argparse.Namespace, check=validate) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
+    """Common settings, each arm's settings and diff, reference and peers; validated by ``check``
+    (``qzero.train.validate``; the emulated link checks them as on one rank). Raises SpecError."""
     if not args.arm:
         raise SpecError("give at least one --arm NAME:key=value,...")
     given = dict(
@@ -496,7 +497,7 @@ def plan(args: argparse.Namespace) -> tuple[TrainSettings, dict[str, TrainSettin
         arm_env = overrides.pop("env", {})
         try:  # the arm's settings on top of the common ones (ZeroConfig re-derives what depends on them)
             s = settings_from({**given, **overrides})
-            validate(s)
+            check(s)
         except (ValueError, TypeError) as e:
             raise SpecError(f"--arm {name}: {str(e).splitlines()[0]}") from None
         arms[name] = s

@@ -201,10 +201,18 @@ def test_arm_names():
     assert conv.parse_arm("bf16+gq-fp8-g64").zero_fields() == {
         "zero_quantized_weights": False, "zero_quantized_weights_format": "int8",
         "zero_quantized_weights_group_size": 64, "zero_quantized_gradients": True,
-        "zero_quantized_gradients_format": "fp8", "zero_quantized_gradients_group_size": 64}
+        "zero_quantized_gradients_format": "fp8", "zero_quantized_gradients_group_size": 64,
+        "zero_quantized_gradients_rotation": "none", "zero_quantized_gradients_rotation_block": 32,
+        "zero_quantized_gradients_error_feedback": False}
+    int4 = conv.parse_arm("int8-g64+gq-int4-g64-h32-ef")
+    assert (int4.grad_fmt, int4.grad_rotation, int4.grad_error_feedback) == ("int4", 32, True)
+    assert int4.zero_fields()["zero_quantized_gradients_rotation"] == "hadamard"
+    assert int4.label == "INT8 g64 + grad INT4 g64 H32 +EF"
+    assert conv.parse_arm("int8-g64+gq-int4-g64-noh").zero_fields()["zero_quantized_gradients_rotation"] == "none"
     assert [a.name for a in conv.parse_arms(conv.DP_ARMS)] == ["bf16", "int8-g64", "int8-g64+gq-int8-g64",
                                                                "int8-g64+gq-int8-g256"]
-    for bad, word in (("int8-g64+gq-int4-g64", "gq-int4-g64"), ("int8-g64+int8-g64", "int8-g64"),
+    for bad, word in (("int8-g64+gq-int4-g64", "gq-int4-g64-h32"), ("int8-g64+gq-int4-g64-h128", "larger than"),
+                      ("int8-g64+gq-int4-g64-ef-x", "'x'"), ("int8-g64+int8-g64", "int8-g64"),
                       ("int8-g64+gq-int8-g60", "int8-g60"), ("int8-g64+gq-int8", "int8")):
         with pytest.raises(ValueError, match=word):
             conv.parse_arms(bad)
@@ -388,3 +396,35 @@ def test_from_arms_reads_older_records():
     broken["fp8-g64"] = dict(records["fp8-g64"], settings=dict(records["fp8-g64"]["settings"], fmt="int4"))
     with pytest.raises(ValueError, match="fmt=int4"):
         conv.study_from_records(broken, conv.parse_arms(",".join(committed["arms"])))
+
+
+def test_delta_arms_and_their_replica_error_on_the_cpu(tmp_path):
+    """A delta arm (``int4-delta-g64``) beside direct INT4 at world size 1: the arm runs with
+    ``zero_quantized_weights_delta``, its replica error is measured (every 2 steps and the last),
+    stays far below direct INT4's and is reported with its bytes per parameter and a plot; the
+    0.25% target applies to it."""
+    conv = load_script()
+    assert conv.parse_arm("int4-delta-g256") == conv.Arm("int4-delta-g256", quantized=True, fmt="int4",
+                                                         group_size=256, delta=True)
+    assert conv.parse_arm("int4-delta-g256").label == "INT4 delta g256"
+    assert conv.parse_arm("int8-delta-g64").zero_fields()["zero_quantized_weights_delta"] is True
+    assert [a.name for a in conv.parse_arms(conv.DELTA_ARMS)][-2:] == ["int4-delta-g256", "int4-delta-g2048"]
+    with pytest.raises(ValueError, match="fp8-delta-g64"):
+        conv.parse_arm("fp8-delta-g64")
+    out = tmp_path / "conv"
+    steps = 5
+    rc = conv.main(["--preset", "tiny", "--steps", str(steps), "--seq-len", "32", "--micro-batch", "2",
+                    "--arms", "bf16,int4-g64,int4-delta-g64", "--device", "cpu", "--last", "3", "--smooth", "2",
+                    "--replica-error-every", "2", "--threads", "1", "--out", str(out)])
+    assert rc == 0, (out / "arm_int4-delta-g64.log").read_text()[-3000:]
+    study = json.loads((out / "convergence.json").read_text())
+    assert study["settings"]["int4-delta-g64"]["zero"]["zero_quantized_weights_delta"] is True
+    direct, delta = study["arms"]["int4-g64"], study["arms"]["int4-delta-g64"]
+    assert delta["replica_error"]["steps"] == [1, 3, 5] and direct["replica_error"]["steps"] == [1, 3, 5]
+    assert delta["replica_error"]["rel_err"][0] == 0.0  # the first gather is an exact resync
+    assert 0 < max(delta["replica_error"]["rel_err"]) < 0.1 * min(direct["replica_error"]["rel_err"])
+    assert study["arms"]["bf16"]["replica_error"] is None  # not quantized: nothing to measure
+    assert 0.5 < delta["weight_bytes_per_param"] < 2.0 and direct["weight_bytes_per_param"] < 0.8
+    md = (out / "convergence.md").read_text()
+    assert "INT4 delta g64 vs bf16:" in md and "the 0.25% target" in md and "Replica error" in md
+    assert (out / "replica_error.png").read_bytes()[:4] == b"\x89PNG"

@@ -214,6 +214,21 @@ def worker(rank, world, tmp):
     engine = build(deepspeed.initialize, ds_config(stage=0))
     out["reject_stage0"] = expect_error(lambda: qds.enable(engine), "is not supported", "DeepSpeedZeroOptimizer")
     out["still_unpatched"] = not qds.is_patched()
+
+    # one rank's bad setting, or settings that differ between ranks: every rank raises, none
+    # waits in a collective for the others (the agreement; a hang ends in the run's timeout)
+    engine = build(deepspeed.initialize, ds_config())
+    culprit = ("group_size", "12") if rank == 1 else ("rank(s) [1] rejected",)
+    out["enable_one_rank_bad"] = expect_error(lambda: qds.enable(engine, group_size=12 if rank == 1 else 32), *culprit)
+    out["enable_overlap_differs"] = expect_error(
+        lambda: qds.enable(engine, group_size=32, overlap_param_gather=rank == 0), "overlap_param_gather differs")
+    bad = quantized()
+    bad["zero_optimization"]["zero_quantized_weights_group_size"] = 12 if rank == 1 else 32
+    out["initialize_one_rank_bad"] = expect_error(lambda: build(qds.initialize, bad), *culprit)
+    out["initialize_quantized_differs"] = expect_error(
+        lambda: build(qds.initialize, quantized() if rank == 0 else ds_config()), "zero_quantized_weights differs")
+    out["unpatched_after_refusals"] = not qds.is_patched()
+    torch.distributed.barrier()
     return out
 
 
@@ -282,6 +297,10 @@ def test_enable_disable_and_engine_refusals(runs):
         assert r["reject_fp32"] == "ok"
         assert r["reject_stage0"] == "ok"  # stage 0: DeepSpeed's bf16 wrapper, not a ZeRO optimizer
         assert r["still_unpatched"]
+        for key in ("enable_one_rank_bad", "enable_overlap_differs", "initialize_one_rank_bad",
+                    "initialize_quantized_differs"):
+            assert r[key] == "ok", (key, r[key])
+        assert r["unpatched_after_refusals"]
 
 
 # ------------------------------------------------------------------ MoE: expert groups have their own DP group

@@ -150,7 +150,7 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
     sp = bench_scripts.load("step_profile")
     log = []
     streams, state = fake_cuda(monkeypatch.setattr, log)
-    real_hook, real_wait = overlap.GatherAhead._hook, engine._Streamed.wait_until
+    real_hook, real_wait_for, real_wait = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
     plan = plan_gather(64 * 24, 1, fmt="int8", group_size=16, bucket_numel=64 * 4)
     params = list(model.parameters())
@@ -168,3 +168,4 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
         ahead.wait_all()
         assert handle.done and any(e[0] == "wait" and e[1] == "compute" for e in log)
     assert overlap.GatherAhead._hook is real_hook and engine._Streamed.wait_until is real_wait
+    assert overlap.GatherAhead.wait_for is real_wait_for

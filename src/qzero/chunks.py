@@ -11,6 +11,7 @@ replace it in one place (to inject delays around every collective launch and wai
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,43 @@ class PeerFailure(RuntimeError):
     """A collective failed: a peer rank died, or did not answer within the process group's timeout."""
 
 
+# [Note: peer failure]
+# ``peer_failure`` relabels what a collective raised as a PeerFailure, and nothing else: an
+# error of the inner optimizer's update, of a pack kernel or of an allocation that happens
+# inside the same ``with`` block is the caller's own and keeps its type and message. A
+# backend error is a ``torch.distributed.DistError`` (NCCL, store and network errors and
+# their timeouts), or a RuntimeError raised by torch.distributed's own code (a collective's
+# launch) or by a call of the ``with`` block itself into C++ (``Work.wait()``: gloo reports a
+# dead peer or a timeout as a plain RuntimeError there). An error raised deeper, in Python
+# code outside torch.distributed, is local. The blocks that use it hold collective launches
+# and waits (and the work between chunks, whose errors are local by this rule).
+
+
+def _raised_by_backend(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    below = frames[2:]  # frames[0] is peer_failure's, frames[1] the with block's
+    return not below or below[-1].f_globals.get("__name__", "").startswith("torch.distributed")
+
+
 @contextlib.contextmanager
 def peer_failure(what: str):
-    """Turn a backend error inside a collective into one clear :class:`PeerFailure`."""
+    """Turn a backend error inside a collective into one clear :class:`PeerFailure`
+    (only a backend error: [Note: peer failure])."""
     try:
         yield
     except PeerFailure:
         raise
-    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts are RuntimeErrors
+    except RuntimeError as e:
+        if not _raised_by_backend(e):
+            raise
         raise PeerFailure(
             f"qzero: {what} failed: a peer rank died or did not answer within the process group's timeout "
             f"(set it with init_process_group(timeout=...)). Backend said: {str(e).splitlines()[0] if str(e) else e!r}"
@@ -45,30 +75,54 @@ def slot(plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor) -> to
     return buf[rank * pb : (rank + 1) * pb]
 
 
-def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels):
+class DeltaInputs(NamedTuple):
+    """What a delta payload is made from besides the flat buffer, which holds the replica
+    ([Note: delta payload] in :mod:`qzero.quant.reference`)."""
+
+    target: torch.Tensor
+    """fp32, this rank's partition by local offset (the master shard): what the replica should become."""
+    refused: torch.Tensor
+    """The refusal flag (:func:`qzero.quant.reference.refusal_flag`, on the flat buffer's device):
+    an unpack that met a group whose difference was not finite (and left it as it was) lowers
+    it to that group's flat index. Read by the owner of the loop."""
+
+
+def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,
+               delta: DeltaInputs | None = None):
     """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot."""
     p = plan.partition_numel
     mine = slot(plan, chunk, rank, buf)
     src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
-    if plan.quantized:
+    if plan.delta:
+        target = delta.target[chunk.offset : chunk.offset + chunk.numel]
+        kernels.pack_delta_payload(target, src, mine, chunk.payload, plan.group_size, plan.fmt,
+                                   exact_index(plan, chunk, rank, flat.device))
+    elif plan.quantized:
         kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device))
     else:
         mine.view(flat.dtype).copy_(src)
     return mine
 
 
-def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
+def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,
+                 delta: DeltaInputs | None = None) -> None:
     """Write every source rank's payload of ``chunk`` into the flat buffer (this rank's own
     included when quantized, so that all replicas hold the same bits): one dequantizing
-    pass over all ranks' payloads, then one scatter of all their exact elements."""
+    pass over all ranks' payloads (a delta payload's is added into the replica in place),
+    then one scatter of all their exact elements."""
     p, w = plan.partition_numel, plan.world_size
     if not plan.quantized:
         # one strided copy for every rank's slice (this rank's own slot holds its own bits)
         src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
         flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
         return
-    kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
-                            exact_scatter(plan, chunk, flat.device))
+    exact = exact_scatter(plan, chunk, flat.device)
+    if plan.delta:
+        kernels.unpack_delta_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size,
+                                      plan.fmt, exact, delta.refused)
+    else:
+        kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
+                                exact)
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:

@@ -12,10 +12,12 @@ DeepSpeed adapter) start the engine directly and skip the checks.
 from __future__ import annotations
 
 import functools
-import hashlib
+import json
+
 import torch
 import torch.distributed as dist
 
+from .agreement import MAX_FIELDS, check_fields, describe_mismatch, digest
 from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (public names)
 from .engine import CommContext, GatherStats, start_gather, stats_of, world_and_rank  # noqa: F401
 from .layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
@@ -155,7 +157,7 @@ def world_or_default(group) -> tuple[int, int, dist.ProcessGroup | None, Excepti
     ranks hear of it instead of waiting."""
     try:
         return *_world_and_rank(group), group, None
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a local error, agreed on the default group
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(), dist.get_rank(), None, e
         return 1, 0, None, e
@@ -164,6 +166,8 @@ def world_or_default(group) -> tuple[int, int, dist.ProcessGroup | None, Excepti
 def _check_flat(flat) -> None:
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"flat must be a torch.Tensor, got {type(flat).__name__}")
+    if flat.device.type == "meta":
+        raise ValueError("flat is on the meta device: it has no values to gather")
     if flat.dim() != 1:
         raise ValueError(f"flat must be 1-D, got shape {tuple(flat.shape)}")
     if not flat.is_contiguous():
@@ -200,46 +204,56 @@ _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.flo
 
 def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
     """What every rank of a gather must agree on, as named integers (for :func:`agree_or_raise`)."""
-    digest = hashlib.blake2b(repr(plan.exact_ranges).encode(), digest_size=7).digest()
     return {
         "flat numel": plan.numel,
         "flat dtype": _DTYPE_CODES.get(dtype, 99),
         "format": 0 if plan.fmt is None else 1 + sorted(("fp8", "int4", "int8")).index(plan.fmt),
         "group size": plan.group_size,
         "bucket_numel": plan.bucket_numel,
-        "exact ranges": int.from_bytes(digest, "little"),
+        "exact ranges": digest(repr(plan.exact_ranges)),
+        "delta payload": int(plan.delta),
     }
 
 
 def _agreed_plan(build, flat, group, world: int, what: str) -> GatherPlan:
-    """Build the plan locally, then make sure every rank built the same one."""
-    try:
-        plan, error = build(), None
-    except (TypeError, ValueError) as e:
-        plan, error = None, e
-    device = flat.device if isinstance(flat, torch.Tensor) else None
+    """Build the plan locally, then make sure every rank built the same one ([Note: agreement])."""
+    plan, error = local_outcome(build)
     fields = plan_fields(plan, flat.dtype) if plan is not None else None
-    agree_or_raise(group, world, device, error, fields, what)
+    agree_or_raise(group, world, flat.device if isinstance(flat, torch.Tensor) else None, error, fields, what)
     return plan
 
 
-def agree_or_raise(group, world: int, device, error: Exception | None, fields: dict[str, int] | None, what: str):
+def local_outcome(work):
+    """Run the local part of a collective call: ``(result, None)``, or ``(None, exception)``
+    for any exception it raised, to be passed to :func:`agree_or_raise` ([Note: agreement])."""
+    try:
+        return work(), None
+    except Exception as e:  # noqa: BLE001 - any local failure must reach the other ranks
+        return None, e
+
+
+def agree_or_raise(group, world: int, device, error: Exception | None, fields: dict[str, int] | None, what: str,
+                   details: dict[str, dict[str, str]] | None = None):
     """Exchange a few integers between ranks and raise on *every* rank if they differ.
 
     A rank whose local checks failed (``error``) still takes part, so the others
     raise too instead of waiting in a collective forever; then it raises its own
-    error. ``fields`` maps names to integers (None when ``error`` is set). Nothing
-    is modified; this is the only communication before the real work starts.
+    error. ``fields`` maps names to integers (None when ``error`` is set); they are
+    checked before the exchange (at most 15, each fitting 64 bits), and one that does
+    not pass is this rank's error. ``details`` (optional) maps a field's name to
+    ``{key: text}`` saying what it covers; they are exchanged only when that field
+    differs, to name the differing keys. Nothing is modified; this is the only
+    communication before the real work starts ([Note: agreement]).
     """
+    if error is None:
+        _, error = local_outcome(lambda: check_fields(fields or {}, what))
     if world > 1:
-        names = list(fields) if fields is not None else None
-        n = len(fields) if fields is not None else 0
-        # every rank sends the same length: [ok, count, values... padded to 15]
-        row = [0 if error is not None else 1, n] + (list(fields.values()) if fields else [])
-        row += [0] * (17 - len(row))
-        if device is None:
-            device = _default_device(group)
-        sig = torch.tensor(row[:17], dtype=torch.int64, device=device)
+        names = list(fields) if error is None else []
+        # every rank sends the same length: [ok, count, values... padded to MAX_FIELDS]
+        row = [0, 0] if error is not None else [1, len(names)] + [int(fields[n]) for n in names]
+        row += [0] * (2 + MAX_FIELDS - len(row))
+        device = _agreement_device(group, device)
+        sig = torch.tensor(row, dtype=torch.int64, device=device)
         table = torch.empty(world * sig.numel(), dtype=torch.int64, device=device)
         all_gather_into(table, sig, group=group)
         rows = table.view(world, -1).tolist()
@@ -247,12 +261,57 @@ def agree_or_raise(group, world: int, device, error: Exception | None, fields: d
         if error is None and bad:
             raise ValueError(f"{what}: rank(s) {bad} rejected their arguments; nothing was done")
         if error is None:
+            if len({row[1] for row in rows}) > 1:
+                raise ValueError(f"{what}: the ranks agree on different numbers of settings "
+                                 f"({[row[1] for row in rows]} by rank: different qzero versions?); nothing was done")
             for i, name in enumerate(names):
                 values = [row[2 + i] for row in rows]
                 if len(set(values)) > 1:
-                    raise ValueError(f"{what}: {name} differs between ranks: {values} (by rank); nothing was done")
+                    if details is not None and name in details:
+                        said = describe_mismatch(name, _exchange_details(details[name], group, world, device))
+                    else:
+                        said = f"{name} differs between ranks: {values} (by rank)"
+                    raise ValueError(f"{what}: {said}; nothing was done")
     if error is not None:
         raise error
+
+
+def _exchange_details(mine: dict[str, str], group, world: int, device) -> list[dict[str, str]]:
+    """Every rank's details of one field (JSON, through two all-gathers: lengths, then bytes).
+    Only called when every rank found the same field differing, so every rank calls it."""
+    text, _ = local_outcome(lambda: json.dumps(mine))
+    data = (text or "{}").encode()[:_DETAILS_BYTES]
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_into(sizes, size, group=group)
+    longest = max(max(sizes.tolist()), 1)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    table = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    all_gather_into(table, buf.to(device), group=group)
+    table = table.cpu()
+    out = []
+    for r, n in enumerate(sizes.tolist()):
+        raw = table[r * longest : r * longest + n].numpy().tobytes()
+        try:
+            out.append(json.loads(raw))
+        except ValueError:  # cut at the size bound
+            out.append({"": f"(details of rank {r} too long to show)"})
+    return out
+
+
+#: Details of one field a rank sends when it differs (a bound: they only name the difference).
+_DETAILS_BYTES = 1 << 20
+
+
+def _agreement_device(group, device) -> torch.device:
+    """``device`` where the backend can run the exchange on it, else the backend's own."""
+    if device is None or device.type not in ("cpu", "cuda"):
+        return _default_device(group)
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return _default_device(group)
+    return device
 
 
 def _default_device(group) -> torch.device:

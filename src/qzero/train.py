@@ -186,6 +186,15 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 engines; the deepspeed "
                             "engine reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
                             "ignores that key), so it would change nothing")
+    if settings.zero.zero_quantized_gradients_error_feedback and settings.engine != "qzero":
+        raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero engine: its residuals "
+                            f"are ZeroOptimizer state, which the {settings.engine} engine does not have")
+    if settings.zero.zero_quantized_weights_delta and settings.engine != "qzero":
+        raise WorkloadError(f"zero_quantized_weights_delta is a setting of the qzero engine: the {settings.engine} "
+                            "engine's weight gather does not send delta payloads, so it would change nothing")
+    if settings.zero.copy_engine_collectives and settings.engine != "qzero":
+        raise WorkloadError(f"copy_engine_collectives is a setting of the qzero engine: it moves ZeroOptimizer's own "
+                            f"gather and all-to-all, which the {settings.engine} engine does not run")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
@@ -230,7 +239,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
     engine = make_engine(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
     model = engine.model
-    loss_sums, norms, marks, skipped = [], [], [], 0
+    loss_sums, norms, marks, skipped, gathered = [], [], [], 0, []
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
     per_step = world * settings.micro_batch * settings.grad_accum
     # A step's time runs from its start to the next step's start on the compute stream (CUDA
@@ -257,6 +266,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             engine.backward(loss)
             loss_sum += loss.detach()
         took = engine.step()
+        gathered.append(engine.gathered_bytes())
         engine.zero_grad()
         loss_sums.append(loss_sum)
         norm = engine.grad_norm()
@@ -278,7 +288,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     losses = (totals / world).tolist()
     norms = [None if n is None else float(n) for n in norms]
     engine.finish()  # gather-ahead: the last step's gather may still be in flight
-    result = _summary(settings, engine, losses, norms, times, skipped, device)
+    result = _summary(settings, engine, losses, norms, times, skipped, device, gathered[settings.warmup :] or gathered)
     # steps [warmup, steps) back to back between two synchronisations, the last one's gather included
     result["wall_seconds"], result["wall_steps"] = wall, settings.steps - settings.warmup
     if rank == 0 and out_path:
@@ -338,12 +348,14 @@ def sample_index(total: int, size: int = SAMPLE_SIZE) -> torch.Tensor:
     return torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
 
 
-def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
+def _summary(settings, engine, losses, norms, times, skipped, device, gathered) -> dict:
+    """``gathered``: ``(sent, plain)`` weight-gather bytes per rank of every measured step; their
+    means are the per-step figures (a delta arm's exact resyncs send more than its other steps)."""
     params = [p for p in engine.model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
     sample = engine.sample(sample_index(total))
     flats = engine.flats()
-    sent, plain = engine.gathered_bytes()
+    sent, plain = (_mean([step[i] for step in gathered]) for i in (0, 1))
     grad_sent, grad_plain = engine.reduced_bytes()
     peak_alloc, peak_reserved, total_mem = _memory(device)
     return {
@@ -364,10 +376,18 @@ def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
         "memory_kind": "cuda allocator" if device.type == "cuda" else "process peak RSS (CPU)",
         "bytes_sent_per_step": sent,
         "plain_bytes_per_step": plain,
+        # every rank's weight-gather bytes over the model's parameters: bytes on the wire per parameter
+        "weight_bytes_per_param": sent * dist.get_world_size() / total if total else None,
         "grad_bytes_sent_per_step": grad_sent,
         "grad_plain_bytes_per_step": grad_plain,
         "params": total,
     }
+
+
+def _mean(values: list) -> int | float:
+    """The mean, as an integer when it is one (every step the same)."""
+    m = sum(values) / len(values)
+    return int(m) if m == int(m) else m
 
 
 def _memory(device: torch.device) -> tuple[int, int, int]:

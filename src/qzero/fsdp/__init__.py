@@ -39,9 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import local_outcome
 from ..layout import is_small_param
 from ..quant import get_format
-from ._comms import check_arguments, log_report, stored_report
+from ._comms import (DeferredAgreement, agree_install, check_arguments, distributed, log_report, mesh_group,
+                     stored_report)
 from .guards import StrippedCheck, rewrap_assigned, watch_optimizers
 from .tensor import GatherFormat, GatherRecord, GatherState, QuantizedGatherTensor, carries
 
@@ -119,16 +121,41 @@ def quantize_weight_gathers(
     shard evenly (see :func:`gather_report`). Raises ``ValueError``/``TypeError`` naming
     the problem, with the model unchanged, when the model is already sharded or already
     converted, a parameter is not fp32, or an argument is bad.
-    """
-    check_arguments(model, group_size, small_param_numel)
-    get_format(fmt)
-    _check_model(model)
-    world = _shard_world(mesh)
 
-    spec = GatherFormat(group_size, fmt)
+    Collective when a process group exists: the ranks agree on ``fmt``, ``group_size``,
+    ``small_param_numel`` and which parameters are quantized (over the default group, or
+    ``mesh``'s shard dimension when the mesh does not span every rank), and every rank
+    raises, naming the differing setting or the rank that failed, with the model
+    unchanged. Called before ``init_process_group``, the same agreement runs over the
+    default group at the model's first forward (or first quantized gather).
+    """
+    def plan():
+        check_arguments(model, group_size, small_param_numel)
+        get_format(fmt)
+        _check_model(model)
+        world = _shard_world(mesh)
+        return world, {name: (tuple(param.shape), _plain_reason(param, small_param_numel, world))
+                       for name, param in model.named_parameters()}
+
+    planned, error = local_outcome(plan)
+    settings = dict(fmt=fmt, group_size=group_size, small_param_numel=small_param_numel,
+                    layout_name="which parameters are quantized",
+                    layout={name: f"{shape}: {why or 'quantized'}" for name, (shape, why) in planned[1].items()}
+                    if planned else None)
+    deferred = None
+    if distributed():  # [Note: agreement]: every rank raises, naming the setting, before anything changes
+        group, _ = local_outcome(lambda: mesh_group(mesh))
+        agree_install("quantize_weight_gathers", group, error, **settings)
+    elif error is not None:
+        raise error
+    else:  # agreed when there are ranks to agree with: at the first forward or gather
+        deferred = DeferredAgreement(model, "quantize_weight_gathers", **settings)
+    world, reasons = planned
+
+    spec = GatherFormat(group_size, fmt, deferred)
     records, plain, wrapped = [], [], {}
     for name, param in model.named_parameters():
-        why = _plain_reason(param, small_param_numel, world)
+        _, why = reasons[name]
         if why:
             plain.append((name, why))
             continue

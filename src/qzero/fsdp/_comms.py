@@ -9,6 +9,14 @@ Both install a communication object per parameter group through FSDP2's
 and which object it has now, are read from FSDP2's parameter groups (checked attribute by
 attribute, so a torch that lays them out differently is refused with a clear error, never
 half-converted).
+
+Every installer agrees with its peers before it changes anything ([Note: agreement] in
+qzero/agreement.py): its local work (checks, the report) runs first, any failure is kept as
+this rank's error, then :func:`agree_install` exchanges ``fmt``, ``group_size``,
+``small_param_numel`` and a digest of what the report says travels how, over the process
+group of :func:`install_group`, so a mismatch or a failure on one rank raises on every rank,
+naming the setting, before any gather. (The kernels are not agreed: every kernel set writes
+the reference quantizer's bytes.)
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..agreement import canonical, digest
+from ..comm import agree_or_raise
 from ..quant import KERNELS, check_group_size
 
 
@@ -122,3 +133,86 @@ def groups_to_convert(model: nn.Module, *, function: str, setter: str, attr: str
         raise ValueError(f"{function} must be called after fully_shard, but no module of the model is sharded "
                          "(no FSDPModule found); nothing was changed")
     return out
+
+
+# ---------------------------------------------------------------------- agreement
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def mesh_group(mesh):
+    """The group to agree over for ``mesh``: the default group (None) when the mesh spans every
+    rank, else its shard (last) dimension's group."""
+    if mesh is None or mesh.size() == dist.get_world_size():
+        return None
+    return mesh.get_group(mesh.ndim - 1)
+
+
+def install_group(model: nn.Module):
+    """The group the group installers agree over: that of the first ``fully_shard`` module's
+    parameter group, or the default group where there is none to be found."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():  # the root often holds no parameters of its own
+            if isinstance(module, FSDPModule):
+                for pg in parameter_groups(module, ""):
+                    return mesh_group(pg.mesh_info.mesh)
+    except Exception:  # noqa: BLE001 - an FSDP2 laid out otherwise: the installer's own error is agreed on
+        pass
+    return None
+
+
+def agree_install(function: str, group, error: Exception | None, *, fmt, group_size, small_param_numel,
+                  layout_name: str = "", layout: dict[str, str] | None = None) -> None:
+    """Raise on every rank of ``group`` unless every rank's installer succeeded locally with the
+    same settings and the same ``layout`` (``{name: how it travels}``). A no-op without a
+    process group (then ``error`` is raised here, as it is anyway)."""
+    world = dist.get_world_size(group) if distributed() else 1
+    fields = details = None
+    if error is None:
+        fields = {"fmt": digest(canonical(fmt)), "group_size": group_size, "small_param_numel": small_param_numel}
+        details = {"fmt": {"": canonical(fmt)}}
+        if layout is not None:
+            fields[layout_name] = digest(repr(sorted(layout.items())))
+            details[layout_name] = layout
+    agree_or_raise(group, world, None, error, fields, f"qzero.fsdp.{function}", details)
+
+
+class DeferredAgreement:
+    """An installer's agreement for when it ran before a process group existed: run once, over
+    the default process group, at the first forward of a module of ``model`` or the first call
+    of :meth:`ensure` (the first quantized gather), whichever comes first once a process group
+    exists (before that, there is no one to disagree with). A forward pre-hook
+    registered for every module runs before FSDP2's own (which FSDP2 puts first on the module),
+    so the exchange precedes FSDP2's first all-gather on every rank. A failed agreement raises
+    again on every later forward or gather, without communicating."""
+
+    def __init__(self, model: nn.Module, function: str, **settings):
+        import weakref
+
+        self.function, self.settings = function, settings
+        self.error: Exception | None = None
+        self.done = False
+        self._modules = weakref.WeakSet(model.modules())
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, args):
+        if module in self._modules:
+            self.ensure()
+        elif not self._modules:  # the model is gone
+            self._hook.remove()
+
+    def ensure(self) -> None:
+        if not self.done and distributed():
+            self.done = True
+            try:
+                agree_install(self.function, None, None, **self.settings)
+            except Exception as e:  # noqa: BLE001 - kept, to be raised again on every later use
+                self.error = e
+            if self.error is None:
+                self._hook.remove()
+        if self.error is not None:
+            raise self.error

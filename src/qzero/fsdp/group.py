@@ -35,10 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import canonical
+from ..comm import local_outcome
 from ..engine import CommContext, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
 from ..quant import get_format, kernels_for
-from ._comms import check_arguments, groups_to_convert, keep_report, stored_report
+from ._comms import agree_install, check_arguments, groups_to_convert, install_group, keep_report, stored_report
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
@@ -118,18 +120,24 @@ def quantize_group_gathers(
     this function or by :func:`qzero.fsdp.quantize_weight_gathers`, a group that already
     has a custom all-gather, or a torch whose FSDP2 has no ``set_custom_all_gather``.
     """
-    check_arguments(model, group_size, small_param_numel, kernels)
-    get_format(fmt)
-    _check_not_per_parameter(model)
-    plans = [  # (name, module, param group, GroupGather) for every FSDP parameter group
-        (name, module, pg, _describe(name, pg, group_size, fmt, small_param_numel))
-        for name, module, pg in groups_to_convert(
-            model, function="quantize_group_gathers", setter="set_custom_all_gather", attr="_all_gather_comm",
-            what="all-gather", ours=GroupQuantizedAllGather,
-            # FSDP2's own all-gathers, which only differ in where the buffer is allocated
-            own_names=("DefaultAllGather", "ProcessGroupAllocAllGather"), kernels=kernels, kernels_for=kernels_for,
-            instead="qzero.fsdp.quantize_weight_gathers (before fully_shard)")
-    ]
+    def plan():
+        check_arguments(model, group_size, small_param_numel, kernels)
+        get_format(fmt)
+        _check_not_per_parameter(model)
+        return [  # (name, module, param group, GroupGather) for every FSDP parameter group
+            (name, module, pg, _describe(name, pg, group_size, fmt, small_param_numel))
+            for name, module, pg in groups_to_convert(
+                model, function="quantize_group_gathers", setter="set_custom_all_gather", attr="_all_gather_comm",
+                what="all-gather", ours=GroupQuantizedAllGather,
+                # FSDP2's own all-gathers, which only differ in where the buffer is allocated
+                own_names=("DefaultAllGather", "ProcessGroupAllocAllGather"), kernels=kernels,
+                kernels_for=kernels_for, instead="qzero.fsdp.quantize_weight_gathers (before fully_shard)")
+        ]
+
+    plans, error = local_outcome(plan)
+    agree_install("quantize_group_gathers", install_group(model), error, fmt=fmt, group_size=group_size,
+                  small_param_numel=small_param_numel, layout_name="parameter groups",
+                  layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
     for name, module, pg, info in plans:
         if info.plain_reason is None:
             module.set_custom_all_gather(GroupQuantizedAllGather(

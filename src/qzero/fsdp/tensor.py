@@ -90,10 +90,13 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class GatherFormat(NamedTuple):
-    """How a parameter's gather is quantized."""
+    """How a parameter's gather is quantized, and the installer's agreement still to run
+    before the first gather (:class:`qzero.fsdp._comms.DeferredAgreement`; None: agreed at
+    install, or nothing to agree on)."""
 
     group_size: int
     fmt: str
+    agreement: Any = None
 
 
 class GatherState(enum.Enum):
@@ -206,6 +209,8 @@ class QuantizedGatherTensor(torch.Tensor):
         module: torch.nn.Module | None = None,
         mp_policy: Any = None,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        if self._format.agreement is not None:
+            self._format.agreement.ensure()
         shard = self._tensor
         world = mesh.size()
         full = tuple(outer_size) if outer_size is not None else None

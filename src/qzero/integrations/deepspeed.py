@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, plan_fields
+from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
 from ..engine import CommContext, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
 from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class
@@ -207,8 +207,9 @@ def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettin
 
 
 def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSettings) -> dict[str, int]:
-    """What every rank of a group must agree on, as integers: the plan's, and the threshold."""
-    return {**plan_fields(plan, dtype), "small-param threshold": settings.small_param_numel}
+    """What every rank of a group must agree on, as integers: the plan's, the threshold, gather-ahead."""
+    return {**plan_fields(plan, dtype), "small-param threshold": settings.small_param_numel,
+            "overlap_param_gather": int(settings.overlap_param_gather)}
 
 
 # --------------------------------------------------------------------------- the replacement gather
@@ -243,7 +244,9 @@ class QuantizedGather:
     :meth:`wait_for_weights` finishes a running gather by hand.
     """
 
-    def __init__(self, optimizer, settings: QuantizedWeightsSettings):
+    def __init__(self, optimizer, settings: QuantizedWeightsSettings, error: Exception | None = None):
+        """``error``: this rank's failure before planning, raised on every rank of the first
+        flat group's process group (the agreement) instead of planning."""
         self.settings = settings
         self.wiring = None
         layout = flat_groups(optimizer)
@@ -255,21 +258,23 @@ class QuantizedGather:
         self.last_stats: tuple[GatherStats, ...] = ()
         self._last_elements = (0, 0)  # (quantized, exact) elements of the last gather
         for index in range(len(self.groups_flat)):
-            self.groups.append(self._plan_agreed(layout, index))
+            self.groups.append(self._plan_agreed(layout, index, error))
+        if error is not None:
+            raise error  # no flat group has peers to tell
         # The streams and kernels of the gathers (DeepSpeed's flat groups share one device).
         self.context = CommContext(self.groups_flat[0].device) if self.groups_flat else None
         _warn_if_no_saving(self.plans)
 
-    def _plan_agreed(self, layout: FlatGroups, index: int) -> GroupGather | None:
+    def _plan_agreed(self, layout: FlatGroups, index: int, error: Exception | None = None) -> GroupGather | None:
         """Plan group ``index`` and make every rank of its process group agree on the plan."""
         group = layout.process_groups[index]
         world = dist.get_world_size(group)
         if world == 1:
             return None  # nothing to gather, as in DeepSpeed
-        try:
-            (planned, fields), error = _plan_group(layout, index, self.settings), None
-        except (TypeError, ValueError, RuntimeError) as e:
-            planned, fields, error = None, None, e
+        planned = fields = None
+        if error is None:
+            result, error = local_outcome(lambda: _plan_group(layout, index, self.settings))
+            planned, fields = result if result is not None else (None, None)
         agree_or_raise(group, world, self.groups_flat[index].device, error, fields, "qzero DeepSpeed adapter")
         return planned
 
@@ -414,24 +419,30 @@ def enable(
     It hooks the model's modules: the model is ``target.module`` when ``target`` is the
     engine, else ``model`` (the module the engine trains) must be given.
     """
-    settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel, overlap_param_gather)
-    check_deepspeed_version()
+    # Without DeepSpeed's optimizer there are no process groups to agree over: that error is local.
     opt = find_zero_optimizer(target)
-    _check_optimizer_state(flat_groups(opt))
-    engine = target if isinstance(target, torch.nn.Module) and isinstance(target._modules.get("module"),
-                                                                          torch.nn.Module) else None
-    if model is None and engine is not None:
-        model = engine._modules["module"]
-    if overlap_param_gather and not isinstance(model, torch.nn.Module):
-        raise ValueError(
-            "overlap_param_gather=True needs the model the engine trains, to hook its modules: pass the engine "
-            f"as target or model=..., got model={model!r}"
-        )
-    if overlap_param_gather:  # refuse a model that is not the engine's before anything changes
-        from .deepspeed_ahead import model_ranges
 
-        model_ranges(opt, model)
-    gather = QuantizedGather(opt, settings)
+    def prepare():  # every other check is agreed on ([Note: agreement]): one rank's error raises on all
+        settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel, overlap_param_gather)
+        check_deepspeed_version()
+        _check_optimizer_state(flat_groups(opt))
+        engine = target if isinstance(target, torch.nn.Module) and isinstance(target._modules.get("module"),
+                                                                              torch.nn.Module) else None
+        trained = engine._modules["module"] if model is None and engine is not None else model
+        if overlap_param_gather and not isinstance(trained, torch.nn.Module):
+            raise ValueError(
+                "overlap_param_gather=True needs the model the engine trains, to hook its modules: pass the engine "
+                f"as target or model=..., got model={trained!r}"
+            )
+        if overlap_param_gather:  # refuse a model that is not the engine's before anything changes
+            from .deepspeed_ahead import model_ranges
+
+            model_ranges(opt, trained)
+        return settings, engine, trained
+
+    prepared, error = local_outcome(prepare)
+    settings, engine, model = prepared if prepared is not None else (None, None, model)
+    gather = QuantizedGather(opt, settings, error)
     _unregister(opt)
     if overlap_param_gather:
         from .deepspeed_ahead import AheadWiring
@@ -482,11 +493,26 @@ def initialize(*args, **kwargs):
     config, source = _find_config(call)
     if config is None:  # DeepSpeed will complain about the missing config itself
         return deepspeed.initialize(**call)
-    prepared = prepare_config(_load_config(config))
-    if prepared.quantize:
-        check_deepspeed_version()
+
+    def prepare():
+        prepared = prepare_config(_load_config(config))
+        if prepared.quantize:
+            check_deepspeed_version()
+        return prepared
+
+    # [Note: agreement]: a config one rank rejects, or quantization on some ranks only, raises on
+    # every rank, before deepspeed.initialize (whose collectives the others would wait in) where
+    # a process group exists already, else right after it.
+    prepared, error = local_outcome(prepare)
+    agreed = dist.is_available() and dist.is_initialized()
+    if agreed:
+        _agree_on_config(prepared, error)
+    elif error is not None:
+        raise error
     _put_config(call, source, prepared.ds_config)
     result = deepspeed.initialize(**call)
+    if not agreed:
+        _agree_on_config(prepared, None)
     if prepared.quantize:
         engine = result[0]
         s = prepared.settings
@@ -515,6 +541,11 @@ def _by_name(args: tuple, kwargs: dict) -> dict:
         raise TypeError(f"initialize() got multiple values for argument {twice[0]!r}")
     call.update(kwargs)
     return call
+
+
+def _agree_on_config(prepared, error: Exception | None) -> None:
+    fields = None if error is not None else {ENABLE_KEY: int(prepared.quantize)}
+    agree_or_raise(None, dist.get_world_size(), None, error, fields, "qzero.integrations.deepspeed.initialize")
 
 
 def _find_config(call: dict) -> tuple[Any, str | None]:

@@ -8,17 +8,20 @@ replicated. A small JSON file beside it (``qzero.json``) records the parameter
 names and shapes, the state's keys and the hyperparameters; it is checked before
 anything is read, so a checkpoint of another model is refused by name.
 
-A checkpoint directory is untrusted input. ``qzero.json`` is JSON, checked field by
-field. DCP's index (``.metadata``, a pickle) is read once by
-:mod:`qzero.optim.checkpoint_index`, which calls nothing while unpickling and rebuilds
-the index from plain values; the tensors are read with ``torch.load(weights_only=True)``
-from the files and byte ranges that index names. All of this is checked, on every
-rank, before any tensor of the optimizer is written.
+A checkpoint directory is untrusted input. ``qzero.json`` is JSON, read bounded (no
+link, no FIFO, at most :data:`MAX_META_BYTES`), checked field by field, and the optimizer
+state it declares must be what the inner optimizer keeps ([Note: the state an optimizer
+keeps]). DCP's index (``.metadata``, a pickle) is read once by
+:mod:`qzero.optim.checkpoint_index`, which calls nothing while unpickling and rebuilds the
+index from plain values; the tensors are read with ``torch.load(weights_only=True)`` from
+the files and byte ranges that index names. A load puts all of it in place on every rank,
+or nothing on any rank ([Note: all or nothing]); whatever the checkpoint holds, a refusal
+is a ``ValueError`` that names the file and the field.
 """
 
 from __future__ import annotations
 
-import hashlib
+import collections
 import json
 import math
 import os
@@ -34,7 +37,9 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint_index import INDEX_FILE, IndexedReader, read_index
+from ..agreement import digest
+from . import error_feedback
+from .checkpoint_index import INDEX_FILE, IndexedReader, castable, read_index, read_regular_file, show
 
 if TYPE_CHECKING:
     from .flat import FlatGroup
@@ -50,7 +55,11 @@ def logical_pieces(group: FlatGroup) -> list[tuple[int, int, int]]:
     """``(local offset, length, logical offset)`` of the parameter elements in this rank's
     partition. The logical buffer is the parameters back to back in model order, which is
     the same at every world size and for either flat order; adjacent pieces are merged."""
-    layout, lo, hi = group.layout, group.lo, group.hi
+    return logical_pieces_between(group.layout, group.lo, group.hi)
+
+
+def logical_pieces_between(layout, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """:func:`logical_pieces` of flat ``[lo, hi)`` (local offsets relative to ``lo``)."""
     logical = 0
     pieces: list[tuple[int, int, int]] = []
     for s in layout.slots:
@@ -106,6 +115,9 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
         sd[f"group{i}.master"] = _sharded(g.master, g, opt)
         for key, value in opt.optimizer.state.get(g.master, {}).items():
             sd[f"group{i}.state.{key}"] = _sharded(value, g, opt) if value.shape == g.master.shape else value
+        if g.delta is not None:  # [Note: the replica in a checkpoint]
+            sd[replica_key(i)] = _sharded(g.own, g, opt)
+    sd.update(error_feedback.state_entries(opt))
     return sd
 
 
@@ -120,9 +132,10 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 "used_numel": g.layout.used_numel,
                 "state": _state_keys(opt, g),
                 "hyperparameters": json.loads(json.dumps(hyper, default=_json_default)),
+                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g)}} if g.delta is not None else {}),
             }
         )
-    return {
+    meta = {
         "format": FORMAT_VERSION,
         "world_size": opt.world_size,
         "optimizer": type(opt.optimizer).__name__,
@@ -131,6 +144,10 @@ def _metadata(opt: ZeroOptimizer) -> dict:
         "module_state": {k: list(v.shape) for k, v in _module_state(opt).items()},
         "groups": groups,
     }
+    residuals = error_feedback.metadata(opt)
+    if residuals is not None:
+        meta[error_feedback.META_KEY] = residuals
+    return meta
 
 
 def _json_default(v):
@@ -198,23 +215,58 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
+# --------------------------------------------------------------------------- qzero.json
+
+#: The largest ``qzero.json`` read (a genuine one holds about 100 bytes per parameter).
+MAX_META_BYTES = 16 << 20
+#: How deeply ``qzero.json`` may nest (a genuine one: 6 levels).
+MAX_META_DEPTH = 16
+
+
 def read_metadata(path: str) -> dict:
     """``qzero.json`` of the checkpoint at ``path``, checked field by field."""
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isfile(meta_path):
+    if not os.path.lexists(os.path.join(path, META_FILE)):
         raise ValueError(f"{path!r} is not a qzero checkpoint: {META_FILE} is missing")
+    raw = read_regular_file(path, META_FILE, MAX_META_BYTES, repr(path))
     try:
-        with open(meta_path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{path!r}: {META_FILE} is not a regular file")
-            meta = json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError) as e:
-        raise ValueError(f"{path!r}: {META_FILE} is not valid JSON ({type(e).__name__}: {e})") from None
+        meta = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise ValueError(f"{path!r}: {META_FILE} is not valid JSON ({type(e).__name__}: {show(str(e))})") from None
+    _check_plain(meta, path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{path!r}: checkpoint format {got!r} is not {FORMAT_VERSION}")
+        raise ValueError(f"{path!r}: checkpoint format {show(got)} is not {FORMAT_VERSION}")
     _check_schema(meta, path)
     return meta
+
+
+def _field(parts: tuple) -> str:
+    """A field of qzero.json by its path, for a message: ``groups[0].state.step``."""
+    out = ""
+    for p in parts[:MAX_META_DEPTH + 1]:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p.isidentifier() and len(p) <= 40:
+            out += f".{p}" if out else p
+        else:
+            out += f"[{show(p, 40)}]"
+    return out + ("..." if len(parts) > MAX_META_DEPTH + 1 else "")
+
+
+def _check_plain(meta, path: str) -> None:
+    """Every value nests at most :data:`MAX_META_DEPTH` deep and every integer fits 64 bits
+    (walked without recursion), so nothing later recurses or overflows on it."""
+    stack = [((), meta)]
+    while stack:
+        parts, v = stack.pop()
+        if len(parts) > MAX_META_DEPTH:
+            raise ValueError(f"{path!r}: {META_FILE} {_field(parts)} is nested deeper than {MAX_META_DEPTH} levels")
+        if type(v) is int and not -(2**63) <= v < 2**63:
+            raise ValueError(f"{path!r}: {META_FILE} {_field(parts)} is {show(v)}, an integer outside 64 bits")
+        if type(v) is dict:
+            stack.extend((parts + (k,), x) for k, x in v.items())
+        elif type(v) is list:
+            stack.extend((parts + (i,), x) for i, x in enumerate(v))
 
 
 #: Dtypes a checkpoint's optimizer state may declare (resolved by this table, never by getattr).
@@ -223,41 +275,54 @@ STATE_DTYPES = {
 }
 _SCHEMA = {"optimizer": str, "module_state": dict, "loss_scaler": dict, "groups": list, "world_size": int}
 _GROUP_SCHEMA = {"names": list, "shapes": list, "used_numel": int, "state": dict, "hyperparameters": dict}
+_SCALER_INTS = ("clean_steps", "hysteresis_left", "skipped_steps")
 
 
 def _check_schema(meta: dict, path: str) -> None:
     """Every field load_checkpoint reads is present and of the right type."""
 
-    def need(obj: dict, schema: dict, where: str) -> None:
+    def fail(field: tuple, v, expected: str) -> ValueError:
+        return ValueError(f"{path!r}: {META_FILE} {_field(field)} is {show(v)}, expected {expected}")
+
+    def need(obj: dict, schema: dict, at: tuple) -> None:
         for key, kind in schema.items():
             if not isinstance(obj.get(key), kind):
-                raise ValueError(f"{path!r}: {META_FILE} lacks a valid {where}{key!r} ({kind.__name__} expected)")
+                raise ValueError(
+                    f"{path!r}: {META_FILE} lacks a valid {_field(at + (key,))} ({kind.__name__} expected)"
+                )
 
-    need(meta, _SCHEMA, "")
+    def sizes(v) -> bool:
+        return type(v) is list and all(type(d) is int and d >= 0 for d in v)
+
+    need(meta, _SCHEMA, ())
     for i, g in enumerate(meta["groups"]):
         if not isinstance(g, dict):
             raise ValueError(f"{path!r}: {META_FILE} group {i} is not an object")
-        need(g, _GROUP_SCHEMA, f"groups[{i}].")
+        at = ("groups", i)
+        need(g, _GROUP_SCHEMA, at)
+        if not all(type(n) is str for n in g["names"]) or len(g["names"]) != len(g["shapes"]):
+            raise fail(at + ("names",), g["names"], f"{len(g['shapes'])} parameter names (one per shape)")
+        for k, shape in enumerate(g["shapes"]):
+            if not sizes(shape):
+                raise fail(at + ("shapes", k), shape, "a list of non-negative ints")
         for key, spec in g["state"].items():
-            if not isinstance(spec, dict) or spec.get("dtype") not in STATE_DTYPES or not isinstance(
-                spec.get("shape"), list
-            ) or not isinstance(spec.get("sharded"), bool):
-                raise ValueError(
-                    f"{path!r}: {META_FILE} declares state {key!r} of group {i} as {spec!r}; expected "
-                    f"sharded/shape/dtype with dtype one of {sorted(STATE_DTYPES)}"
-                )
-            if not all(type(d) is int and d >= 0 for d in spec["shape"]):
-                raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} with shape {spec['shape']!r}")
+            where = at + ("state", key)
+            if not isinstance(spec, dict):
+                raise fail(where, spec, "an object of sharded / shape / dtype")
+            if type(spec.get("dtype")) is not str or spec["dtype"] not in STATE_DTYPES:
+                raise fail(where + ("dtype",), spec.get("dtype"), f"one of {sorted(STATE_DTYPES)}")
+            if not sizes(spec.get("shape")):
+                raise fail(where + ("shape",), spec.get("shape"), "a list of non-negative ints")
+            if type(spec.get("sharded")) is not bool:
+                raise fail(where + ("sharded",), spec.get("sharded"), "true or false")
     scaler = meta["loss_scaler"]
     for key in _SCALER_INTS:
-        if type(scaler.get(key)) is not int:
-            raise ValueError(f"{path!r}: {META_FILE} loss_scaler.{key} is {scaler.get(key)!r}, expected an int")
+        if type(scaler.get(key)) is not int or scaler[key] < 0:
+            raise fail(("loss_scaler", key), scaler.get(key), "a non-negative int")
     scale = scaler.get("scale")
     if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{path!r}: {META_FILE} loss_scaler.scale is {scale!r}, expected a positive number")
-
-
-_SCALER_INTS = ("clean_steps", "hysteresis_left", "skipped_steps")
+        raise fail(("loss_scaler", "scale"), scale, "a positive number")
+    error_feedback.check_metadata(meta, path)
 
 
 def read_checked_index(path: str):
@@ -273,32 +338,44 @@ def read_checked_index(path: str):
         except OSError:
             st = None
         if st is None or not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path!r}: tensor file {rel!r} is missing or not a regular file (a link is refused)")
+            raise ValueError(f"{path!r}: tensor file {show(rel)} is missing or not a regular file (a link is refused)")
         if st.st_size < size:
-            raise ValueError(f"{path!r}: tensor file {rel!r} is truncated (needs {size} bytes, has {st.st_size})")
+            raise ValueError(f"{path!r}: tensor file {show(rel)} is truncated (needs {size} bytes, has {st.st_size})")
     return index, raw
 
 
 def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> None:
-    """Every tensor the load will read is in the index with the size this optimizer expects."""
-    expected = {k: list(v.shape) for k, v in _module_state(opt).items()}
+    """Every tensor the load will read is in the index with the size this optimizer expects,
+    in a dtype that can be copied into where it goes."""
+    expected = {k: (list(v.shape), v.dtype) for k, v in _module_state(opt).items()}
     for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
-        expected[f"group{i}.master"] = [g.layout.used_numel]
+        expected[f"group{i}.master"] = ([g.layout.used_numel], g.master.dtype)
         for key, spec in saved["state"].items():
+            dtype = STATE_DTYPES[spec["dtype"]]
             if spec["sharded"]:
-                expected[f"group{i}.state.{key}"] = [g.layout.used_numel]
+                expected[f"group{i}.state.{key}"] = ([g.layout.used_numel], dtype)
             else:
                 if math.prod(spec["shape"]) > g.master.numel():
-                    raise ValueError(f"{path!r}: {META_FILE} declares state {key!r} of group {i} larger than its group")
-                expected[f"group{i}.state.{key}"] = spec["shape"]
-    for fqn, shape in expected.items():
+                    raise ValueError(
+                        f"{path!r}: {META_FILE} declares state {show(key)} of group {i} larger than its group"
+                    )
+                expected[f"group{i}.state.{key}"] = (spec["shape"], dtype)
+        if restores_replica(g, saved):  # [Note: the replica in a checkpoint]
+            check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta")
+            expected[replica_key(i)] = ([g.layout.used_numel], g.dtype)
+    expected.update(error_feedback.expected_entries(opt, meta))
+    for fqn, (shape, dtype) in expected.items():
         entry = index.state_dict_metadata.get(fqn)
         if entry is None:
-            raise ValueError(f"{path!r}: the checkpoint index {INDEX_FILE} has no entry {fqn!r}")
+            raise ValueError(f"{path!r}: the checkpoint index {INDEX_FILE} has no entry {show(fqn)}")
         if list(entry.size) != shape:
             raise ValueError(
-                f"{path!r}: the checkpoint index {INDEX_FILE} gives {fqn!r} size {list(entry.size)}, {META_FILE} {shape}"
+                f"{path!r}: the checkpoint index {INDEX_FILE} gives {show(fqn)} size {list(entry.size)}, "
+                f"{META_FILE} {shape}"
             )
+        if not castable(entry.properties.dtype, dtype):
+            raise ValueError(f"{path!r}: the checkpoint index {INDEX_FILE} gives {show(fqn)} dtype "
+                             f"{entry.properties.dtype}, which cannot be loaded into {dtype}")
 
 
 def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
@@ -309,9 +386,12 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
     if meta["module_state"] != here:
         saved_state = meta["module_state"]
         diff = sorted(set(saved_state) ^ set(here)) or [k for k in here if here[k] != saved_state[k]]
-        raise ValueError(f"{path!r} was saved for another model: frozen parameters / buffers differ ({diff[:3]})")
+        raise ValueError(f"{path!r} was saved for another model: frozen parameters / buffers differ "
+                         f"({show(diff[:3])})")
     if meta["optimizer"] != type(opt.optimizer).__name__:
-        raise ValueError(f"{path!r} holds {meta['optimizer']} state, this optimizer is {type(opt.optimizer).__name__}")
+        saved = meta["optimizer"] if meta["optimizer"].isidentifier() and len(meta["optimizer"]) <= 60 else show(
+            meta["optimizer"])
+        raise ValueError(f"{path!r} holds {saved} state, this optimizer is {type(opt.optimizer).__name__}")
     for i, (saved, g) in enumerate(zip(meta["groups"], opt.groups)):
         shapes = [list(s.shape) for s in g.layout.slots]
         if len(saved["shapes"]) != len(shapes):
@@ -322,14 +402,18 @@ def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
         for k, (sn, ss, n, s) in enumerate(zip(saved["names"], saved["shapes"], g.names, shapes)):
             if ss != s:
                 raise ValueError(
-                    f"{path!r} was saved for another model: parameter {k} of group {i} is {sn!r} {tuple(ss)} there, "
-                    f"{n!r} {tuple(s)} here"
+                    f"{path!r} was saved for another model: parameter {k} of group {i} is {show(sn)} {tuple(ss)} "
+                    f"there, {n!r} {tuple(s)} here"
                 )
+        if saved["used_numel"] != g.layout.used_numel:
+            raise ValueError(f"{path!r}: {META_FILE} groups[{i}].used_numel is {saved['used_numel']}; its shapes "
+                             f"hold {g.layout.used_numel} elements")
     for i, (saved, pg) in enumerate(zip(meta["groups"], opt.optimizer.param_groups)):
         for k, v in saved["hyperparameters"].items():
             if k in pg and not _same_kind(pg[k], v):
                 raise ValueError(
-                    f"{path!r}: hyperparameter {k!r} of group {i} is {v!r} there; {pg[k]!r} here is not of that kind"
+                    f"{path!r}: {META_FILE} groups[{i}].hyperparameters.{k} is {show(v)}; {show(pg[k])} here is not "
+                    "of that kind"
                 )
 
 
@@ -352,79 +436,305 @@ def _same_kind(here, saved) -> bool:
     return False
 
 
+def _resumed_hyperparameters(pg: dict, saved: dict) -> dict:
+    """A parameter group's hyperparameters once the checkpoint's are in place (no ``params``)."""
+    out = {k: v for k, v in pg.items() if k != "params"}
+    for k, v in saved.items():
+        if k in out:
+            out[k] = tuple(v) if isinstance(out[k], tuple) else v
+    return out
+
+
+# --------------------------------------------------------------------------- the state an optimizer keeps
+
+# [Note: the state an optimizer keeps]
+# The optimizer state a checkpoint may bring is the state the inner optimizer itself keeps
+# with the hyperparameters the load puts in place: the same keys, each shaped like the
+# parameter ("sharded") or a fixed-shape scalar, of the same dtype. Which that is, is asked of
+# the optimizer: a copy of it that shares nothing it writes (its own state, one parameter
+# group over a fresh 2-element fp32 parameter on the masters' device, no step hooks) takes
+# one step with a zero gradient. So AdamW's checkpoint must hold step / exp_avg / exp_avg_sq
+# (and max_exp_avg_sq exactly when amsgrad is on), fp32, and nothing else; a checkpoint saved
+# before the first step holds no state, which is accepted as well. Should the trial step
+# raise (an optimizer that needs a closure, say), the state the optimizer holds now stands in
+# for it; without either the load is refused.
+
+
+def _trial_state(opt: ZeroOptimizer, group: FlatGroup, hyper: dict) -> tuple[dict, torch.Tensor]:
+    """The inner optimizer's state after one trial step, and the parameter it was taken on."""
+    inner = opt.optimizer
+    param = torch.zeros(2, dtype=group.master.dtype, device=group.master.device)
+    param.grad = torch.zeros_like(param)
+    probe = object.__new__(type(inner))
+    probe.__dict__.update(inner.__dict__)
+    probe.state = collections.defaultdict(dict)
+    probe.param_groups = [{**hyper, "params": [param]}]
+    probe._optimizer_step_pre_hooks = collections.OrderedDict()
+    probe._optimizer_step_post_hooks = collections.OrderedDict()
+    step = type(inner).step
+    step = getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step  # no global hooks
+    step(probe)
+    return {k: v for k, v in probe.state[param].items() if isinstance(v, torch.Tensor)}, param
+
+
+def kept_state(opt: ZeroOptimizer, meta: dict, path: str) -> list[dict[str, dict]]:
+    """Per group, what the inner optimizer keeps with the checkpoint's hyperparameters: key ->
+    ``{"sharded", "shape", "dtype", "device"}`` ([Note: the state an optimizer keeps])."""
+    name = type(opt.optimizer).__name__
+    out = []
+    for g, saved, pg in zip(opt.groups, meta["groups"], opt.optimizer.param_groups):
+        try:
+            state, like = _trial_state(opt, g, _resumed_hyperparameters(pg, saved["hyperparameters"]))
+        except Exception as e:  # noqa: BLE001 - any optimizer may be inside
+            state, like = opt.optimizer.state.get(g.master, {}), g.master
+            if not state:
+                raise ValueError(
+                    f"{path!r}: cannot tell which state {name} keeps (a trial step raised {type(e).__name__}: "
+                    f"{show(str(e))}), and it holds none yet: step it once before loading"
+                ) from None
+        out.append({
+            k: {"sharded": v.shape == like.shape, "shape": list(v.shape),
+                "dtype": str(v.dtype).removeprefix("torch."), "device": g.master.device if v.device == like.device
+                else v.device}
+            for k, v in state.items() if isinstance(v, torch.Tensor)
+        })
+    return out
+
+
+def check_state(opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]], path: str) -> None:
+    """The checkpoint's optimizer state is what the inner optimizer keeps, or none at all."""
+    name = type(opt.optimizer).__name__
+    for i, (saved, want) in enumerate(zip(meta["groups"], kept)):
+        state = saved["state"]
+        if not state:
+            continue  # saved before the first step
+        at = f"{path!r}: {META_FILE} groups[{i}].state"
+        extra = [k for k in state if k not in want]
+        if extra:
+            raise ValueError(f"{at} declares {show(extra[0])}, which {name} does not keep with these hyperparameters "
+                             f"({name} keeps {sorted(want)})")
+        missing = [k for k in want if k not in state]
+        if missing:
+            raise ValueError(f"{at} lacks {missing[0]!r}, which {name} keeps with the hyperparameters it gives "
+                             f"({name} keeps {sorted(want)})")
+        for key, spec in state.items():
+            w = want[key]
+            if spec["sharded"] != w["sharded"] or (not w["sharded"] and spec["shape"] != w["shape"]):
+                got = "shaped like the parameters" if spec["sharded"] else f"of shape {show(spec['shape'])}"
+                keeps = "shaped like the parameters" if w["sharded"] else f"of shape {w['shape']}"
+                raise ValueError(f"{at}.{key} is {got}; {name} keeps it {keeps}")
+            if spec["dtype"] != w["dtype"]:
+                raise ValueError(f"{at}.{key} is {spec['dtype']}; {name} keeps it as {w['dtype']}")
+
+
+# --------------------------------------------------------------------------- loading
+
+# [Note: all or nothing]
+# A load either puts the whole checkpoint in place on every rank or leaves every rank as it
+# was. Before any tensor is read, each rank checks everything it can locally (qzero.json,
+# the index, the files it names, the state against what the inner optimizer keeps) and
+# allocates what it reads into; the ranks agree on the outcome and on the metadata (one
+# all-gather). The new optimizer state is read into fresh tensors; the masters, frozen
+# parameters and buffers are read in place, after a host copy of them is taken. Each tensor
+# is checked as it is read (a dense CPU tensor of the dtype the index gives, castable into
+# its target); DCP gathers every rank's reading outcome and raises on all ranks if one
+# failed. Then each rank checks that the masters and the state are finite and digests the
+# replicated tensors (frozen parameters, buffers, scalar state such as Adam's step), and
+# the ranks compare those (one all-gather): copies that differ in a single byte are
+# refused. On any refusal after reading began, the host copies are put back. Only then is
+# anything the optimizer holds replaced (state, hyperparameters, loss scale) and the
+# weights gathered.
+
+
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
-    # Everything that can be checked locally is checked before any communication, and the
-    # ranks agree on the outcome (and on the metadata) so that all of them raise together.
+    """See [Note: all or nothing]."""
     from ..comm import agree_or_raise
 
-    error, fields, meta, index = None, None, None, None
+    error, fields, meta, index, load = None, None, None, None, None
     try:
-        path = resolve_checkpoint(path)
-        meta = read_metadata(path)
-        check_compatible(opt, meta, path)
-        index, raw_index = read_checked_index(path)
-        check_index_matches(opt, meta, index, path)
-        fields = {"checkpoint metadata": _digest(json.dumps(meta, sort_keys=True).encode()),
-                  "checkpoint index": _digest(raw_index)}
-    except (TypeError, ValueError) as e:
-        error, fields = e, None
-    agree_group = opt.process_group
-    agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
-    targets, fills = dict(_module_state(opt)), []
-    for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
-        targets[f"group{i}.master"] = _sharded(g.master, g, opt)
-        state = {}
-        for key, spec in saved["state"].items():
-            dtype = STATE_DTYPES[spec["dtype"]]
-            if spec["sharded"]:
-                t = torch.zeros(g.master.shape, dtype=dtype, device=g.master.device)
-                targets[f"group{i}.state.{key}"] = _sharded(t, g, opt)
-            else:
-                t = torch.zeros(spec["shape"], dtype=dtype, device=_scalar_device(opt, g, key))
-                targets[f"group{i}.state.{key}"] = t
-            state[key] = t
-        fills.append((g, state, saved["hyperparameters"]))
-
-    def agree(read_error):  # every rank's tensors are checked before any is copied
-        agree_or_raise(agree_group, opt.world_size, opt.groups[0].master.device, read_error, {}, "load_checkpoint")
-
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"load_checkpoint: path must be a str or an os.PathLike, got {type(path).__name__}")
+        path = os.fspath(path)
+    except TypeError as e:
+        error = e
+    else:
+        try:
+            path = resolve_checkpoint(path)
+            meta = read_metadata(path)
+            check_compatible(opt, meta, path)
+            kept = kept_state(opt, meta, path)
+            check_state(opt, meta, kept, path)
+            index, raw_index = read_checked_index(path)
+            check_index_matches(opt, meta, index, path)
+            fields = {"checkpoint metadata": digest(json.dumps(meta, sort_keys=True)),
+                      "checkpoint index": digest(raw_index)}
+            load = _PendingLoad(opt, meta, kept)
+        except ValueError as e:
+            error, fields, load = _bounded(e), None, None
+        except Exception as e:  # noqa: BLE001 - a checkpoint's content gets a ValueError, whatever it breaks
+            error, fields, load = ValueError(f"{path!r}: the checkpoint could not be checked "
+                                             f"({type(e).__name__}: {show(str(e))})"), None, None
+    agree_or_raise(opt.process_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
     try:
-        dcp.load(targets, storage_reader=IndexedReader(path, index, agree), process_group=opt.process_group)
-    except CheckpointException as e:
-        raise ValueError(_read_failure(e, path)) from e
-    for (g, state, hyper), pg in zip(fills, opt.optimizer.param_groups):
-        # padding holds zeros (it was never trained)
-        for a, b in g.layout.padding_ranges(g.lo, g.hi):
-            g.master[a:b].zero_()
-        opt.optimizer.state[g.master] = state
-        for k, v in hyper.items():
-            if k in pg:
-                pg[k] = tuple(v) if isinstance(pg[k], tuple) else v
-    opt.scaler.load_state_dict(meta["loss_scaler"])
-    for grads in opt.grads:
-        grads.zero()
-    # The configured gather, as after a step: resuming at the same world size is bit-exact.
-    with torch.no_grad():
-        for g in opt.groups:
-            g.gather()
+        try:
+            dcp.load(load.targets(), storage_reader=IndexedReader(path, index), process_group=opt.process_group)
+        except CheckpointException as e:
+            raise ValueError(_read_failure(e, path)) from e
+        load.agree_after_read(path)
+    except BaseException:
+        load.undo()
+        raise
+    load.commit()
 
 
-def _digest(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+def _bounded(e: ValueError, limit: int = 1000) -> ValueError:
+    msg = str(e)
+    return e if len(msg) <= limit else ValueError(msg[: limit - 3] + "...")
+
+
+class _PendingLoad:
+    """What one load reads into, and how it is put in place or undone ([Note: all or nothing])."""
+
+    def __init__(self, opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]]):
+        """Allocate (local only: no collective, it runs before the ranks agree)."""
+        self.opt, self.meta = opt, meta
+        self.states: list[dict[str, torch.Tensor]] = []
+        for i, (g, saved) in enumerate(zip(opt.groups, meta["groups"])):
+            state = {}
+            for key, spec in saved["state"].items():
+                if spec["sharded"]:
+                    shape, device = g.master.shape, g.master.device
+                else:
+                    shape, device = spec["shape"], kept[i][key]["device"]
+                state[key] = torch.zeros(shape, dtype=STATE_DTYPES[spec["dtype"]], device=device)
+            self.states.append(state)
+        self.residuals = error_feedback.ResidualLoad(opt, meta)
+        # delta gathers: the groups whose replica the checkpoint restores ([Note: the replica in a checkpoint])
+        self.replicas = [restores_replica(g, saved) for g, saved in zip(opt.groups, meta["groups"])]
+        # what is read in place, copied aside (to the host) to be put back on a refusal
+        self._in_place = ([g.master for g in opt.groups] + list(_module_state(opt).values())
+                          + [g.own for g, r in zip(opt.groups, self.replicas) if r] + self.residuals.in_place)
+        self._saved = [t.detach().to("cpu", copy=True) for t in self._in_place]
+
+    def targets(self) -> dict:
+        """The state dict DCP reads into (collective at world size > 1: it builds ShardedTensors)."""
+        opt = self.opt
+        out: dict = dict(_module_state(opt))
+        for i, (g, state) in enumerate(zip(opt.groups, self.states)):
+            out[f"group{i}.master"] = _sharded(g.master, g, opt)
+            specs = self.meta["groups"][i]["state"]
+            for key, t in state.items():
+                out[f"group{i}.state.{key}"] = _sharded(t, g, opt) if specs[key]["sharded"] else t
+            if self.replicas[i]:
+                out[replica_key(i)] = _sharded(g.own, g, opt)
+        out.update(self.residuals.targets())
+        return out
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for t, saved in zip(self._in_place, self._saved):
+                t.copy_(saved)
+
+    def agree_after_read(self, path: str) -> None:
+        """Finite masters and state; the same replicated tensors on every rank (one exchange,
+        [Note: agreement] in qzero/agreement.py: a differing tensor is named by its details)."""
+        from ..comm import agree_or_raise
+
+        replicated = dict(_module_state(self.opt))
+        for i, state in enumerate(self.states):
+            for key, spec in self.meta["groups"][i]["state"].items():
+                if not spec["sharded"]:
+                    replicated[f"group{i}.state.{key}"] = state[key]
+        error, fields, details = None, None, None
+        try:
+            self._check_finite(path)
+            digests = {name: f"bytes digest {_tensor_digest(t):016x}" for name, t in sorted(replicated.items())}
+            name = "a replicated tensor (frozen parameter, buffer or scalar optimizer state)"
+            fields, details = {name: digest(json.dumps(digests))}, {name: digests}
+        except ValueError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+            error = ValueError(f"{path!r}: checking the tensors read failed ({type(e).__name__}: {show(str(e))})")
+        agree_or_raise(self.opt.process_group, self.opt.world_size, self.opt.groups[0].master.device, error, fields,
+                       f"load_checkpoint({path!r}), after reading", details)
+
+    def _check_finite(self, path: str) -> None:
+        for i, (g, state) in enumerate(zip(self.opt.groups, self.states)):
+            spec = self.meta["groups"][i]["state"]
+            for what, t, sharded in [("the fp32 master", g.master, True)] + [
+                (f"optimizer state {k!r}", v, spec[k]["sharded"]) for k, v in state.items() if v.is_floating_point()
+            ] + ([("the replica", g.own, True)] if self.replicas[i] else []):
+                pieces = [(a, n) for a, n, _ in logical_pieces(g)] if sharded else [(0, t.numel())]
+                flat = t.reshape(-1)
+                bad = _first_non_finite(flat, pieces)
+                if bad is None:
+                    continue
+                if not sharded:
+                    raise ValueError(f"{path!r}: {what} of group {i} holds a non-finite value; loading refused")
+                slot = next(s for s in g.layout.slots if s.start <= g.lo + bad < s.stop)
+                raise ValueError(f"{path!r}: {what} of {g.names[slot.index]!r} (group {i}) holds non-finite values "
+                                 f"(first at element {g.lo + bad - slot.start}); loading refused")
+
+    def commit(self) -> None:
+        """Put the read state in place (nothing here can refuse) and gather the weights."""
+        opt = self.opt
+        self._saved = []
+        for g, state, saved, pg in zip(opt.groups, self.states, self.meta["groups"], opt.optimizer.param_groups):
+            for a, b in g.layout.padding_ranges(g.lo, g.hi):  # padding holds zeros (it was never trained)
+                g.master[a:b].zero_()
+            opt.optimizer.state[g.master] = state
+            for k, v in _resumed_hyperparameters(pg, saved["hyperparameters"]).items():
+                pg[k] = v
+        opt.scaler.load_state_dict(self.meta["loss_scaler"])
+        self.residuals.commit()
+        for grads in opt.grads:
+            grads.zero()
+        # The configured gather, as after a step: resuming at the same world size is bit-exact.
+        # Delta gathers: the saved replica, or an exact resync ([Note: the replica in a checkpoint]).
+        with torch.no_grad():
+            for g, saved, restore in zip(opt.groups, self.meta["groups"], self.replicas):
+                if restore:
+                    g.restore_replica(saved["delta"])
+                    continue
+                if g.delta is not None:
+                    g.delta.resync_due()
+                g.gather()
+
+
+def _first_non_finite(flat: torch.Tensor, pieces, chunk: int = 1 << 22) -> int | None:
+    """The first non-finite element of ``flat`` inside ``pieces`` (``(start, length)``), a
+    chunk at a time (no full-size temporary) with one host sync when all are finite."""
+    finite = torch.ones((), dtype=torch.bool, device=flat.device)
+    for a, n in pieces:
+        for s in range(a, a + n, chunk):
+            finite &= torch.isfinite(flat[s : min(s + chunk, a + n)]).all()
+    if bool(finite):
+        return None
+    for a, n in pieces:
+        for s in range(a, a + n, chunk):
+            bad = (~torch.isfinite(flat[s : min(s + chunk, a + n)])).nonzero()
+            if bad.numel():
+                return s + int(bad[0, 0])
+    return None
+
+
+def _tensor_digest(t: torch.Tensor) -> int:
+    """A digest of a tensor's bytes (a host copy of one tensor at a time)."""
+    return digest(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _read_failure(e: CheckpointException, path: str) -> str:
     """What went wrong while reading, as the rank that found it said (every rank gets every
-    rank's exception from DCP; those that only echo the agreement are passed over)."""
+    rank's exception from DCP)."""
     errors = []
     for rank, failure in sorted(getattr(e, "failures", {}).items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, ValueError):
-            errors.append((str(exc).startswith("load_checkpoint: rank(s)"), rank, str(exc)))
+            errors.append((rank, str(exc)))
     if errors:
-        echo, rank, msg = min(errors)
-        return msg if echo or len(e.failures) == 1 else f"{msg} (found by rank {rank})"
-    return f"{path!r}: reading the tensors failed: {_first_line(e)}"
+        rank, msg = errors[0]
+        return msg if len(e.failures) == 1 else f"{msg} (found by rank {rank})"
+    return f"{path!r}: reading the tensors failed: {show(_first_line(e))}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -432,11 +742,41 @@ def _first_line(e: BaseException) -> str:
     return text[-1] if text else type(e).__name__
 
 
-def _scalar_device(opt: ZeroOptimizer, group: FlatGroup, key: str) -> torch.device:
-    """Where the inner optimizer keeps a scalar state entry (fused/capturable: the device)."""
-    existing = opt.optimizer.state.get(group.master, {}).get(key)
-    if existing is not None:
-        return existing.device
-    pg = opt.optimizer.param_groups[0]
-    on_device = pg.get("fused") or pg.get("capturable")
-    return group.master.device if on_device else torch.device("cpu")
+# --------------------------------------------------------------------------- delta gathers: the replica
+
+# [Note: the replica in a checkpoint]
+# With delta gathers the weights every rank holds (the replica) are not bf16(master): they
+# are where the closed loop has brought them ([Note: delta loop] in qzero/optim/delta.py). A
+# checkpoint therefore also holds, per flat group, the replica (``group{i}.replica``: the
+# logical buffer in the flat dtype, each rank writing its partition, like the masters) and
+# the loop's state with the layout it ran on (``groups[i].delta`` in qzero.json). A load into
+# the same layout (world size, flat order, group size and format: ``layout_key``) puts the
+# replica back (each rank its partition, then the plain gather of the partitions) and the
+# loop's state with it, so the run continues bit for bit; any other load (another world
+# size, a checkpoint without a replica) ends with an exact resync instead.
+
+
+def replica_key(i: int) -> str:
+    return f"group{i}.replica"
+
+
+def layout_key(group: FlatGroup) -> list:
+    """What the replica's bits depend on besides the values: where every parameter sits and how
+    the partitions are cut into groups (JSON values)."""
+    plan = group.gather_plan
+    return [group.world_size, group.layout.numel, group.layout.order, plan.group_size, plan.fmt,
+            digest(repr([(s.start, s.numel) for s in group.layout.slots]))]
+
+
+def check_loop_state(d: dict, where: str) -> None:
+    from .delta import LoopState
+
+    if d.get("state") not in [s.value for s in LoopState] or type(d.get("deltas")) is not int or d["deltas"] < 0:
+        raise ValueError(f"{where} is {show(d)}; expected a loop state ({[s.value for s in LoopState]}) and a count >= 0")
+
+
+def restores_replica(group: FlatGroup, saved: dict) -> bool:
+    """Whether a load puts the saved replica back (the same on every rank: the metadata and the
+    layout are agreed on)."""
+    delta = saved.get("delta")
+    return group.delta is not None and isinstance(delta, dict) and delta.get("layout") == layout_key(group)

@@ -18,17 +18,28 @@ from someone else, so the index is read in three steps:
    with ``torch.load(weights_only=False)``; qzero never writes them), chunks that tile
    their tensor, one storage entry per chunk naming a plain file inside the directory,
    no stream transforms.
+   Each storage entry is at most as long as its chunk needs (its elements plus the
+   archive around them: :data:`ARCHIVE_SLACK`), and no two share a byte, so a read is
+   bounded by its chunk and every byte of a tensor file is read once at most.
 3. :class:`IndexedReader` gives DCP that rebuilt index (the file is not read again)
    and reads each tensor with ``torch.load(weights_only=True)`` from the byte range the
-   index names, refusing any read that is not a tensor, on every supported torch; every
-   tensor is checked before the first one is copied into place.
+   index names, refusing any read that is not a dense CPU tensor of the dtype the index
+   gives, castable into its target, on every supported torch.
+
+Files are opened without following links and without blocking (a FIFO is refused, not
+waited on), must be regular files, and the index may not be larger than
+:data:`MAX_INDEX_BYTES`. Values from the files are echoed in messages through
+:func:`show`, which bounds their length.
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import math
 import os
 import pickle
+import reprlib
 import stat
 from typing import Any
 
@@ -40,6 +51,26 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 INDEX_FILE = ".metadata"
+
+#: The largest index read (a genuine one holds a few hundred bytes per tensor and rank).
+MAX_INDEX_BYTES = 64 << 20
+#: What a storage entry may hold besides its chunk's elements: the zip archive
+#: ``torch.save`` writes around them (about 1.6 KiB with torch 2.4 to 2.13).
+ARCHIVE_SLACK = 64 << 10
+
+
+def _dtypes(*names: str) -> frozenset:
+    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+#: Dtypes that ``Tensor.copy_`` converts between.
+CONVERTIBLE_DTYPES = _dtypes(
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "int64", "int32", "int16",
+    "int8", "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+#: Dtypes that ``Tensor.copy_`` copies into their own dtype only (bit for bit, converting nothing).
+SAME_DTYPE_ONLY = _dtypes("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2")
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -78,6 +109,44 @@ _REFUSED_HINTS = {
 
 class IndexRefused(ValueError):
     """The index names a global outside :data:`INDEX_GLOBALS`, or is malformed."""
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 60, 60, 40
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 6
+
+
+def show(value, limit: int = 120) -> str:
+    """``repr(value)`` for a message: a value read from a checkpoint may be megabytes long or
+    nested a thousand levels deep; this is at most ``limit`` characters and never recurses."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: How checkpoint files are opened: never through a link, never waiting (a FIFO opens at once).
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_regular_file(directory: str, name: str, limit: int, where: str, what: str | None = None) -> bytes:
+    """The bytes of ``directory/name`` (``what`` in messages), opened with :data:`OPEN_FLAGS`,
+    which must be a regular file of at most ``limit`` bytes (checked before reading it)."""
+    what = what or name
+    try:
+        fd = os.open(os.path.join(directory, name), OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{where}: {what} is a link (qzero reads no checkpoint file through a link)") from None
+        raise ValueError(f"{where}: cannot read {what}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{where}: {what} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{where}: {what} is larger than {limit} bytes ({st.st_size}); qzero does not read it")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{where}: {what} is larger than {limit} bytes; qzero does not read it")
+    return data
 
 
 class _Record:
@@ -142,14 +211,10 @@ def read_index(directory: str, where: str | None = None) -> tuple[_dcp_md.Metada
     """The checked, rebuilt DCP index of ``directory`` and the raw bytes it was read from.
     Raises :class:`IndexRefused` (a ValueError) naming what is wrong."""
     where = where or repr(directory)
-    path = os.path.join(directory, INDEX_FILE)
     try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise IndexRefused(f"{where}: {INDEX_FILE} is not a regular file")
-            raw = f.read()
-    except OSError as e:
-        raise IndexRefused(f"{where}: cannot read the checkpoint index {INDEX_FILE}: {e}") from None
+        raw = read_regular_file(directory, INDEX_FILE, MAX_INDEX_BYTES, where, f"the checkpoint index {INDEX_FILE}")
+    except ValueError as e:
+        raise IndexRefused(str(e)) from None
     if not raw:
         raise IndexRefused(f"{where}: the checkpoint index {INDEX_FILE} is empty")
     unpickler = IndexUnpickler(io.BytesIO(raw), where)
@@ -159,9 +224,16 @@ def read_index(directory: str, where: str | None = None) -> tuple[_dcp_md.Metada
         raise
     except Exception as e:  # noqa: BLE001 - only our records and builtin containers were made
         raise IndexRefused(
-            f"{where}: the checkpoint index {INDEX_FILE} is not a valid pickle ({type(e).__name__}: {e})"
+            f"{where}: the checkpoint index {INDEX_FILE} is not a valid pickle ({type(e).__name__}: {show(str(e))})"
         ) from None
-    return rebuild_index(top, unpickler.kinds, where), raw
+    try:
+        return rebuild_index(top, unpickler.kinds, where), raw
+    except IndexRefused:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the records hold, the answer is a refusal
+        raise IndexRefused(
+            f"{where}: the checkpoint index {INDEX_FILE} is malformed ({type(e).__name__}: {show(str(e))})"
+        ) from None
 
 
 # --------------------------------------------------------------------------- checking and rebuilding
@@ -172,6 +244,7 @@ class _Checker:
         self.kinds, self.where = kinds, where
 
     def fail(self, what: str) -> IndexRefused:
+        what = what if len(what) <= 400 else what[:397] + "..."
         return IndexRefused(f"{self.where}: the checkpoint index {INDEX_FILE} is malformed: {what}")
 
     def kind(self, obj) -> str | None:
@@ -205,7 +278,7 @@ class _Checker:
             if k in allowed:
                 out[k] = v
             elif not (v is None or type(v) in (bool, int, str)):
-                raise self.fail(f"{where}: {kind} has an unknown field {k!r} holding {self.describe(v)}")
+                raise self.fail(f"{where}: {kind} has an unknown field {show(k)} holding {self.describe(v)}")
             # a plain-valued field of a newer torch is dropped: the index is rebuilt from known fields
         missing = [k for k in required if k not in out]
         if missing:
@@ -225,7 +298,7 @@ class _Checker:
         if optional and v is None:
             return None
         if type(v) is not int or not 0 <= v < 2**62:
-            raise self.fail(f"{where} is {v!r}, expected a non-negative int")
+            raise self.fail(f"{where} is {show(v)}, expected a non-negative int")
         return v
 
     def text(self, v, where: str, optional: bool = True) -> str | None:
@@ -257,13 +330,13 @@ class _Checker:
         if layout is not None:
             rec = self.record(layout, "Layout", f"{where}.layout")
             if rec.args != ("torch.strided",) or rec.kwargs or rec.built:
-                raise self.fail(f"{where}.layout is {rec.args!r}; only torch.strided tensors are read")
+                raise self.fail(f"{where}.layout is {show(rec.args)}; only torch.strided tensors are read")
         if type(requires_grad) is not bool or type(pin_memory) is not bool:
             raise self.fail(f"{where}: requires_grad / pin_memory are not bools")
         if mem_format is not None:
             rec = self.record(mem_format, "MemoryFormat", f"{where}.memory_format")
             if rec.kwargs or rec.built or len(rec.args) != 1 or type(rec.args[0]) is not int or not 0 <= rec.args[0] <= 2:
-                raise self.fail(f"{where}.memory_format is {rec.args!r}")
+                raise self.fail(f"{where}.memory_format is {show(rec.args)}")
         return self.dtype(dtype, f"{where}.dtype")
 
     def plain(self, v, where: str, depth: int = 0):
@@ -311,10 +384,11 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
             raise c.fail("storage_meta.modules is not a list of str")
 
     chunks_of: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+    dtype_of: dict[str, torch.dtype] = {}
     new_entries = {}
     for fqn, entry in entries.items():
         c.text(fqn, "a state_dict_metadata key", optional=False)
-        at = f"state_dict_metadata[{fqn!r}]"
+        at = f"state_dict_metadata[{show(fqn)}]"
         kind = c.kind(entry)
         if kind != "TensorStorageMetadata":
             raise c.fail(f"{at} is {c.describe(entry)}; only tensor entries are read")
@@ -335,7 +409,7 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
                 raise c.fail(f"{at} has two chunks at {offsets}")
             chunks[offsets] = sizes
         _check_tiling(c, at, size, chunks)
-        chunks_of[fqn] = chunks
+        chunks_of[fqn], dtype_of[fqn] = chunks, dtype
         new_entries[fqn] = _dcp_md.TensorStorageMetadata(
             properties=_dcp_md.TensorProperties(dtype=dtype),
             size=torch.Size(size),
@@ -346,36 +420,54 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
     for key, info in storage.items():
         kf = c.fields(key, "MetadataIndex", "a storage_data key", ("fqn", "offset", "index"), ("fqn",))
         fqn = c.text(kf["fqn"], "a storage_data key's fqn", optional=False)
-        offset = None if kf.get("offset") is None else c.size(kf["offset"], f"storage_data[{fqn!r}].offset")
-        index = c.integer(kf.get("index"), f"storage_data[{fqn!r}].index", optional=True)
-        at = f"storage_data[{fqn!r}, {offset}]"
+        offset = None if kf.get("offset") is None else c.size(kf["offset"], f"storage_data[{show(fqn)}].offset")
+        index = c.integer(kf.get("index"), f"storage_data[{show(fqn)}].index", optional=True)
+        at = f"storage_data[{show(fqn)}, {offset}]"
         if fqn not in chunks_of or offset not in chunks_of[fqn]:
             raise c.fail(f"{at} names no chunk of a tensor entry")
         sf = c.fields(info, "StorageInfo", at, ("relative_path", "offset", "length", "transform_descriptors"),
                       ("relative_path", "offset", "length"))
         rel = c.text(sf["relative_path"], f"{at}.relative_path", optional=False)
         if not _plain_file_name(rel):
-            raise c.fail(f"{at}.relative_path {rel!r} is not a file name inside the checkpoint directory")
+            raise c.fail(f"{at}.relative_path {show(rel)} is not a file name inside the checkpoint directory")
         transforms = sf.get("transform_descriptors")
         if transforms is not None and (type(transforms) not in (list, tuple) or len(transforms)):
-            raise c.fail(f"{at} asks for stream transforms {transforms!r}; qzero writes none and reads none")
+            raise c.fail(f"{at} asks for stream transforms {show(transforms)}; qzero writes none and reads none")
         mi = _dcp_md.MetadataIndex(fqn, offset, index)
         if mi in new_storage:
             raise c.fail(f"{at} appears twice")
-        new_storage[mi] = _dcp_fs._StorageInfo(
-            relative_path=rel,
-            offset=c.integer(sf["offset"], f"{at}.offset"),
-            length=c.integer(sf["length"], f"{at}.length"),
-        )
+        length = c.integer(sf["length"], f"{at}.length")
+        numel = math.prod(chunks_of[fqn][offset])
+        most = numel * dtype_of[fqn].itemsize + ARCHIVE_SLACK
+        if length > most:
+            raise c.fail(f"{at}.length is {length} bytes, longer than its chunk needs ({numel} elements of "
+                         f"{dtype_of[fqn]}: at most {most} bytes with the archive around them)")
+        new_storage[mi] = _dcp_fs._StorageInfo(relative_path=rel, offset=c.integer(sf["offset"], f"{at}.offset"),
+                                               length=length)
     for fqn, chunks in chunks_of.items():
         for offsets in chunks:
             if _dcp_md.MetadataIndex(fqn, offsets) not in new_storage:
-                raise c.fail(f"chunk {offsets} of {fqn!r} has no storage entry")
+                raise c.fail(f"chunk {offsets} of {show(fqn)} has no storage entry")
+    _check_disjoint(c, new_storage)
 
     out = _dcp_md.Metadata(state_dict_metadata=new_entries, planner_data=planner_data, storage_data=new_storage)
     if hasattr(out, "version"):
         out.version = version
     return out
+
+
+def _check_disjoint(c: _Checker, storage: dict) -> None:
+    """No two storage entries share a byte of a file (so no range is read twice, whatever
+    the number of chunks that would name it)."""
+    by_file: dict[str, list] = {}
+    for key, info in storage.items():
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, key))
+    for rel, ranges in by_file.items():
+        ranges.sort(key=lambda r: (r[0], r[1]))
+        for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise c.fail(f"the storage entries of {show(a.fqn)} {tuple(a.offset)} and {show(b.fqn)} "
+                             f"{tuple(b.offset)} overlap in {show(rel)} (at byte {start}); each byte is read once")
 
 
 def _check_tiling(c: _Checker, at: str, size: tuple[int, ...], chunks: dict) -> None:
@@ -432,17 +524,16 @@ class IndexedReader(dcp.FileSystemReader):
 
     ``read_metadata`` returns that index. ``read_data`` reads tensors only, each with
     ``torch.load(weights_only=True)`` from the byte range of a plain file of the
-    directory, in two passes: first every tensor of this rank's plan is loaded and
-    checked (a strided, unquantized tensor of the expected size) and dropped, then
-    ``agree(error)`` is called (ranks agree there: it raises on every rank if any rank
-    failed), and only then are the tensors read again and copied into place. So a
-    tensor file that does not match its index is refused before anything is written,
-    at the cost of reading the tensors twice; peak memory stays one item.
+    directory, checks it (a dense, unquantized CPU tensor of the dtype the index gives,
+    which ``copy_`` can convert into its target, of the expected size) and copies it into
+    its target. A failure raises: DCP gathers every rank's outcome and raises on all of
+    them. Whatever was copied before it is put back by the loader ([Note: all or nothing]
+    in :mod:`qzero.optim.checkpoint`).
     """
 
-    def __init__(self, directory: str, index: _dcp_md.Metadata, agree=None) -> None:
+    def __init__(self, directory: str, index: _dcp_md.Metadata) -> None:
         super().__init__(directory)
-        self._directory, self._index, self._agree = str(directory), index, agree
+        self._directory, self._index = str(directory), index
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_md.Metadata:
         storage_meta = getattr(_dcp_md, "StorageMeta", None)
@@ -451,26 +542,20 @@ class IndexedReader(dcp.FileSystemReader):
         return self._index
 
     def read_data(self, plan, planner) -> Future:
-        error = None
-        try:
-            for req in plan.items:
-                if req.type != LoadItemType.TENSOR:
-                    raise ValueError(
-                        f"{self._directory!r}: a non-tensor read of {req.dest_index.fqn!r} was planned; "
-                        "qzero reads tensors only"
-                    )
-            for req in plan.items:
-                self._load(req, planner)
-        except Exception as e:  # noqa: BLE001 - reported on every rank through agree()
-            error = e if isinstance(e, ValueError) else ValueError(
-                f"{self._directory!r}: reading the tensors failed: {type(e).__name__}: {e}"
-            )
-        if self._agree is not None:
-            self._agree(error)
-        elif error is not None:
-            raise error
         for req in plan.items:
-            tensor, target = self._load(req, planner)
+            if req.type != LoadItemType.TENSOR:
+                raise ValueError(
+                    f"{self._directory!r}: a non-tensor read of {show(req.dest_index.fqn)} was planned; "
+                    "qzero reads tensors only"
+                )
+        for req in plan.items:
+            try:
+                tensor, target = self._load(req, planner)
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported on every rank by DCP
+                raise ValueError(f"{self._directory!r}: reading {show(req.storage_index.fqn)} failed: "
+                                 f"{type(e).__name__}: {show(_first_line(e))}") from None
             target.copy_(tensor)
             planner.commit_tensor(req, target)
         fut: Future = Future()
@@ -479,17 +564,25 @@ class IndexedReader(dcp.FileSystemReader):
 
     def _load(self, req, planner) -> tuple[torch.Tensor, torch.Tensor]:
         info = self._index.storage_data[req.storage_index]
-        rel, where = info.relative_path, f"{self._directory!r}: {req.storage_index.fqn!r} in {info.relative_path!r}"
-        fd = os.open(os.path.join(self._directory, rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fqn = req.storage_index.fqn
+        rel, where = info.relative_path, f"{self._directory!r}: {show(fqn)} in {show(info.relative_path)}"
+        fd = os.open(os.path.join(self._directory, rel), OPEN_FLAGS)
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{self._directory!r}: tensor file {rel!r} is not a regular file")
+                raise ValueError(f"{self._directory!r}: tensor file {show(rel)} is not a regular file")
             try:
                 tensor = torch.load(_ByteRange(f, info.offset, info.length), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - weights_only: nothing but tensors was built
-                raise ValueError(f"{where} cannot be read as a tensor ({type(e).__name__}: {_first_line(e)})") from None
+                raise ValueError(
+                    f"{where} cannot be read as a tensor ({type(e).__name__}: {show(_first_line(e))})"
+                ) from None
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_quantized:
             raise ValueError(f"{where} is not a dense tensor")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{where} is a {tensor.device.type} tensor (it holds no data to copy)")
+        declared = self._index.state_dict_metadata[fqn].properties.dtype
+        if tensor.dtype != declared:
+            raise ValueError(f"{where} holds {tensor.dtype}, the index says {declared}")
         if len(req.storage_offsets) != tensor.dim():
             raise ValueError(f"{where} has {tensor.dim()} dimensions, the index {len(req.storage_offsets)}")
         for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
@@ -500,7 +593,16 @@ class IndexedReader(dcp.FileSystemReader):
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise ValueError(f"{where} holds {tuple(tensor.size())}, expected {tuple(target.size())}")
+        if not castable(tensor.dtype, target.dtype):
+            raise ValueError(f"{where} holds {tensor.dtype}, which cannot be copied into {target.dtype}")
         return tensor, target
+
+
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``dst_tensor.copy_(src_tensor)`` can copy ``src`` into ``dst``."""
+    if src == dst:
+        return src in CONVERTIBLE_DTYPES or src in SAME_DTYPE_ONLY
+    return src in CONVERTIBLE_DTYPES and dst in CONVERTIBLE_DTYPES
 
 
 def _first_line(e: BaseException) -> str:
@@ -508,5 +610,6 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else ""
 
 
-__all__ = ["INDEX_DTYPES", "INDEX_FILE", "INDEX_GLOBALS", "IndexRefused", "IndexUnpickler", "IndexedReader", "read_index",
-           "rebuild_index"]
+__all__ = ["ARCHIVE_SLACK", "CONVERTIBLE_DTYPES", "INDEX_DTYPES", "INDEX_FILE", "INDEX_GLOBALS", "IndexRefused",
+           "IndexUnpickler", "IndexedReader", "MAX_INDEX_BYTES", "castable", "read_index", "read_regular_file",
+           "rebuild_index", "SAME_DTYPE_ONLY", "show"]

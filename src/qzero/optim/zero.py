@@ -17,17 +17,21 @@ the update of the rest. The bits are those of one whole update.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from ..agreement import digest, optimizer_fields
 from ..comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
+from ..copy_engine import CopyEngineComm, check_copy_engine_support
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
+from .error_feedback import ErrorFeedback
+from ..quant.reference import NOT_REFUSED
+from .delta import refusal_error
 from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from .quantized_reduce import GradientQuantization
@@ -59,7 +63,7 @@ class ZeroOptimizer:
     ):
         config = ZeroConfig() if config is None else config
         world, rank, agree_group, error = world_or_default(process_group)
-        groups = names = inner = flat_groups = context = None
+        groups = names = inner = flat_groups = context = fields = details = None
         try:
             if error is not None:
                 raise error
@@ -73,6 +77,8 @@ class ZeroOptimizer:
             _check_flattenable(groups, names, config, world)
             # The streams and kernels of every gather this optimizer runs.
             context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels)
+            if config.copy_engine_collectives:
+                check_copy_engine_support(context.device, process_group)
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
             # touching the model, so that its errors, too, leave everything as it was.
             flat_groups = [
@@ -82,18 +88,24 @@ class ZeroOptimizer:
             inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
             if not isinstance(inner, torch.optim.Optimizer):
                 raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
-        except (TypeError, ValueError) as e:
-            error = e
-        fields = None
-        if error is None:
-            fields = {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups)}
+            # What every rank must have alike ([Note: agreement] in qzero/agreement.py): the delta
+            # settings by name first (a mismatch is reported by them), the whole config, the
+            # model, and the inner optimizer as built (class, every group's hyperparameters).
+            # Later changes to param_groups (an LR scheduler's) are the caller's to keep alike.
+            inner_fields, details = optimizer_fields(inner)
+            fields = {**_delta_fields(config), "config": config.digest(),
+                      "model (parameter and buffer shapes)": _model_digest(model, groups), **inner_fields}
+        except Exception as e:  # noqa: BLE001 - any local failure is agreed on, so no peer waits for this rank
+            error, fields, details = e, None, None
         device = groups[0][0][0].device if groups else None
-        agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer")
+        agree_or_raise(agree_group, world, device, error, fields, "ZeroOptimizer", details)
 
         self.config = config
         self.process_group = process_group
         self.world_size, self.rank = world, rank
         self.model = model
+        if config.copy_engine_collectives:  # every rank passed the check: create the group together
+            context.copy_engine = CopyEngineComm(process_group, context.device)
         self.context = context
         self.groups = flat_groups
         self.optimizer = inner
@@ -103,13 +115,19 @@ class ZeroOptimizer:
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
         quant = GradientQuantization.from_config(config)
+        #: Per flat group, this rank's quantization residuals (error feedback; None without it,
+        #: and at world size 1, where nothing is quantized): optimizer state.
+        self.error_feedback: list[ErrorFeedback | None] = [
+            ErrorFeedback(g) if config.zero_quantized_gradients_error_feedback and world > 1 else None
+            for g in self.groups
+        ]
         self.grads = [
-            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant)
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant, ef)
             if config.stage == 1
             else Stage2Grads(
-                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant
+                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant, ef
             )
-            for g in self.groups
+            for g, ef in zip(self.groups, self.error_feedback)
         ]
         # Under gather-ahead every read of a weight through the model waits for its chunks
         # ([Note: reads wait] in qzero/overlap.py).
@@ -135,7 +153,7 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16); stage 2 reduces gradients as they appear."""
-        self.wait_for_weights()
+        self._finish_gathers()
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:
             grads.after_backward()
@@ -156,24 +174,38 @@ class ZeroOptimizer:
             for s in shards:
                 s.mul_(1.0 / self.scaler.scale)
             overflow = self._any_rank(torch.stack([(~torch.isfinite(s)).any() for s in shards]).any())
+            old_scale = self.scaler.scale
             self.scaler.update(overflow)
+            for ef in self.error_feedback:
+                if ef is not None:
+                    ef.after_scale_update(old_scale, self.scaler.scale, overflow)
             if overflow:
                 self.last_step_skipped = True
                 return False  # no update and no gather: the weights did not change
         self.last_step_skipped = False
-        self.grad_norm = self._global_norm(shards)
+        masters = [g.master for g in self.groups]
+        slicing = self.config.sliced_update and sliced_update.sliceable(self.optimizer, masters)
+        # Before a sliced update the masters are checked too: 0 * their extremes (NaN when one
+        # is not finite, no full-size temporary) rides on the norm's all-reduce.
+        watch = None
+        if slicing and self.config.check_finite:
+            watch = torch.stack([torch.stack(torch.aminmax(m)) for m in masters]).mul(0).sum()
+        self.grad_norm, masters_check = self._global_norm(shards, watch)
         if self.config.gradient_clipping > 0:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coef)
-        masters = [g.master for g in self.groups]
-        if self.config.sliced_update and sliced_update.sliceable(self.optimizer, masters):
+        if slicing:
             # Update chunk by chunk as the gather asks for it. The update of Adam-family
-            # optimizers is bounded, so checking the gradients first stands in for checking
-            # the masters after (which would have to wait for the whole update). The global
-            # norm is finite unless a gradient is not (or the sum of squares overflows: then
-            # the check below finds nothing and returns); one sync, on a scalar.
-            if self.config.check_finite and not bool(torch.isfinite(self.grad_norm)):
+            # optimizers is bounded, so checking the gradients and the masters first stands
+            # in for checking the masters after (which would have to wait for the whole
+            # update). The global norm is finite unless a gradient is not (or the sum of
+            # squares overflows: then the check below finds nothing and returns), the masters'
+            # check unless a master is not; one sync, on two scalars.
+            checks = torch.stack([self.grad_norm, masters_check]) if self.config.check_finite else None
+            if checks is not None and not bool(torch.isfinite(checks).all()):
                 self._check_finite(shards, "gradients", "the update was skipped: the weights are unchanged")
+                self._check_finite(masters, "weights", "the update was skipped and nothing was gathered, so no "
+                                   "replica received them")
             sliced = sliced_update.SlicedUpdate(self.optimizer, masters)
             updates = [functools.partial(sliced.update, i) for i in range(len(self.groups))]
         else:
@@ -195,9 +227,28 @@ class ZeroOptimizer:
         return True
 
     def wait_for_weights(self) -> None:
-        """Finish a gather still running under gather-ahead (a no-op otherwise)."""
+        """Finish a gather still running under gather-ahead (a no-op otherwise). With delta
+        gathers, also raise (on every rank) if the last gather refused non-finite differences."""
+        self._finish_gathers()
+        self._check_delta()
+
+    def _finish_gathers(self) -> None:
         if self.ahead is not None:
             self.ahead.wait_all()
+
+    def _check_delta(self) -> None:
+        """One host synchronisation on the refusal flags of the delta gathers ([Note: delta loop])."""
+        loops = [(gi, g) for gi, g in enumerate(self.groups) if g.delta is not None]
+        if not loops or int(torch.cat([g.delta.refused for _, g in loops]).min()) == NOT_REFUSED:
+            return
+        culprits = []
+        for gi, g in loops:
+            at = g.delta.take_refusal()
+            if at is not None:
+                slot = next((s for s in g.layout.slots if s.start <= at < s.stop), None)
+                name = g.names[slot.index] if slot is not None else f"padding at flat index {at}"
+                culprits.append(f"{name!r} (group {gi}, flat index {at})")
+        raise refusal_error(culprits, f"the weight gather of optimizer step {self.steps_taken}")
 
     def close(self) -> None:
         """Finish any running gather and take qzero's hooks off the model and its parameters
@@ -219,7 +270,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def gather_exact_weights(self) -> None:
         """Make every replica's weights the exact bf16/fp16 rounding of the fp32 masters
-        (for evaluation or export); the next ``step()`` gathers as configured again."""
+        (for evaluation or export); the next ``step()`` gathers as configured again. With
+        delta gathers this is an exact resync: the next differences are taken against it."""
         self.wait_for_weights()
         for g in self.groups:
             g.gather_exact()
@@ -287,18 +339,22 @@ class ZeroOptimizer:
             "(gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
         )
 
-    def _global_norm(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """L2 norm of the whole gradient: every element lives in exactly one shard."""
+    def _global_norm(self, shards: list[torch.Tensor], also: torch.Tensor | None = None):
+        """L2 norm of the whole gradient (every element lives in exactly one shard), and the sum
+        over ranks of the scalar ``also`` (None without it), taken by the same all-reduce."""
         sq = torch.stack(torch._foreach_norm(shards)).pow(2).sum().reshape(1)  # no full-size temporaries
+        if also is not None:
+            sq = torch.cat([sq, also.reshape(1).to(sq.dtype)])
         if self.world_size > 1:
             dist.all_reduce(sq, group=self.process_group)
-        return sq.sqrt()[0]
+        return sq[0].sqrt(), (sq[1] if also is not None else None)
 
     def __repr__(self) -> str:
         numel = sum(g.layout.used_numel for g in self.groups)
         return (
             f"ZeroOptimizer(stage={self.config.stage}, world_size={self.world_size}, params={numel:,}, "
-            f"quantized={self.config.zero_quantized_weights}, inner={type(self.optimizer).__name__})"
+            f"quantized={self.config.zero_quantized_weights}, delta={self.config.zero_quantized_weights_delta}, "
+            f"inner={type(self.optimizer).__name__})"
         )
 
 
@@ -368,6 +424,16 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
         )
 
 
+def _delta_fields(config: ZeroConfig) -> dict[str, int]:
+    """The delta settings as integers, by their ZeroConfig names (agreed on across ranks)."""
+    return {
+        "zero_quantized_weights_delta": int(config.zero_quantized_weights_delta),
+        "zero_quantized_weights_format": 1 + sorted(("fp8", "int4", "int8")).index(config.zero_quantized_weights_format),
+        "zero_quantized_weights_group_size": config.zero_quantized_weights_group_size,
+        "zero_quantized_weights_delta_resync_steps": config.zero_quantized_weights_delta_resync_steps,
+    }
+
+
 def _broadcast_module_state(model: torch.nn.Module, src: int, group, world: int) -> None:
     """Frozen parameters and buffers start equal everywhere too (as DDP does)."""
     if world == 1:
@@ -385,5 +451,4 @@ def _model_digest(model: torch.nn.Module, groups) -> int:
     trainable = [[(tuple(p.shape), str(p.dtype)) for p in params] for params, _ in groups]
     frozen = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters() if not p.requires_grad]
     buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    text = repr((trainable, frozen, buffers))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    return digest(repr((trainable, frozen, buffers)))

@@ -182,6 +182,7 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, cand
                 "peak_reserved_bytes": a["peak_reserved_bytes"],
                 "bytes_sent_per_step": a["bytes_sent_per_step"],
                 "plain_bytes_per_step": a["plain_bytes_per_step"],
+                "weight_bytes_per_param": a.get("weight_bytes_per_param"),
                 "grad_bytes_sent_per_step": a.get("grad_bytes_sent_per_step"),
                 "grad_plain_bytes_per_step": a.get("grad_plain_bytes_per_step"),
                 "sample_hash": a["sample_hash"],

@@ -1,0 +1,435 @@
+"""The whole-step matrix on one GPU over an emulated link (``bench/emulated_link.py``).
+
+What ``bench/run_matrix.sh`` / ``bench/overlap_sweep.sh`` measure on two GPUs, here on one:
+arms x models x gather buckets x reduce buckets x links, each run rank 0 of a fake DP-N
+world (``--world-size``) whose collectives hold an emulated link. Every arm of every
+(model, buckets) cell runs in a fresh process once per round; rounds are order-balanced
+(odd rounds reversed); inside one arm's process the links run one after another, each for
+``--steps`` steps back to back (the first ``--warmup`` warm up; then ``wall ms/step`` is the
+measured steps between two device-wide synchronizations, and the per-step medians are
+timed on the compute stream as in ``bench/steps_matrix.py``), the link order reversed in odd
+rounds too. ``--budget`` seconds: no run starts that would not end inside it (a cut run
+leaves what it measured).
+
+    python3 bench/emulated_matrix.py --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \\
+        --links pcie,ethernet --world-size 2 --steps 6 --warmup 2 --rounds 1 \\
+        --arm gpu1:world_size=1 --arm plain: --arm int8_ahead:quantized=true,overlap=true \\
+        --arm fsdp2:engine=fsdp2 --reference plain --peers fsdp2 --out OUT
+
+Writes ``OUT/PRESET_agAG_rsRS/LINK/matrix.{json,md}`` and ``steps.png`` (``bench/steps_matrix.py``'s
+tables and plot, titled "emulated link"), and ``OUT/summary.{json,md}``: per cell, link and arm
+the median and wall step, the exposed communication against the ``world_size=1`` arm when
+there is one, and the link's modelled and measured busy time per step. Every figure is of an
+emulated link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+#: Fields of a run record that are per link (the rest are the arm's, once per process).
+PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps", "finite", "link", "link_model",
+            "link_per_step", "link_busy_ms_modelled", "link_busy_ms_measured", "peak_allocated_bytes",
+            "peak_reserved_bytes")
+
+
+# ---------------------------------------------------------------------- one arm, in its own process
+
+
+def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
+    """``s.steps`` training steps back to back on the current link; the timing of
+    ``qzero.train.train_worker`` (per step on the compute stream, and the wall time of the
+    steps after the warm-up between two synchronizations)."""
+    import torch
+
+    from qzero.train import _mark, _seconds, _sync
+    from qzero.workload import global_batch
+
+    from emulated_link import totals_since
+
+    link = world.link
+    n = world.world
+    per_step = n * s.micro_batch * s.grad_accum
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    marks, loss_sums, skipped = [], [], 0
+    wall_start, before, first_index = None, link.snapshot(), link.count
+    _sync(device)
+    for k in range(s.steps):
+        if k == s.warmup:
+            _sync(device)
+            wall_start, before, first_index = time.perf_counter(), link.snapshot(), link.count
+        batch = global_batch(corpus, first_step + k, per_step, s.seq_len, s.seed)
+        mine = batch.view(s.grad_accum, n, s.micro_batch, -1)[:, 0].to(device)
+        marks.append(_mark(device))
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+        for m in range(s.grad_accum):
+            tokens = mine[m]
+            logits = engine.model(input_ids=tokens[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / s.grad_accum
+            engine.backward(loss)
+            loss_sum += loss.detach()
+        skipped += not engine.step()
+        engine.zero_grad()
+        loss_sums.append(loss_sum)
+    _sync(device)
+    wall = time.perf_counter() - wall_start if wall_start is not None else None
+    measured = s.steps - s.warmup
+    times = [_seconds(a, b) for a, b in zip(marks, marks[1:])][s.warmup:]
+    losses = torch.stack(loss_sums).tolist()
+    per_op = totals_since(link, before)
+    busy_modelled = sum(v["seconds"] for v in per_op.values())
+    log = [(i, a, b) for i, a, b in link.device_log() if i >= first_index]
+    busy_measured = sum(b - a for _, a, b in log) / 1e6 if log else None
+    rec = {
+        "step_times": times,
+        "wall_seconds": wall,
+        "wall_steps": measured,
+        "losses": losses,
+        "skipped_steps": skipped,
+        "finite": all(x == x and abs(x) != float("inf") for x in losses),
+        "link": link.model.describe(),
+        "link_model": dataclasses.asdict(link.model),
+        "link_per_step": {op: {k: v / measured for k, v in d.items()} for op, d in per_op.items()},
+        "link_busy_ms_modelled": 1e3 * busy_modelled / measured,
+        "link_busy_ms_measured": busy_measured / measured if busy_measured is not None else None,
+    }
+    if device.type == "cuda":
+        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return rec
+
+
+def _clearing_side_channel(pack_chunk):
+    """``qzero.chunks.pack_chunk`` for ``qzero.engine`` in an emulated world: this rank's side
+    channel of exact elements is zeroed before the pack.
+
+    On a real world every rank writes its own slot of a chunk's receive buffer, its side
+    channel as long as its own count of exact elements. Here the other ranks' slots are copies
+    of rank 0's, whose side channel is only as long as rank 0's count: the rest of another
+    rank's would be whatever the buffer held before (a previous chunk's codes and scales read
+    as bf16: NaN, say). Zeroed, it decodes as zeros. One memset of the side channel per chunk,
+    on the stream of the pack (microseconds)."""
+
+    def pack(flat, plan, chunk, rank, buf, kernels):
+        lay = chunk.payload
+        if plan.quantized and lay.exact_numel:
+            at = rank * chunk.payload_bytes + lay.exact_offset
+            buf[at : at + lay.exact_numel * plan.elem_size].zero_()
+        return pack_chunk(flat, plan, chunk, rank, buf, kernels)
+
+    return pack
+
+
+def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
+    """The body of one arm's process: the emulated world first (before anything imports
+    qzero, whose modules bind torch.distributed's collectives), then the engine, then each
+    link in turn; rank 0's record per link, written to ``out_path`` as JSON."""
+    from emulated_link import init_emulated_world, parse_link
+
+    models = [parse_link(x) for x in links]
+    n = int(given.get("world_size", 2))
+    # what a launcher sets (DeepSpeed asks for it); the fake group is already there
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    world = init_emulated_world(n, models[0])
+    import torch
+
+    import qzero.engine
+    from qzero.engines import make_engine
+    from qzero.train import TrainSettings, _summary, make_deterministic, resolve_device
+    from qzero.workload import build_model, load_corpus, model_config
+
+    qzero.engine.pack_chunk = _clearing_side_channel(qzero.engine.pack_chunk)
+
+    s = TrainSettings(**given)
+    kind = resolve_device(s)
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+        if s.deterministic:
+            make_deterministic()
+    dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
+    corpus = load_corpus(s.data)
+    config = model_config(s.preset, s.model_config, max_positions=max(4096, s.seq_len))
+    engine = make_engine(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
+    records, losses, times, skipped = [], [], [], 0
+    for i, model in enumerate(models):
+        world.set_link(model)
+        rec = _measure(engine, s, world, device, corpus, first_step=i * s.steps)
+        records.append(rec)
+        losses += rec["losses"]
+        times += rec["step_times"]
+        skipped += rec["skipped_steps"]
+    world.set_link(parse_link("none"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    summary = _summary(s, engine, losses, [None] * len(losses), times, skipped, device)
+    engine.finish()
+    # every rank holds rank 0's values here: replicas are identical by construction, not by measurement
+    summary["replicas_identical"] = None
+    summary["emulated_world"] = world.world
+    out = [{**summary, **rec} for rec in records]
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, out_path)
+
+
+def run_arm(settings, links: list[str], out_path: str, log_path: str, timeout: float) -> list[dict]:
+    """One arm in a fresh process, every link of ``links`` in that order; its records."""
+    from qzero.qualify.run import ArmFailed
+
+    cmd = [sys.executable, os.path.abspath(__file__), "_arm", json.dumps(dataclasses.asdict(settings)),
+           json.dumps(links), out_path]
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0 or not os.path.isfile(out_path):
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise ArmFailed(f"an emulated arm exited with {code} (log: {log_path}); last output:\n{tail}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------- the matrix
+
+
+def cells(presets: list[str], ag: list[float], rs: list[float]) -> list[tuple[str, float, float]]:
+    return [(p, a, r) for p in presets for a in ag for r in rs]
+
+
+def cells_of(plans: dict) -> list[tuple[str, float, float]]:
+    """The (preset, gather bucket, reduce bucket) of each planned cell."""
+    return [(base.preset, float(base.zero.allgather_bucket_size), float(base.zero.reduce_bucket_size))
+            for base, *_ in plans.values()]
+
+
+def cell_name(preset: str, ag: float, rs: float) -> str:
+    return f"{preset}_ag{ag:g}_rs{rs:g}"
+
+
+def link_dir(link: str) -> str:
+    """A folder name for a link's text (``pcie:ctas=8`` -> ``pcie_ctas8``)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in link.replace("=", "")).strip("_")
+
+
+def order(names: list[str], r: int) -> list[str]:
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
+def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) -> dict:
+    """Per cell, link and arm: median and wall step, exposed communication against the floor
+    arm (median minus the floor's median), link busy per step (pure: testable). ``cell_info``:
+    each cell's ``(preset, gather bucket, reduce bucket)``, copied into its rows."""
+    rows = []
+    for (cell, link), arms in done.items():
+        preset, ag, rs = (cell_info or {}).get(cell, (None, None, None))
+        floor = None
+        if floor_arm and arms.get(floor_arm):
+            ft = [t for r in arms[floor_arm] if not r.get("failed") for t in r["step_times"]]
+            floor = statistics.median(ft) if ft else None
+        for arm, runs in arms.items():
+            ok = [r for r in runs if not r.get("failed")]
+            ts = [t for r in ok for t in r["step_times"]]
+            walls = [r["wall_seconds"] / r["wall_steps"] for r in ok if r.get("wall_seconds")]
+            med = statistics.median(ts) if ts else None
+            busy_m = [r["link_busy_ms_measured"] for r in ok if r.get("link_busy_ms_measured") is not None]
+            rows.append({
+                "cell": cell, "preset": preset, "allgather_bucket": ag, "reduce_bucket": rs, "link": link,
+                "arm": arm, "runs": len(ok), "failed": len(runs) - len(ok),
+                "median_ms": 1e3 * med if med is not None else None,
+                "wall_ms": 1e3 * statistics.median(walls) if walls else None,
+                "exposed_ms": 1e3 * (med - floor) if med is not None and floor is not None else None,
+                "link_busy_ms_modelled": statistics.median(r["link_busy_ms_modelled"] for r in ok) if ok else None,
+                "link_busy_ms_measured": statistics.median(busy_m) if busy_m else None,
+                "finite": all(r.get("finite") for r in ok) if ok else None,
+                "error": next((r.get("error", "")[-300:] for r in runs if r.get("failed")), None),
+            })
+    return {"floor_arm": floor_arm, "rows": rows}
+
+
+def summary_markdown(summ: dict, header: list[str]) -> str:
+    f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
+    lines = [*header, "", "| cell | link | arm | median ms | wall ms/step | exposed ms (vs "
+             f"{summ['floor_arm'] or '—'}) | link busy ms/step, modelled | measured | finite losses |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in summ["rows"]:
+        if not r["runs"]:
+            lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | FAILED: {(r['error'] or '').splitlines()[-1:]}"
+                         " | | | | | |")
+            continue
+        lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {f(r['median_ms'])} | {f(r['wall_ms'])} | "
+                     f"{f(r['exposed_ms'])} | {f(r['link_busy_ms_modelled'])} | {f(r['link_busy_ms_measured'])} | "
+                     f"{'yes' if r['finite'] else '**NO**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser():
+    import steps_matrix
+
+    p = steps_matrix.build_parser()
+    p.description = __doc__.split("\n\n")[0]
+    e = p.add_argument_group("emulated link")
+    e.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
+    e.add_argument("--ag-buckets", default=None, help="comma-separated gather buckets (default: --allgather-bucket)")
+    e.add_argument("--rs-buckets", default=None, help="comma-separated reduce buckets (default: --reduce-bucket)")
+    e.add_argument("--links", default="pcie",
+                   help="comma-separated links, each REGIME or REGIME:key=value;... (';' between a link's keys), "
+                        "regimes: none, pcie, ethernet, nvlink (bench/emulated_link.py)")
+    e.add_argument("--budget", type=float, default=0, help="seconds: start no run that would not end inside it")
+    e.add_argument("--arm-timeout", type=float, default=540, help="seconds per arm process (default 540)")
+    return p
+
+
+def split_links(text: str) -> list[str]:
+    """``pcie:ctas=8;time_scale=1.2,ethernet`` -> ``["pcie:ctas=8,time_scale=1.2", "ethernet"]``."""
+    return [x.strip().replace(";", ",") for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import steps_matrix
+    from qzero.qualify.env import describe
+    from qzero.qualify.run import ArmFailed
+    from qzero.train import validate
+
+    from emulated_link import parse_link
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        links = split_links(args.links)
+        for x in links:
+            parse_link(x)
+    except ValueError as e:
+        parser.error(str(e))
+    if not links:
+        parser.error("--links: give at least one link")
+    presets = (args.presets or args.preset).split(",")
+    ag = [float(x) for x in (args.ag_buckets or str(args.allgather_bucket)).split(",")]
+    rs = [float(x) for x in (args.rs_buckets or str(args.reduce_bucket)).split(",")]
+    # one GPU stands in for every rank: check the settings as if the world were one rank
+    check = lambda s: validate(dataclasses.replace(s, world_size=1))  # noqa: E731
+    plans = {}
+    for preset, a, r in cells(presets, ag, rs):
+        cell_args = dict(vars(args), preset=preset, allgather_bucket=a, reduce_bucket=r)
+        try:
+            plans[cell_name(preset, a, r)] = steps_matrix.plan(type(args)(**cell_args), check=check)
+        except steps_matrix.SpecError as e:
+            parser.error(str(e))
+    names = list(next(iter(plans.values()))[1])
+    reference = next(iter(plans.values()))[3]
+    peers = next(iter(plans.values()))[4]
+    floor_arm = next((n for n, s in next(iter(plans.values()))[1].items() if s.world_size == 1), None)
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    env = describe("cuda" if args.device != "cpu" else "cpu")
+    env["command"] = " ".join(shlex.quote(x) for x in [os.path.basename(sys.argv[0]), *(sys.argv[1:] if argv is None
+                                                                                           else argv)])
+    start = time.monotonic()
+    done: dict = {(c, link): {n: [] for n in names} for c in plans for link in links}
+    schedule = [(r, c, n) for r in range(args.rounds) for c in plans for n in order(names, r)]
+    last = 0.0
+    cut = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (r, c, name) in enumerate(schedule):
+            remaining = args.budget - (time.monotonic() - start) if args.budget else args.arm_timeout
+            if args.budget and remaining < 1.2 * last:
+                print(f"emulated_matrix: budget reached, {len(schedule) - i} run(s) not started", flush=True)
+                cut = True
+                break
+            base, arms, diffs, _, _ = plans[c]
+            run_links = order(links, r)
+            print(f"emulated_matrix: [{i + 1}/{len(schedule)}] round {r + 1} {c} {name} on {', '.join(run_links)}",
+                  flush=True)
+            out = os.path.join(tmp, f"r{r}_{c}_{name}.json")
+            log = os.path.join(args.out, "logs", f"r{r}_{c}_{name}.log")
+            t0 = time.monotonic()
+            try:
+                recs = run_arm(arms[name], run_links, out, log, timeout=min(args.arm_timeout, max(remaining, 1)))
+                for link, rec in zip(run_links, recs):
+                    rec["round"], rec["index"] = r, i
+                    done[(c, link)][name].append(rec)
+                    ms = 1e3 * statistics.median(rec["step_times"]) if rec["step_times"] else float("nan")
+                    print(f"emulated_matrix:   {link}: {ms:.1f} ms median, wall "
+                          f"{1e3 * rec['wall_seconds'] / rec['wall_steps']:.1f} ms/step", flush=True)
+            except (ArmFailed, OSError, ValueError) as e:
+                for link in run_links:
+                    done[(c, link)][name].append({"failed": True, "round": r, "index": i, "error": str(e)[-3000:]})
+                print(f"emulated_matrix:   FAILED: {steps_matrix._last_line(str(e))[:200]} (log {log})", flush=True)
+            last = time.monotonic() - t0
+            _write_all(args, plans, links, done, env, reference, peers, floor_arm, i + 1, len(schedule),
+                       complete=i + 1 == len(schedule))
+    text = _write_all(args, plans, links, done, env, reference, peers, floor_arm, len(schedule) if not cut else i,
+                      len(schedule), complete=not cut, plots=True)
+    print(text, end="", flush=True)
+    return 0 if any(not r.get("failed") for arms in done.values() for runs in arms.values() for r in runs) else 1
+
+
+def _write_all(args, plans, links, done, env, reference, peers, floor_arm, runs_done, runs_total, complete,
+               plots=False) -> str:
+    import steps_matrix
+
+    for (c, link), arm_runs in done.items():
+        base, arms, diffs, _, _ = plans[c]
+        folder = os.path.join(args.out, c, link_dir(link))
+        os.makedirs(folder, exist_ok=True)
+        from emulated_link import parse_link
+
+        label = f"emulated link {link} (one GPU, rank 0 of DP{base.world_size})"
+        matrix = {
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "regime_label": label,
+            "emulated_link": dataclasses.asdict(parse_link(link)),
+            "settings": dataclasses.asdict(base),
+            "arms": [{"name": n, "diff": diffs[n], "settings": dataclasses.asdict(s)} for n, s in arms.items()],
+            "reference": reference, "peers": peers, "rounds": args.rounds,
+            "environment": dict(env, link_regime=f"emulated: {parse_link(link).describe()}"),
+            "runs_total": runs_total, "runs_done": runs_done, "complete": complete,
+            "runs": arm_runs,
+            "analysis": steps_matrix.analyse(arm_runs, reference, peers, atol=args.tolerance, rtol=args.tolerance),
+        }
+        steps_matrix.write(matrix, folder, with_plot=plots)
+    summ = summarize(done, floor_arm, {cell_name(*c): c for c in cells_of(plans)})
+    header = [f"# Emulated-link matrix (one GPU: {env.get('device')}; every figure is of an emulated link)", "",
+              f"- {env.get('date')}, torch {env.get('torch')}; {runs_done}/{runs_total} arm processes"
+              f"{'' if complete else ' (incomplete)'}; links: " + "; ".join(parse_link_text(x) for x in links)]
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summ, f, indent=1)
+    text = summary_markdown(summ, header)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def parse_link_text(text: str) -> str:
+    from emulated_link import parse_link
+
+    return parse_link(text).describe()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "_arm":
+        run_arm_here(json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])
+        sys.stdout.flush()
+        os._exit(0)  # as qzero.train's ranks: leave without the interpreter's finalization
+    sys.exit(main())

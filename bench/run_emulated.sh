@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The emulated link on one GPU, calibrated and used, within LIMIT seconds (bench/emulated_link.py,
+# bench/emulated_matrix.py, bench/emulated_calibration.py):
+#   check      every emulated collective on the GPU; what a resident CTA costs (contention)
+#   floor      the 1-GPU step of Qwen3-4B here -> the time scale S against the two-GPU host
+#   grid       the seed's 4B PCIe-class arms at several resident-CTA counts (and NVLink) -> the fitted count
+#   targets    the other 4B arms at the fitted count, PCIe-class and NVLink
+#   slice      the 4B slice of the targets at the fitted count: PCIe-class, NVLink and Ethernet-class links,
+#              and a PCIe-class link with PROBE (48) resident CTAs for the arms the fit is most sensitive to
+#   ethernet50 the two arms of the committed 4B Ethernet-class result at its 50M/50M buckets
+#   table      the calibration table from everything measured
+# Usage (repository root, one GPU): bash bench/run_emulated.sh OUT [STAGE ...]   (default: all but ethernet)
+# Environment: LIMIT (seconds for the whole script, default 550), S and CTAS (skip floor / grid when given),
+# STEPS (6), WARMUP (2), GRID ("0 4 8 16"), TARGET_ARMS, PROBE, QUICK_CHECK (skip the DP8 check and the CTA costs).
+set -u
+out=${1:?usage: bash bench/run_emulated.sh OUT [stage ...]}
+shift
+stages=" ${*:-check floor grid targets table} "
+here=$(cd "$(dirname "$0")" && pwd)
+limit=${LIMIT:-550}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1
+[ -d .whl ] && bash "$here/install_wheels.sh" .whl > "$out/install.log" 2>&1
+common=(--device cuda --world-size 2 --seq-len 2048 --micro-batch 2 --lr 1e-4 --rounds 1
+        --steps "${STEPS:-6}" --warmup "${WARMUP:-2}" --arm-timeout 240)
+spec() { python3 -c "import sys; sys.path.insert(0, '$here'); import emulated_calibration as c; print(c.arm_spec('$1'))"; }
+arms() { local a; for a in "$@"; do printf -- '--arm\n%s\n' "$(spec "$a")"; done; }
+left() { echo $(( limit - SECONDS - ${1:-30} )); }
+has() { [[ "$stages" == *" $1 "* ]]; }
+
+if has check; then
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv > "$out/check.log" 2>&1
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/check.log" 2>&1
+    timeout 120 python3 "$here/emulated_link.py" --check >> "$out/check.log" 2>&1
+    if [ -z "${QUICK_CHECK:-}" ]; then
+        timeout 120 python3 "$here/emulated_link.py" --check --world 8 >> "$out/check.log" 2>&1
+        timeout 90 python3 "$here/emulated_calibration.py" contention --out "$out/contention.json" > "$out/contention.log" 2>&1
+    fi
+fi
+S=${S:-}
+if has floor; then  # the 1-GPU step here (and S from it, unless given)
+    mapfile -t a < <(arms gpu1)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+        --links none "${a[@]}" --budget "$(left 300)" --out "$out/floor_4b" > "$out/floor_4b.log" 2>&1
+    [ -n "$S" ] || S=$(python3 "$here/emulated_calibration.py" scale "$out/floor_4b" 2>>"$out/floor_4b.log")
+fi
+S=${S:-1}
+echo "time scale S=$S"
+CTAS=${CTAS:-}
+if [ -z "$CTAS" ] && has grid; then
+    links=""
+    for k in ${GRID:-0 4 8 16}; do links+="${links:+,}pcie:ctas=$k;time_scale=$S"; done
+    for k in ${GRID:-0 4 8 16}; do links+=",nvlink:ctas=$k;time_scale=$S"; done
+    mapfile -t a < <(arms int8_ahead fsdp2 plain_ahead plain int8)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+        --links "$links" "${a[@]}" --reference plain --budget "$(left 200)" --out "$out/grid_4b" > "$out/grid_4b.log" 2>&1
+    CTAS=$(python3 "$here/emulated_calibration.py" fit "$out/floor_4b" "$out/grid_4b" --scale "$S" \
+        --out "$out/fit.json" 2>>"$out/grid_4b.log")
+fi
+CTAS=${CTAS:-0}
+echo "resident CTAs CTAS=$CTAS"
+if has targets; then  # the other 4B arms at the fitted count, PCIe-class and NVLink
+    mapfile -t a < <(arms ${TARGET_ARMS:-int8_ahead_qgrad fsdp2_rs fsdp2_rs_gint8 ds_int8_ahead deepspeed fsdp2_rs_int8})
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+        --links "pcie:ctas=$CTAS;time_scale=$S,nvlink:ctas=$CTAS;time_scale=$S" "${a[@]}" \
+        --budget "$(left 25)" --out "$out/targets_4b" > "$out/targets_4b.log" 2>&1
+fi
+k="ctas=$CTAS;time_scale=$S"
+if has slice; then  # the 4B slice of the targets, every link, in one machine's processes
+    mapfile -t a < <(arms int8_ahead int8 plain fsdp2)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+        --links "pcie:$k,nvlink:$k,ethernet:$k,pcie:ctas=${PROBE:-48};time_scale=$S,pcie:ctas=32;spin=1;time_scale=$S" "${a[@]}" --reference plain \
+        --peers fsdp2 --budget "$(left 230)" --out "$out/slice_4b" > "$out/slice_4b.log" 2>&1
+    mapfile -t a < <(arms int8_ahead_qgrad plain_ahead fsdp2_rs_gint8 fsdp2_rs)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+        --links "pcie:$k,nvlink:$k,ethernet:$k" "${a[@]}" --budget "$(left 80)" \
+        --out "$out/slice2_4b" > "$out/slice2_4b.log" 2>&1
+    mapfile -t a < <(arms ds_int8_ahead)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+        --links "pcie:$k,nvlink:$k" "${a[@]}" --budget "$(left 45)" \
+        --out "$out/slice3_4b" > "$out/slice3_4b.log" 2>&1
+fi
+if has ethernet50; then  # the committed 4B Ethernet-class results' buckets
+    mapfile -t a < <(arms fsdp2 int8_ahead_qgrad)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 5e7 \
+        --links "ethernet:$k" "${a[@]}" --budget "$(left 15)" --out "$out/ethernet50_4b" > "$out/ethernet50_4b.log" 2>&1
+fi
+if has table; then
+    dirs=()
+    for d in "$out"/*_4b "$out"/*_1.7b; do [ -d "$d" ] && dirs+=("$d"); done
+    python3 "$here/emulated_calibration.py" table "${dirs[@]}" --scale "$S" --ctas "$CTAS" --out "$out/calibration"
+fi
+exit 0
