@@ -396,9 +396,7 @@ def test_load_state_dict_assign_keeps_the_quantized_gather():
     model(batch(0, 0))  # the forward's check passes
 
 
-def test_converted_model_pickles_and_deep_copies():
-    """torch tells a wrapper subclass by ``data_ptr() == 0`` when it pickles or copies one;
-    the wrapper's own address must not change how it is saved (torch.save(model), EMA copies)."""
+def pickle_worker(rank, world):
     import copy
     import io
 
@@ -408,12 +406,26 @@ def test_converted_model_pickles_and_deep_copies():
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
+    out = []
     for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
         w = twin.mid.weight
-        assert isinstance(w, QuantizedGatherTensor) and isinstance(w, nn.Parameter)
-        assert torch.equal(w.unwrapped, model.mid.weight.unwrapped) and w.data_ptr() != model.mid.weight.data_ptr()
-        assert torch.equal(twin(batch(0, 0)), model(batch(0, 0)))  # its forward check holds its own parameters
-        assert gather_report(twin).quantized == gather_report(model).quantized
+        out.append(dict(
+            wrapped=isinstance(w, QuantizedGatherTensor) and isinstance(w, nn.Parameter),
+            same_values=torch.equal(w.unwrapped, model.mid.weight.unwrapped),
+            own_storage=w.data_ptr() != model.mid.weight.data_ptr(),
+            same_forward=torch.equal(twin(batch(0, 0)), model(batch(0, 0))),  # its check holds its own parameters
+            same_report=gather_report(twin).quantized == gather_report(model).quantized,
+        ))
+    return out
+
+
+def test_converted_model_pickles_and_deep_copies():
+    """torch tells a wrapper subclass by ``data_ptr() == 0`` when it pickles or copies one;
+    the wrapper's own address must not change how it is saved (torch.save(model), EMA copies).
+    (Under a process group: converted before one exists, the model holds the install's
+    deferred agreement, which does not pickle.)"""
+    for twin in run_distributed(pickle_worker, 1)[0]:
+        assert all(twin.values()), twin
 
 
 def test_optimizer_check_leaves_the_sliced_update_alone():
