@@ -90,10 +90,15 @@ except ImportError:  # run from a checkout that is not installed
 
 DEFAULT_ARMS = "bf16,int8-g64,int8-g8192,fp8-g64,int4-g64"
 DP_ARMS = "bf16,int8-g64,int8-g64+gq-int8-g64,int8-g64+gq-int8-g256"  # the gradient study, --world-size 2
+#: The delta study (docs/delta-gathers.md): --world-size 2 --share-gpu --arms "$DELTA_ARMS"
+DELTA_ARMS = "bf16,int8-g64,int4-g64,int4-delta-g256,int4-delta-g2048"
 FORMATS = ("int8", "fp8", "int4")
+DELTA_FORMATS = ("int4", "int8")
 TARGET_ARM, TARGET_PCT = "int8-g64", 0.5  # INT8 g64 must finish within 0.5% of bf16
+DELTA_TARGET_PCT = 0.25  # a delta arm must finish within 0.25% of bf16 (closer than INT8 weights)
 MARK = "@@conv"  # progress lines a worker prints on stdout
 GRAD_MARK = "@@gerr"  # gradient-error lines (step, reduced and payload error, gradient bytes sent and plain)
+REPLICA_MARK = "@@rerr"  # replica-error lines (step, ||replica - bf16(master)|| / ||bf16(master)||)
 GROUPS_NOTE = (
     "qzero quantizes the rank's own partition at world size 1 exactly as each rank does at DP2, with DP2's "
     "groups (preset qwen3-125m-byte): the g64 arms' groups are each matrix's aligned 64-element blocks in either flat order; the g8192 "
@@ -126,10 +131,12 @@ class Arm:
     grad_group_size: int = 64
     grad_rotation: int = 0  # zero_quantized_gradients_rotation_block with the Hadamard rotation; 0: none
     grad_error_feedback: bool = False  # zero_quantized_gradients_error_feedback
+    delta: bool = False  # zero_quantized_weights_delta: the weights' differences, closed loop
 
     @property
     def label(self) -> str:
-        weights = "bf16 (plain gather)" if not self.quantized else f"{self.fmt.upper()} g{self.group_size}"
+        weights = ("bf16 (plain gather)" if not self.quantized else
+                   f"{self.fmt.upper()}{' delta' if self.delta else ''} g{self.group_size}")
         if not self.grad_quantized:
             return weights
         return (("bf16 gather" if not self.quantized else weights) + f" + grad {self.grad_fmt.upper()} g{self.grad_group_size}"
@@ -143,6 +150,7 @@ class Arm:
             "zero_quantized_weights": self.quantized,
             "zero_quantized_weights_format": self.fmt,
             "zero_quantized_weights_group_size": self.group_size,
+            **({"zero_quantized_weights_delta": True} if self.delta else {}),
             "zero_quantized_gradients": self.grad_quantized,
             "zero_quantized_gradients_format": self.grad_fmt,
             "zero_quantized_gradients_group_size": self.grad_group_size,
@@ -161,19 +169,24 @@ def _spec(text: str, formats: tuple[str, ...], arm: str, what: str) -> tuple[str
 
 
 def parse_arm(name: str) -> Arm:
-    """``<weights>`` or ``<weights>+gq-<gradients>``. Weights: ``bf16`` (the plain gather) or
-    ``<fmt>-g<group size>`` (``int8-g64``, ``fp8-g64``, ``int4-g64``). Gradients (the quantized
-    gradient reduction, ``zero_quantized_gradients``): ``gq-<fmt>-g<group size>`` with fmt
-    int8, fp8 or int4, then optionally ``-h<block>`` (the Hadamard rotation over blocks of that
-    many elements; int4 needs it or ``-noh``, no rotation, said explicitly) and ``-ef`` (error
-    feedback), e.g. ``int8-g64+gq-int8-g64``, ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``,
-    ``int8-g64+gq-int4-g64-noh``, ``int8-g64+gq-int4-g64-h32-ef``."""
+    """``<weights>`` or ``<weights>+gq-<gradients>``. Weights: ``bf16`` (the plain gather),
+    ``<fmt>-g<group size>`` (``int8-g64``, ``fp8-g64``, ``int4-g64``) or ``<fmt>-delta-g<group
+    size>`` (delta gathers, ``zero_quantized_weights_delta``; fmt int4 or int8, e.g.
+    ``int4-delta-g256``). Gradients (the quantized gradient reduction, ``zero_quantized_gradients``):
+    ``gq-<fmt>-g<group size>`` with fmt int8, fp8 or int4, then optionally ``-h<block>`` (the
+    Hadamard rotation over blocks of that many elements; int4 needs it or ``-noh``, no rotation,
+    said explicitly) and ``-ef`` (error feedback), e.g. ``int8-g64+gq-int8-g64``,
+    ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``, ``int8-g64+gq-int4-g64-noh``,
+    ``int8-g64+gq-int4-g64-h32-ef``."""
     from qzero.config import GRADIENT_FORMATS
 
     name = name.strip()
     weights, plus, grads = name.partition("+")
     if weights == "bf16":
         arm = dict(quantized=False)
+    elif "-delta-g" in weights:
+        fmt, group = _spec(weights.replace("-delta-g", "-g", 1), DELTA_FORMATS, name, "delta weight spec")
+        arm = dict(quantized=True, fmt=fmt, group_size=group, delta=True)
     else:
         fmt, group = _spec(weights, FORMATS, name, "weight spec")
         arm = dict(quantized=True, fmt=fmt, group_size=group)
@@ -315,9 +328,9 @@ def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | N
     return "\n".join(lines)
 
 
-def _verdict_line(label: str, r: dict) -> str:
-    ok = abs(r["diff_pct"]) <= TARGET_PCT
-    return f"{label} vs bf16: {r['diff_pct']:+.2f}% — {'within' if ok else 'OUTSIDE'} the {TARGET_PCT}% target"
+def _verdict_line(label: str, r: dict, target: float = TARGET_PCT) -> str:
+    ok = abs(r["diff_pct"]) <= target
+    return f"{label} vs bf16: {r['diff_pct']:+.2f}% — {'within' if ok else 'OUTSIDE'} the {target}% target"
 
 
 def verdict(summary: dict) -> str | None:
@@ -333,8 +346,8 @@ def verdicts(summary: dict, arms: list[Arm]) -> list[str]:
     if summary["reference"] != "bf16":
         return []
     n = summary["window"][1] - summary["window"][0]
-    return [_verdict_line(a.label, summary["arms"][a.name]) + f" (mean of the last {n} steps)."
-            for a in arms if a.name != "bf16" and a.name in summary["arms"]]
+    return [_verdict_line(a.label, summary["arms"][a.name], DELTA_TARGET_PCT if a.delta else TARGET_PCT)
+            + f" (mean of the last {n} steps)." for a in arms if a.name != "bf16" and a.name in summary["arms"]]
 
 
 def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: str, window: int, title: str):
@@ -525,8 +538,72 @@ def grad_error_steps(steps: int, every: int) -> set[int]:
     return set(range(0, steps, every)) | {steps - 1}
 
 
+class ReplicaErrorProbe:
+    """How far the weights every rank holds (the replica in the flat buffers) are from the bf16
+    rounding of the fp32 masters, at chosen steps (0-based step indices), read from outside the
+    optimizer: ``sqrt(sum ||replica - bf16(master)||^2 / sum ||bf16(master)||^2)`` over every
+    rank's own partitions (the replicas are identical, so each partition counts once), and the
+    largest ``|replica - bf16(master)|``. Zero for the plain gather; the quantization error of the
+    weights for a direct quantized gather; the closed loop's tracking error for a delta gather
+    (which must stay flat over the run). A measured step waits for its gather to finish
+    (``wait_for_weights``); the bits of the training do not change."""
+
+    def __init__(self, steps: set[int]):
+        self.steps = steps
+        self.step = 0
+        self.records: list[tuple[int, float, float]] = []
+
+    def install(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from qzero.optim import zero
+
+        probe, step = self, zero.ZeroOptimizer.step
+
+        def probed_step(opt, *a, **k):
+            took = step(opt, *a, **k)
+            if probe.step in probe.steps:
+                opt.wait_for_weights()
+                sums = torch.zeros(3, dtype=torch.float64, device=opt.groups[0].device)
+                for g in opt.groups:
+                    t = g.master.to(g.dtype).to(torch.float64)
+                    d = g.own.to(torch.float64) - t
+                    sums += torch.stack([d.dot(d), t.dot(t), d.abs().max() if d.numel() else d.new_zeros(())])
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    big = sums[2:].clone()
+                    dist.all_reduce(sums)
+                    dist.all_reduce(big, op=dist.ReduceOp.MAX)
+                    sums[2] = big[0]
+                err, ref, worst = sums.tolist()
+                rel = math.sqrt(err / ref) if ref > 0 else 0.0
+                probe.records.append((probe.step + 1, rel, worst))
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(f"{REPLICA_MARK} {probe.step + 1} {rel!r} {worst!r}", flush=True)
+            probe.step += 1
+            return took
+
+        zero.ZeroOptimizer.step = probed_step
+
+    def result(self, every: int) -> dict | None:
+        return replica_error_record(self.records, every) if self.records else None
+
+
+def replica_error_record(rows, every: int) -> dict:
+    """``rows``: ``(step, rel_err, max_abs_err)`` per measured step."""
+    return {"steps": [r[0] for r in rows], "rel_err": [r[1] for r in rows], "max_abs_err": [r[2] for r in rows],
+            "every": every, "definition": REPLICA_ERROR_NOTE}
+
+
+REPLICA_ERROR_NOTE = (
+    "rel_err: ||replica - bf16(master)|| / ||bf16(master)|| over every rank's own partition of the flat buffers (the "
+    "weights every rank holds after the step's gather against the bf16 rounding of the fp32 masters); max_abs_err: "
+    "the largest |replica - bf16(master)|. Small parameters (sent exactly) included."
+)
+
+
 def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port: int = 0, grad_every: int = 0,
-           share_gpu: bool = False) -> None:
+           share_gpu: bool = False, replica_every: int = 0) -> None:
     """Run one rank of one arm in this process through qzero.train.launch (rank 0 prints a
     progress line per step on stdout). World size 1: the process sets up its own rank 0 of 1.
     Larger: the study started ``world_size`` such processes with ``rank`` and one ``port``;
@@ -571,23 +648,27 @@ def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port:
     if not hasattr(train, "_progress"):
         print("note: qzero.train has no _progress to replace: no per-step progress from this arm", file=sys.stderr)
     train._progress = Report
-    probe = None
+    probe = replicas = None
     if world > 1 and settings.zero.zero_quantized_gradients and grad_every > 0:
         probe = GradErrorProbe(grad_error_steps(settings.steps, grad_every))
         probe.install()
+    if settings.engine == "qzero" and settings.zero.zero_quantized_weights and replica_every > 0:
+        replicas = ReplicaErrorProbe(grad_error_steps(settings.steps, replica_every))
+        replicas.install()
     train.launch(settings, out_path, show_progress=True)
+    extra = {"grad_error": probe.result(grad_every) if probe is not None else None,
+             "replica_error": replicas.result(replica_every) if replicas is not None else None}
+    if rank == 0 and any(v is not None for v in extra.values()):
+        with open(out_path) as f:
+            record = json.load(f)
+        record.update({k: v for k, v in extra.items() if v is not None})
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(out_path + ".tmp", out_path)
     if world == 1:
         return
     import torch.distributed as dist
 
-    grad_error = probe.result(grad_every) if probe is not None else None
-    if rank == 0 and grad_error is not None:
-        with open(out_path) as f:
-            record = json.load(f)
-        record["grad_error"] = grad_error
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(out_path + ".tmp", out_path)
     dist.barrier()
     dist.destroy_process_group()
     # as qzero.train's own ranks do: leave without the interpreter's finalization (gloo's
@@ -611,6 +692,7 @@ class Running:
         self.seconds: list[float] = []
         self.grad_rows: list[tuple] = []  # streamed gradient-error lines: (step, reduced, payload)
         self.grad_bytes: tuple[int, int] | None = None  # (sent, plain) of the last measured step
+        self.replica_rows: list[tuple] = []  # streamed replica-error lines: (step, rel_err, max_abs_err)
         self.lines: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -637,6 +719,9 @@ class Running:
                 num = lambda x: None if x == "None" else float(x)  # noqa: E731
                 self.grad_rows.append((int(step), num(reduced), num(payload)))
                 self.grad_bytes = (int(sent), int(plain))
+            elif line.startswith(REPLICA_MARK):
+                _, step, rel, worst = line.split()
+                self.replica_rows.append((int(step), float(rel), float(worst)))
             else:
                 self.log.write(line)
                 self.log.flush()
@@ -710,6 +795,9 @@ def parse_args(argv=None):
     ap.add_argument("--grad-error-every", type=int, default=100,
                     help="gradient-quantization arms: measure the gradient error every this many steps (and at "
                          "the last; 0: never)")
+    ap.add_argument("--replica-error-every", type=int, default=20,
+                    help="quantized arms: measure ||replica - bf16(master)|| / ||bf16(master)|| every this many steps "
+                         "(and at the last; 0: never). A measured step waits for its gather to finish")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--out", default="bench/results/convergence")
     ap.add_argument("--render", default=None, metavar="JSON",
@@ -721,7 +809,8 @@ def parse_args(argv=None):
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="with --from-arms: an environment field of the run (repeatable; date= also sets the date)")
     ap.add_argument("--note", default=None, help="with --from-arms: a note stored in the JSON and shown in the .md")
-    ap.add_argument("--worker", nargs=7, metavar=("SETTINGS", "OUT", "THREADS", "RANK", "PORT", "GRAD_EVERY", "SHARE"),
+    ap.add_argument("--worker", nargs=8, metavar=("SETTINGS", "OUT", "THREADS", "RANK", "PORT", "GRAD_EVERY", "SHARE",
+                                                  "REPLICA_EVERY"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.arms is None:
@@ -763,8 +852,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        settings, out, threads, rank, port, every, share = args.worker
-        worker(settings, out, int(threads), int(rank), int(port), int(every), share == "1")
+        settings, out, threads, rank, port, every, share, replica_every = args.worker
+        worker(settings, out, int(threads), int(rank), int(port), int(every), share == "1", int(replica_every))
         return 0
     if args.render is not None:
         with open(args.render) as f:
@@ -856,7 +945,7 @@ def main(argv=None) -> int:
         for rank in range(world):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(dataclasses.asdict(settings)),
                    record, str(threads), str(rank), str(port), str(args.grad_error_every),
-                   "1" if args.share_gpu and device == "cuda" else "0"]
+                   "1" if args.share_gpu and device == "cuda" else "0", str(args.replica_error_every)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True,
                                           env=env))
         running.append(Running(arm, procs, log, slot, record))
@@ -964,6 +1053,8 @@ def streamed_record(r: Running, every: int) -> dict:
         out["grad_error"] = grad_error_record(r.grad_rows, every)
     if r.grad_bytes is not None:
         out["grad_bytes_sent_per_step"], out["grad_plain_bytes_per_step"] = r.grad_bytes
+    if r.replica_rows:
+        out["replica_error"] = replica_error_record(r.replica_rows, 0)
     return out
 
 
@@ -1000,6 +1091,8 @@ def arm_entry(arm: Arm, record: dict, *, losses, exit_code, step_seconds) -> dic
         "grad_bytes_sent_per_step": record.get("grad_bytes_sent_per_step"),
         "grad_plain_bytes_per_step": record.get("grad_plain_bytes_per_step"),
         "grad_error": record.get("grad_error"),
+        "replica_error": record.get("replica_error"),
+        "weight_bytes_per_param": record.get("weight_bytes_per_param"),
         "replicas_identical": record.get("replicas_identical"),
         "median_step_s": _median(record.get("step_times")),
     }
@@ -1037,15 +1130,17 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     first = records[present[0].name]
     flat = {a.name: flat_settings(records[a.name]["settings"]) for a in present}  # older records too
     # what the arms share: every setting but the gather's format (and gather-ahead, which follows it)
-    own = (*Arm("", False).zero_fields(), "overlap_param_gather")
+    own = (*Arm("", False).zero_fields(), "overlap_param_gather", "zero_quantized_weights_delta")
     for arm in present:
         s, f = flat[arm.name], flat[present[0].name]
         diff = [k for k in sorted(set(s) | set(f)) if k not in own and s.get(k) != f.get(k)]
         if diff or records[arm.name].get("params") != first.get("params"):
             raise ValueError(f"arm {arm.name}: its record differs from {present[0].name}'s in {diff or ['params']}")
         q, fmt, group = s["zero_quantized_weights"], s["zero_quantized_weights_format"], s["zero_quantized_weights_group_size"]
-        if bool(q) != arm.quantized or (arm.quantized and (fmt, group) != (arm.fmt, arm.group_size)):
-            raise ValueError(f"arm {arm.name}: its record's settings are quantized={q} fmt={fmt} group_size={group}")
+        delta = bool(s.get("zero_quantized_weights_delta", False))
+        if bool(q) != arm.quantized or (arm.quantized and (fmt, group, delta) != (arm.fmt, arm.group_size, arm.delta)):
+            raise ValueError(f"arm {arm.name}: its record's settings are quantized={q} fmt={fmt} group_size={group} "
+                             f"delta={delta}")
         gq = bool(s.get("zero_quantized_gradients", False))
         gfmt, ggroup = s.get("zero_quantized_gradients_format"), s.get("zero_quantized_gradients_group_size")
         if gq != arm.grad_quantized or (gq and (gfmt, ggroup) != (arm.grad_fmt, arm.grad_group_size)):
@@ -1184,6 +1279,7 @@ def render(study: dict, out: str) -> None:
                 md += [f"Gradient error of {a['label']} (step: reduced / payload): " + ", ".join(
                     f"{st}: {fmt(r)} / {fmt(p)}"
                     for st, r, p in zip(ge["steps"], ge["reduced_rel_err"], ge["payload_rel_err"])) + ".", ""]
+    md += replica_error_lines(study, out)
     with open(os.path.join(out, "convergence.md"), "w") as f:
         f.write("\n".join(md))
     print(f"wrote {out}/convergence.json, convergence.md, convergence.png (wall {wall})")
@@ -1193,6 +1289,45 @@ def render(study: dict, out: str) -> None:
     for x in lines:
         print(x)
     print(table)
+
+
+def replica_error_lines(study: dict, out: str) -> list[str]:
+    """The replica error of every arm that measured it: a plot (``replica_error.png``) and a line each
+    (mean, first and last measured value: a delta arm's must stay flat), and bytes per parameter."""
+    rows = {name: a for name, a in study["arms"].items() if (a.get("replica_error") or {}).get("steps")}
+    if not rows:
+        return []
+    lines = [f"Replica error, {REPLICA_ERROR_NOTE} Measured every {next(iter(rows.values()))['replica_error']['every']} "
+             "steps:", ""]
+    for name, a in rows.items():
+        e = a["replica_error"]["rel_err"]
+        per_param = a.get("weight_bytes_per_param")
+        lines.append(f"- {a['label']}: mean {sum(e) / len(e):.3e}, first {e[0]:.3e}, last {e[-1]:.3e}, max "
+                     f"{max(e):.3e}" + (f"; {per_param:.3f} weight-gather bytes per parameter per step" if per_param else ""))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4))
+        for name, a in rows.items():
+            e = a["replica_error"]
+            if any(x > 0 for x in e["rel_err"]):
+                ax.plot(e["steps"], e["rel_err"], label=a["label"])
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("||replica - bf16(master)|| / ||bf16(master)||")
+        ax.set_title("weights every rank holds against the rounded masters")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "replica_error.png"), dpi=110)
+        plt.close(fig)
+        lines += ["", "Curves: `replica_error.png`."]
+    except ImportError:
+        lines += ["", "No replica-error plot (matplotlib missing)."]
+    return lines + [""]
 
 
 def _median(xs):

@@ -125,12 +125,12 @@ def _clearing_side_channel(pack_chunk):
     as bf16: NaN, say). Zeroed, it decodes as zeros. One memset of the side channel per chunk,
     on the stream of the pack (microseconds)."""
 
-    def pack(flat, plan, chunk, rank, buf, kernels):
+    def pack(flat, plan, chunk, rank, buf, kernels, *args, **kwargs):
         lay = chunk.payload  # None where each rank has its own layout: see _decoding_as_rank0
         if plan.quantized and lay is not None and lay.exact_numel:
             at = rank * chunk.payload_bytes + lay.exact_offset
             buf[at : at + lay.exact_numel * plan.elem_size].zero_()
-        return pack_chunk(flat, plan, chunk, rank, buf, kernels)
+        return pack_chunk(flat, plan, chunk, rank, buf, kernels, *args, **kwargs)
 
     return pack
 
@@ -139,21 +139,38 @@ def _decoding_as_rank0(unpack_chunk):
     """``qzero.chunks.unpack_chunk`` for ``qzero.engine`` in an emulated world: where the ranks'
     payloads of a chunk have layouts of their own (some rank has an exact group: ``PER_RANK``,
     ``[Note: exact groups]`` in qzero/layout.py), every slot, a copy of rank 0's, is decoded with
-    rank 0's layout and group runs into its own rank's slice. Decoded with another rank's layout,
-    rank 0's bytes would be read as scales where they are codes (NaN, say). One unpack per rank
-    instead of one for all: a few launches more per such chunk."""
-    from qzero.chunks import exact_index
-    from qzero.layout import PayloadKind
+    rank 0's layout, group runs and side elements into its own rank's slice (decoded with another
+    rank's layout, rank 0's bytes would be read as scales where they are codes: NaN, say). The
+    same kernels and launches as on a real world; the tables are built once per chunk."""
+    import torch
 
-    def unpack(flat, plan, chunk, rank, buf, kernels):
+    from qzero.chunks import exact_index
+    from qzero.layout import GroupRuns, PayloadKind
+
+    def rank0_everywhere(plan, chunk, device):
+        key = ("emulated: rank 0's payload everywhere", chunk.index, device)
+        if key not in plan._cache:
+            w, pb, es, p = plan.world_size, chunk.payload_bytes, plan.elem_size, plan.partition_numel
+            layout = plan.payload_of(chunk, 0)
+            runs = GroupRuns(chunk.numel, plan.group_size, (chunk.runs[0],) * w, (layout,) * w, pb)
+            idx = exact_index(plan, chunk, 0, torch.device("cpu"))
+            idx = torch.empty(0, dtype=torch.int64) if idx is None else idx
+            side = torch.arange(idx.numel())
+            src = torch.cat([(r * pb + layout.exact_offset) // es + side for r in range(w)])
+            dst = torch.cat([r * p + chunk.offset + idx for r in range(w)])
+            plan._cache[key] = runs, (src.to(device), dst.to(device))
+        return plan._cache[key]
+
+    def unpack(flat, plan, chunk, rank, buf, kernels, delta=None):
         if chunk.kind is not PayloadKind.PER_RANK:
-            return unpack_chunk(flat, plan, chunk, rank, buf, kernels)
-        p, pb, n = plan.partition_numel, chunk.payload_bytes, chunk.numel
-        layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
-        idx = exact_index(plan, chunk, 0, flat.device)
-        for r in range(plan.world_size):
-            kernels.unpack_payload(buf[r * pb : (r + 1) * pb], flat[r * p + chunk.offset :][:n], layout,
-                                   plan.group_size, plan.fmt, idx, runs)
+            return unpack_chunk(flat, plan, chunk, rank, buf, kernels, delta)
+        runs, exact = rank0_everywhere(plan, chunk, flat.device)
+        args = (buf, flat, plan.partition_numel, chunk.offset, chunk.numel, plan.world_size, None, plan.group_size,
+                plan.fmt, exact)
+        if plan.delta:
+            kernels.unpack_delta_payloads(*args, delta.refused, runs)
+        else:
+            kernels.unpack_payloads(*args, runs)
 
     return unpack
 
@@ -201,7 +218,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     world.set_link(parse_link("none"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    summary = _summary(s, engine, losses, [None] * len(losses), times, skipped, device)
+    summary = _summary(s, engine, losses, [None] * len(losses), times, skipped, device, [engine.gathered_bytes()])
     engine.finish()
     # every rank holds rank 0's values here: replicas are identical by construction, not by measurement
     summary["replicas_identical"] = None

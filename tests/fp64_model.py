@@ -94,3 +94,35 @@ def random_exact(rng: np.random.Generator, n: int) -> torch.Tensor:
     start = int(rng.integers(0, max(1, n - 100)))
     picks |= set(range(start, min(n, start + 100)))
     return torch.tensor(sorted(picks), dtype=torch.int64)
+
+
+def delta_step_fp64(target: torch.Tensor, replica: torch.Tensor, group_size: int, fmt: str,
+                    exact: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """One step of the delta loop ([Note: delta payload]) for one payload, in float64 with
+    every fp32 rounding written out: ``(new replica, scales)``. ``t = RN(target)`` in the
+    replica's dtype (torch's cast defines it); ``d = f32(t - r)``; codes and scales of ``d``
+    as :func:`quantize_fp64` (exact elements zeroed); ``r' = RN(f32(r + f32(q * scale)))``;
+    a group holding a non-finite ``d`` keeps its elements (scale NaN); exact elements become ``t``."""
+    dtype = replica.dtype
+    t = target.to(dtype)
+    t64, r64 = t.double().numpy(), replica.double().numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = f32(t64 - r64)
+    if exact is not None:
+        d[exact] = 0.0
+    n = d.size
+    groups = -(-n // group_size)
+    padded = np.zeros(groups * group_size)
+    padded[:n] = d
+    finite = np.isfinite(padded).reshape(groups, group_size).all(axis=1)
+    padded[~np.repeat(finite, group_size)] = 0.0
+    codes, scales = quantize_fp64(torch.from_numpy(padded[:n]), group_size, fmt)
+    codes = codes + 0.0  # stored as integers: a code is never -0 (so -0 + 0 * scale is +0)
+    scales = np.where(finite, scales.astype(np.float64), np.nan).astype(np.float32)
+    step = f32(codes * np.repeat(scales.astype(np.float64), group_size)[:n])
+    new = torch.from_numpy(f32(r64 + step).astype(np.float32)).to(dtype)
+    keep = torch.from_numpy(~np.repeat(finite, group_size)[:n])
+    new = torch.where(keep, replica, new)
+    if exact is not None:
+        new[torch.as_tensor(exact)] = t[torch.as_tensor(exact)]
+    return new, scales

@@ -12,7 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from qzero.chunks import pack_chunk, unpack_chunk
+from typing import NamedTuple
+
+from qzero.chunks import exact_index, exact_scatter, pack_chunk, unpack_chunk
+from qzero.layout import GroupRuns, PayloadKind, compact_layout, round_up
 from qzero.quant import reference
 from qzero.quant.reference import FLT_MIN
 
@@ -114,3 +117,37 @@ def expected_gather(truth: torch.Tensor, world: int, group_size: int, exact_rang
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of a 16-bit tensor (NaN-safe bitwise comparison)."""
     return t.view(torch.int16)
+
+
+class KernelInputs(NamedTuple):
+    """What the gather passes the kernels for one chunk of a quantized plan: per rank its
+    payload layout, its group runs (None: every group coded) and its side index; the group
+    runs of every rank (for the unpack of all of them), the side elements' positions in the
+    receive buffer and the flat buffer, and the slot size. A ``PLAIN`` chunk (which the gather
+    sends as it is) is given as the payload of exact groups only it stands for, so the kernels'
+    handling of such payloads is checked too."""
+
+    layouts: list
+    runs: list
+    sides: list
+    all_runs: object
+    scatter: tuple | None
+    payload_bytes: int
+
+
+def kernel_inputs(plan, chunk, device) -> KernelInputs:
+    device = torch.device(device)
+    w, n, es = plan.world_size, chunk.numel, plan.elem_size
+    if chunk.kind is not PayloadKind.PLAIN:
+        return KernelInputs([plan.payload_of(chunk, r) for r in range(w)], [plan.group_runs(chunk, r) for r in range(w)],
+                            [exact_index(plan, chunk, r, device) for r in range(w)], plan.group_runs(chunk),
+                            exact_scatter(plan, chunk, device), chunk.payload_bytes)
+    layout = compact_layout(0, 0, n, es)
+    pb = round_up(layout.nbytes, 16)
+    layout = layout._replace(nbytes=pb)
+    row = ((0, n, -1),)
+    runs = GroupRuns(n, plan.group_size, (row,) * w, (layout,) * w, pb)
+    side = torch.arange(n, device=device)
+    src = torch.cat([(r * pb + layout.exact_offset) // es + torch.arange(n) for r in range(w)]).to(device)
+    dst = torch.cat([r * plan.partition_numel + chunk.offset + torch.arange(n) for r in range(w)]).to(device)
+    return KernelInputs([layout] * w, [runs.row(r) for r in range(w)], [side] * w, runs, (src, dst), pb)

@@ -82,6 +82,7 @@ CONFIG_CASES = [
     ("overlap_comm 1", {"overlap_comm": 1}, r"overlap_comm.*1"),
     ("check_finite 'no'", {"check_finite": "no"}, r"check_finite.*'no'"),
     ("solo_reduce 1", {"solo_reduce": 1}, r"solo_reduce.*1"),
+    ("copy_engine_collectives 1", {"copy_engine_collectives": 1}, r"copy_engine_collectives.*1"),
     ("reduce_scatter false", {"reduce_scatter": False}, r"reduce_scatter=False"),
     ("allgather_partitions false", {"allgather_partitions": False}, r"allgather_partitions=False"),
     ("small threshold -1", {"small_param_numel": -1}, r"small_param_numel.*-1"),
@@ -89,6 +90,7 @@ CONFIG_CASES = [
     ("loss scale window 0", {"loss_scale_window": 0}, r"loss_scale_window.*0"),
     ("hysteresis 0", {"hysteresis": 0}, r"hysteresis.*0"),
     ("min loss scale -1", {"min_loss_scale": -1}, r"min_loss_scale.*-1"),
+    ("min loss scale 0", {"min_loss_scale": 0}, r"min_loss_scale must be > 0.*got 0"),
 ]
 for _id, _d, _m in CONFIG_CASES:
     case(f"config: {_id}", "config", (lambda d: lambda: ZeroConfig.from_dict(d))(_d), _m)
@@ -330,7 +332,14 @@ OPT_CASES = [
      r"missing from param_groups: \['norm', 'lin\.bias'\]"),
     ("empty parameter group", lambda r, w: (m := _net(r), ADAMW, {"param_groups": _groups(m, "empty group")}),
      r"parameter group 1 has no trainable parameters"),
+    ("copy-engine collectives on gloo and CPU",
+     lambda r, w: (_net(r), ADAMW, {"config": ZeroConfig(copy_engine_collectives=True)}),
+     r"copy_engine_collectives=True needs CUDA tensors \(the parameters are on cpu\); a process group with the "
+     r"NCCL backend \(this one's is 'gloo'\)"),
     # ranks disagree, or only one is wrong: every rank raises
+    ("one rank: copy-engine collectives",
+     lambda r, w: (_net(r), ADAMW, {"config": ZeroConfig(copy_engine_collectives=r == 1)}),
+     r"copy_engine_collectives=True needs CUDA tensors|rank\(s\) \[1\] rejected"),
     ("settings differ between ranks",
      lambda r, w: (_net(r), ADAMW, {"config": ZeroConfig(zero_quantized_weights=r == 0)}),
      r"config differs between ranks"),

@@ -25,7 +25,8 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 
 import fp64_model  # noqa: E402
 from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
-from qzero.layout import GroupRuns, PayloadKind, compact_layout, plan_gather  # noqa: E402
+from qzero.layout import PayloadKind, plan_gather  # noqa: E402
+from simulate import kernel_inputs  # noqa: E402
 from qzero.quant import reference  # noqa: E402
 from qzero.quant import triton as kernels  # noqa: E402
 
@@ -78,21 +79,11 @@ class Payload(NamedTuple):
 
 
 def layout_for(n: int, fmt: str, group_size: int, exact: torch.Tensor | None) -> Payload:
-    from qzero.chunks import exact_index
-
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
     plan = plan_gather(n, 1, fmt=fmt, group_size=group_size, exact_ranges=ranges,
                        bucket_numel=-(-n // group_size) * group_size)
-    chunk = plan.chunks[0]
-    device = torch.device("cpu") if exact is None else exact.device
-    if chunk.kind is PayloadKind.PLAIN:
-        # The gather sends such a slice as it is; the kernels must still handle a payload of
-        # exact groups only (a rank's share of a chunk that other ranks code).
-        layout = compact_layout(0, 0, n, 2)
-        return Payload(layout, GroupRuns(n, group_size, (((0, n, -1),),), (layout,), layout.nbytes),
-                       torch.arange(n, device=device), layout.nbytes)
-    return Payload(plan.payload_of(chunk, 0), plan.group_runs(chunk, 0), exact_index(plan, chunk, 0, device),
-                   chunk.payload_bytes)
+    k = kernel_inputs(plan, plan.chunks[0], "cpu" if exact is None else exact.device)
+    return Payload(k.layouts[0], k.runs[0], k.sides[0], k.payload_bytes)
 
 
 def poison(nbytes: int, gen: torch.Generator, device="cpu") -> torch.Tensor:

@@ -12,6 +12,7 @@ replace it in one place (to inject delays around every collective launch and wai
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -75,31 +76,58 @@ def slot(plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor) -> to
     return buf[rank * pb : (rank + 1) * pb]
 
 
-def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels):
+class DeltaInputs(NamedTuple):
+    """What a delta payload is made from besides the flat buffer, which holds the replica
+    ([Note: delta payload] in :mod:`qzero.quant.reference`)."""
+
+    target: torch.Tensor
+    """fp32, this rank's partition by local offset (the master shard): what the replica should become."""
+    refused: torch.Tensor
+    """The refusal flag (:func:`qzero.quant.reference.refusal_flag`, on the flat buffer's device):
+    an unpack that met a group whose difference was not finite (and left it as it was) lowers
+    it to that group's flat index. Read by the owner of the loop."""
+
+
+def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,
+               delta: DeltaInputs | None = None):
     """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot."""
     p = plan.partition_numel
     mine = slot(plan, chunk, rank, buf)
     src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
     if chunk.kind is PayloadKind.PLAIN:
-        mine[: chunk.numel * plan.elem_size].view(flat.dtype).copy_(src)
+        # the slice as it is (a delta plan: the rounded target, what its exact elements carry)
+        out = mine[: chunk.numel * plan.elem_size].view(flat.dtype)
+        out.copy_(src if not plan.delta else delta.target[chunk.offset : chunk.offset + chunk.numel])
+        return mine
+    layout, runs = plan.payload_of(chunk, rank), plan.group_runs(chunk, rank)
+    index = exact_index(plan, chunk, rank, flat.device)
+    if plan.delta:
+        target = delta.target[chunk.offset : chunk.offset + chunk.numel]
+        kernels.pack_delta_payload(target, src, mine, layout, plan.group_size, plan.fmt, index, runs)
     else:
-        kernels.pack_payload(src, mine, plan.payload_of(chunk, rank), plan.group_size, plan.fmt,
-                             exact_index(plan, chunk, rank, flat.device), plan.group_runs(chunk, rank))
+        kernels.pack_payload(src, mine, layout, plan.group_size, plan.fmt, index, runs)
     return mine
 
 
-def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels) -> None:
+def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,
+                 delta: DeltaInputs | None = None) -> None:
     """Write every source rank's payload of ``chunk`` into the flat buffer (this rank's own
     included when quantized, so that all replicas hold the same bits): one dequantizing
-    pass over all ranks' payloads, then one scatter of all their exact elements."""
+    pass over all ranks' payloads (a delta payload's is added into the replica in place),
+    then one scatter of all their exact elements."""
     p, w = plan.partition_numel, plan.world_size
     if chunk.kind is PayloadKind.PLAIN:
         # one strided copy for every rank's slice (this rank's own slot holds its own bits)
         src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
         flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
         return
-    kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
-                            exact_scatter(plan, chunk, flat.device), plan.group_runs(chunk))
+    exact, runs = exact_scatter(plan, chunk, flat.device), plan.group_runs(chunk)
+    if plan.delta:
+        kernels.unpack_delta_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size,
+                                      plan.fmt, exact, delta.refused, runs)
+    else:
+        kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
+                                exact, runs)
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:

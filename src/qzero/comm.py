@@ -211,6 +211,7 @@ def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
         "group size": plan.group_size,
         "bucket_numel": plan.bucket_numel,
         "exact ranges": digest(repr(plan.exact_ranges)),
+        "delta payload": int(plan.delta),
     }
 
 

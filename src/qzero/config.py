@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
+from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL, DELTA_FORMATS
 from .engine import SCHEDULES as GATHER_SCHEDULES
 from .quant import KERNELS
 from .quant.formats import check_group_size, get_format
@@ -29,6 +29,13 @@ GRADIENT_ROTATIONS = ("hadamard", "none")
 DEFAULT_ROTATION_BLOCK = 32
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
 MAX_SCALE_POWER = 64
+#: The weight payload's defaults (``zero_quantized_weights_format``/``_group_size`` left as None).
+DEFAULT_FORMAT = "int8"
+DEFAULT_GROUP_SIZE = 64
+#: The delta payload's defaults (see ``zero_quantized_weights_delta``; its formats are
+#: ``qzero.layout.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
+DELTA_FORMAT = "int4"
+DELTA_GROUP_SIZE = 256
 
 # DeepSpeed keys with no setting of their own here: qzero always behaves as the value given.
 _DEEPSPEED_FIXED = {
@@ -64,11 +71,34 @@ class ZeroConfig:
     zero_quantized_weights: bool = False
     """Quantize the post-step weight all-gather. Off: the plain gather, bit-exact."""
 
-    zero_quantized_weights_group_size: int = 64
-    """Elements that share one fp32 scale; a positive multiple of 8."""
+    zero_quantized_weights_group_size: int | None = None
+    """Elements that share one fp32 scale; a positive multiple of 8. ``None`` (the default):
+    64, or 256 with ``zero_quantized_weights_delta`` (``docs/delta-gathers.md`` has the
+    measurement behind it); resolved on construction."""
 
-    zero_quantized_weights_format: str = "int8"
-    """Payload format: ``int8`` (the reference), ``fp8`` (e4m3) or ``int4``."""
+    zero_quantized_weights_format: str | None = None
+    """Payload format: ``int8`` (the reference), ``fp8`` (e4m3) or ``int4``; with
+    ``zero_quantized_weights_delta``, ``int4`` or ``int8``. ``None`` (the default): ``int8``,
+    or ``int4`` with ``zero_quantized_weights_delta``; resolved on construction."""
+
+    zero_quantized_weights_delta: bool = False
+    """With ``zero_quantized_weights``: send each step the quantized *difference* between the
+    new weights (the bf16/fp16 rounding of the fp32 masters) and the replica every rank
+    already holds, and let every rank add it to that replica (a closed loop: the next
+    difference is taken against the replica actually held, so quantization errors do not
+    accumulate; each replica element stays within one quantization step of the rounded
+    master). INT4 differences with 256-element groups cost 0.52 bytes per parameter, about
+    half of INT8 weights, at a much smaller error. Small parameters travel exactly. Exact
+    resyncs (the plain gather: every replica becomes the rounded masters): the first gather
+    after construction, the gather that ends a ``load_checkpoint`` that cannot restore the
+    replica (another world size), every ``zero_quantized_weights_delta_resync_steps``-th
+    gather, and ``gather_exact_weights()``. Checkpoints save the replica, so a resume at the
+    same world size is bit-exact. Not with the DeepSpeed adapter. ``docs/delta-gathers.md``."""
+
+    zero_quantized_weights_delta_resync_steps: int = 1000
+    """With ``zero_quantized_weights_delta``: every this many gathers, one is an exact resync
+    (the plain gather, 2 bytes per parameter); 0 never resyncs by itself. The closed loop does
+    not drift (``docs/delta-gathers.md``): this is a safety net, priced at 0.3% more bytes."""
 
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
     """Parameters with at most this many elements (norms, biases) travel exactly."""
@@ -102,7 +132,7 @@ class ZeroConfig:
     """fp16 dynamic scaling halves the scale only after this many overflows in a row."""
 
     min_loss_scale: float = 1.0
-    """fp16 dynamic scaling never goes below this."""
+    """fp16 dynamic scaling never goes below this; must be > 0."""
 
     check_finite: bool = True
     """Refuse NaN/Inf before anything is gathered, raising on every rank and naming the
@@ -211,9 +241,25 @@ class ZeroConfig:
     rescaled with the loss scale and dropped on a skipped step. Needs
     ``zero_quantized_gradients``."""
 
+    copy_engine_collectives: bool = False
+    """Run qzero's weight all-gather and quantized gradient all-to-all on the GPU's copy
+    engines, with no SMs taken from the forward and backward (NCCL >= 2.28: a second process
+    group over the same ranks with the zero-CTA policy, the collectives' buffers in NCCL
+    symmetric memory). Needs CUDA, an NCCL process group and a PyTorch with NCCL's CTA policy
+    option and symmetric memory; the optimizer refuses it at construction, naming what is
+    missing. The bits are the same; the gather's receive buffers (at most one bucket) and the
+    all-to-all's payload buffers stay allocated between steps. A plain gradient reduce-scatter
+    needs arithmetic and keeps its SMs. See ``docs/copy-engine.md``."""
+
     def __post_init__(self) -> None:
         if self.overlap_param_gather is None:
             object.__setattr__(self, "overlap_param_gather", self.zero_quantized_weights is True)
+        delta = self.zero_quantized_weights_delta is True
+        if self.zero_quantized_weights_format is None:
+            object.__setattr__(self, "zero_quantized_weights_format", DELTA_FORMAT if delta else DEFAULT_FORMAT)
+        if self.zero_quantized_weights_group_size is None:
+            object.__setattr__(self, "zero_quantized_weights_group_size",
+                               DELTA_GROUP_SIZE if delta else DEFAULT_GROUP_SIZE)
         if self.zero_quantized_gradients_rotation is None:
             object.__setattr__(self, "zero_quantized_gradients_rotation",
                                "hadamard" if self.zero_quantized_gradients_format == "int4" else "none")
@@ -221,11 +267,13 @@ class ZeroConfig:
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
         for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite",
                      "solo_reduce", "sliced_update", "zero_quantized_gradients",
-                     "zero_quantized_gradients_error_feedback"):
+                     "zero_quantized_gradients_error_feedback", "zero_quantized_weights_delta",
+                     "copy_engine_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)
         get_format(self.zero_quantized_weights_format)
+        self._check_delta()
         if self.gather_schedule not in GATHER_SCHEDULES:
             raise ValueError(f"gather_schedule must be one of {GATHER_SCHEDULES}, got {self.gather_schedule!r}")
         if self.quant_kernels not in KERNELS:
@@ -266,6 +314,9 @@ class ZeroConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.min_loss_scale == 0:  # the dynamic scale halves down to it, and gradients are divided by the scale
+            raise ValueError("min_loss_scale must be > 0 (the dynamic loss scale halves down to it and gradients are "
+                             f"divided by the scale), got {self.min_loss_scale!r}")
         if not 0 <= self.initial_scale_power <= MAX_SCALE_POWER:
             raise ValueError(
                 f"initial_scale_power must be in [0, {MAX_SCALE_POWER}] (the scale must fit fp16 gradients' fp32 "
@@ -287,6 +338,27 @@ class ZeroConfig:
                 f"zero_quantized_gradients_rotation_block {block} "
                 + ("is larger than" if block > group else "does not divide")
                 + f" zero_quantized_gradients_group_size {group}: a group must hold whole rotation blocks"
+            )
+
+    def _check_delta(self) -> None:
+        name = "zero_quantized_weights_delta_resync_steps"
+        k = _as_int(name, getattr(self, name))
+        if k < 0:
+            raise ValueError(f"{name} must be >= 0 (0: never), got {k!r}")
+        object.__setattr__(self, name, k)
+        if not self.zero_quantized_weights_delta:
+            return
+        if not self.zero_quantized_weights:
+            raise ValueError(
+                "zero_quantized_weights_delta=true needs zero_quantized_weights=true: the differences travel in the "
+                "quantized weight gather"
+            )
+        if self.zero_quantized_weights_format not in DELTA_FORMATS:
+            raise ValueError(
+                f"zero_quantized_weights_delta=true with zero_quantized_weights_format="
+                f"{self.zero_quantized_weights_format!r}: a delta payload carries signed differences as symmetric "
+                f"integers with one uniform step per group, one of {list(DELTA_FORMATS)} (the closed loop's bound, "
+                "each replica element within one step of its target, rests on that step)"
             )
 
     @classmethod

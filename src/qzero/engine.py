@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from . import chunks
-from .chunks import exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk
+from .chunks import DeltaInputs, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk
 from .layout import GatherPlan, plan_gather
 from .quant import kernels_for
 
@@ -87,18 +87,32 @@ LOOKAHEAD = 4
 
 
 class GatherStats(NamedTuple):
-    """What one gather moved. Byte counts are per rank (what each rank contributes)."""
+    """What one gather moved. Byte counts are per rank (what each rank contributes), for the
+    ``numel`` elements of its partition; ``payload`` is what travelled (:attr:`GatherPlan.payload`:
+    ``plain``, a format, or ``<format> delta``)."""
 
     num_chunks: int
     bytes_sent: int
     plain_bytes: int
     max_recv_numel: int
     max_recv_bytes: int
+    numel: int = 0
+    payload: str = ""
 
     @property
     def ratio(self) -> float:
         """Bytes sent relative to a plain gather of the same buffer."""
         return self.bytes_sent / self.plain_bytes if self.plain_bytes else 1.0
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Bytes on the wire per parameter element (per rank and partition element: the same
+        ratio for the whole gather), side channels, alignment and padding included."""
+        return self.bytes_sent / self.numel if self.numel else 0.0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in zip(self._fields, self))
+        return f"GatherStats({fields}, bytes_per_param={self.bytes_per_param:.4f})"
 
 
 def stats_of(plan: GatherPlan) -> GatherStats:
@@ -108,6 +122,8 @@ def stats_of(plan: GatherPlan) -> GatherStats:
         plain_bytes=plan.plain_bytes_per_rank,
         max_recv_numel=plan.max_recv_numel,
         max_recv_bytes=plan.max_recv_bytes,
+        numel=plan.partition_numel,
+        payload=plan.payload,
     )
 
 
@@ -138,10 +154,19 @@ class CommContext:
         # gather's compete for the SMs, the gather's go first (the forward waits for them).
         self.streams = ({s: torch.cuda.Stream(device, priority=-1) for s in ("pack", "unpack")}
                         if self.schedule == "streams" else {})
+        #: A :class:`qzero.copy_engine.CopyEngineComm` (``ZeroConfig.copy_engine_collectives``), set
+        #: by the owner: the gathers then run on its group, their receive buffers from its memory.
+        self.copy_engine = None
         #: GPU clock cycles to spin before each step of a stage (the collective's: on the pack
         #: stream, before it is issued). A test hook: delaying one stage exposes any missing
         #: wait between streams.
         self.delay_cycles = dict.fromkeys(STAGES, 0)
+
+    def recv_buffers(self, flat: torch.Tensor, count: int, nbytes: int) -> list[torch.Tensor]:
+        """``count`` receive buffers of ``nbytes`` for a gather of ``flat``."""
+        if self.copy_engine is not None:
+            return self.copy_engine.buffers(("gather", flat.data_ptr()), count, nbytes)
+        return [torch.empty(nbytes, dtype=torch.uint8, device=flat.device) for _ in range(count)]
 
     def _delay(self, stage: str) -> None:
         if self.delay_cycles[stage]:
@@ -176,7 +201,7 @@ def fitting_plan(plan: GatherPlan, buffers: int) -> GatherPlan | None:
             bucket = max(unit, min(shrunk, bucket - unit))
             work = plan_gather(
                 plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=bucket, fmt=plan.fmt,
-                group_size=plan.group_size, exact_ranges=plan.exact_ranges,
+                group_size=plan.group_size, exact_ranges=plan.exact_ranges, delta=plan.delta,
             )
         plan._cache[key] = work
     return plan._cache[key]
@@ -222,11 +247,18 @@ def start_gather(
     *,
     prepare=None,
     ahead: bool = False,
+    delta: DeltaInputs | None = None,
 ) -> GatherHandle:
     """Start gathering ``flat`` by ``plan`` (validated when it was built; no checks here).
 
     ``ahead``: the caller will wait chunk by chunk (gather-ahead): the ``inline``
-    schedule then keeps ``DEPTH`` chunks in flight instead of one."""
+    schedule then keeps ``DEPTH`` chunks in flight instead of one. ``delta``: what a delta
+    plan's payloads are made from besides ``flat`` (the replica): the target and the
+    refusal flag (:class:`qzero.chunks.DeltaInputs`); required by a delta plan, and only by one."""
+    if plan.delta != (delta is not None):
+        raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), and only a delta plan")
+    if context.copy_engine is not None:
+        group = context.copy_engine.group  # the same ranks, in the same order
     world, rank = world_and_rank(group)
     with peer_failure("the weight gather"):
         if not plan.quantized and not ahead and prepare is None:
@@ -236,8 +268,8 @@ def start_gather(
         if context.schedule == "streams" and len(plan.chunks) > 1:
             work = fitting_plan(plan, 2)
             if work is not None:
-                return _Streamed(flat, work, group, world, rank, context, prepare)
-        return _Inline(flat, plan, group, world, rank, context, prepare, DEPTH if ahead else 1)
+                return _Streamed(flat, work, group, world, rank, context, prepare, delta)
+        return _Inline(flat, plan, group, world, rank, context, prepare, DEPTH if ahead else 1, delta)
 
 
 class _Inline(GatherHandle):
@@ -248,11 +280,11 @@ class _Inline(GatherHandle):
         s = stats_of(self.plan)
         return s._replace(max_recv_numel=0, max_recv_bytes=0) if self._direct else s
 
-    def __init__(self, flat, plan, group, world, rank, context, prepare, depth):
+    def __init__(self, flat, plan, group, world, rank, context, prepare, depth, delta=None):
         work = fitting_plan(plan, depth) if depth > 1 else plan
         if work is None:
             work, depth = plan, 1
-        self.flat, self.plan, self.group = flat, work, group
+        self.flat, self.plan, self.group, self.delta = flat, work, group, delta
         self.world, self.rank = world, rank
         self.kernels = context.kernels
         self.prepare = prepare
@@ -261,7 +293,7 @@ class _Inline(GatherHandle):
         # The plain gather of a single chunk lands straight in the flat buffer, with no buffer.
         self._direct = not work.quantized and len(work.chunks) == 1
         n = 0 if self._direct else min(depth, len(work.chunks))
-        self._buffers = [torch.empty(work.max_recv_bytes, dtype=torch.uint8, device=flat.device) for _ in range(n)]
+        self._buffers = context.recv_buffers(flat, n, work.max_recv_bytes)
         self._pump()
 
     def _pump(self) -> None:
@@ -275,7 +307,7 @@ class _Inline(GatherHandle):
                 buf, mine = self.flat, self.flat[self.rank * p : (self.rank + 1) * p]
             else:
                 buf = self._buffers[self._launched % len(self._buffers)][: self.world * chunk.payload_bytes]
-                mine = pack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+                mine = pack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels, self.delta)
             work = chunks.all_gather_into(buf, mine, group=self.group, async_op=True) if self.world > 1 else None
             self._in_flight.append((chunk, buf, work))
             self._launched += 1
@@ -287,7 +319,7 @@ class _Inline(GatherHandle):
                 if work is not None:
                     work.wait()
                 if not self._direct:
-                    unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels)
+                    unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels, self.delta)
                 self.finished += 1
                 self._pump()
         if self.done:
@@ -297,8 +329,8 @@ class _Inline(GatherHandle):
 class _Streamed(GatherHandle):
     """The ``streams`` schedule (see the note above)."""
 
-    def __init__(self, flat, plan, group, world, rank, context, prepare):
-        self.flat, self.plan, self.group = flat, plan, group
+    def __init__(self, flat, plan, group, world, rank, context, prepare, delta=None):
+        self.flat, self.plan, self.group, self.delta = flat, plan, group, delta
         self.world, self.rank = world, rank
         self.context = context
         device = flat.device
@@ -309,7 +341,7 @@ class _Streamed(GatherHandle):
             exact_scatter(plan, c, device)
         # Two receive buffers, alternating. They were allocated on the caller's stream: they
         # stay referenced until the caller's stream has waited for the last unpack.
-        self._recv = [torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._recv = context.recv_buffers(flat, 2, plan.max_recv_bytes)
         caller = torch.cuda.current_stream(device)
         # What the caller queued so far (writes to flat), then each chunk's prepare.
         event = caller.record_event()
@@ -348,7 +380,7 @@ class _Streamed(GatherHandle):
                 if k >= 2:
                     pack.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
                 ctx._delay("pack")
-                mine = pack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels)
+                mine = pack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels, self.delta)
                 work = packed = None
                 ctx._delay("gather")
                 if self.world > 1:
@@ -362,7 +394,7 @@ class _Streamed(GatherHandle):
                 else:
                     unpack.wait_event(packed)
                 ctx._delay("unpack")
-                unpack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels)
+                unpack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels, self.delta)
                 self._unpacked[k] = unpack.record_event()
         finally:
             torch.cuda.set_stream(caller)

@@ -73,6 +73,8 @@ FLAT_ORDERS = ("contiguous", "interleaved")
 AUTO_INTERLEAVE_MAX_PADDING = 0.03
 #: Payload sections and whole payloads start on this many bytes.
 PAYLOAD_ALIGN = 16
+#: Formats whose payload may carry differences (``ZeroConfig.zero_quantized_weights_delta``).
+DELTA_FORMATS = ("int4", "int8")
 
 Range = tuple[int, int]
 
@@ -164,6 +166,9 @@ class GatherPlan:
     chunk_numel: int
     chunks: tuple[ChunkPlan, ...]
     exact_ranges: tuple[Range, ...]
+    delta: bool = False
+    """The payload carries quantized differences against the replica ([Note: delta payload] in
+    :mod:`qzero.quant.reference`); the same sections and layout as a weight payload."""
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -173,6 +178,12 @@ class GatherPlan:
     @property
     def quantized(self) -> bool:
         return self.fmt is not None
+
+    @property
+    def payload(self) -> str:
+        """What a payload is: ``plain`` (the original elements), a format name (quantized
+        weights) or ``<format> delta``."""
+        return "plain" if self.fmt is None else f"{self.fmt} delta" if self.delta else self.fmt
 
     def partition(self, rank: int) -> Range:
         p = self.partition_numel
@@ -258,6 +269,10 @@ class GroupRuns:
 
     def coded_groups(self, row: int = 0) -> int:
         return sum(-(-(hi - lo) // self.group_size) for lo, hi, first in self.rows[row] if first >= 0)
+
+    def row(self, r: int) -> GroupRuns:
+        """Payload ``r`` alone (one row)."""
+        return GroupRuns(self.numel, self.group_size, (self.rows[r],), (self.layouts[r],), self.payload_bytes)
 
     def coded_numel(self, row: int = 0) -> int:
         return sum(hi - lo for lo, hi, first in self.rows[row] if first >= 0)
@@ -418,12 +433,16 @@ def plan_gather(
     fmt: str | None = "int8",
     group_size: int = 64,
     exact_ranges: Sequence[Range] = (),
+    delta: bool = False,
 ) -> GatherPlan:
     """Plan a gather of a flat buffer of ``numel`` elements over ``world_size`` ranks.
 
-    ``fmt=None`` plans the plain gather (payload = the original elements).
+    ``fmt=None`` plans the plain gather (payload = the original elements). ``delta``: the
+    payloads carry differences against the replica (``fmt`` one of :data:`DELTA_FORMATS`).
     Raises ``ValueError``/``TypeError`` naming the bad value.
     """
+    if delta and fmt not in DELTA_FORMATS:
+        raise ValueError(f"a delta payload is one of the formats {list(DELTA_FORMATS)}, got {fmt!r}")
     _check_positive_int("world_size", world_size)
     _check_positive_int("bucket_numel", bucket_numel)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
@@ -464,6 +483,7 @@ def plan_gather(
         chunk_numel=chunk,
         chunks=tuple(chunks),
         exact_ranges=exact,
+        delta=delta,
     )
 
 
@@ -563,6 +583,7 @@ def plan_flat_layout(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     fmt: str | None = "int8",
     order: str = "contiguous",
+    delta: bool = False,
 ) -> FlatLayout:
     """Pack parameters of ``shapes`` into a flat buffer and plan its gather.
 
@@ -573,7 +594,8 @@ def plan_flat_layout(
     ``order="auto"`` takes the interleaved order unless it pads more than
     :data:`AUTO_INTERLEAVE_MAX_PADDING` of the parameters beyond what the contiguous order pads.
     ``alignment`` defaults to the group size (so partitions hold whole groups).
-    Parameters with at most ``small_param_numel`` elements become exact ranges.
+    Parameters with at most ``small_param_numel`` elements become exact ranges. ``delta``
+    plans delta payloads (see :func:`plan_gather`).
     """
     _check_positive_int("world_size", world_size)
     if fmt is not None:
@@ -616,6 +638,7 @@ def plan_flat_layout(
         fmt=fmt,
         group_size=group_size,
         exact_ranges=merge_adjacent(exact),
+        delta=delta,
     )
     return FlatLayout(slots, sum(sizes), numel, world_size, alignment, gather, order)
 

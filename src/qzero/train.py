@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import resource
 import socket
@@ -29,17 +30,7 @@ from .layout import DEFAULT_SMALL_PARAM_NUMEL
 SAMPLE_SIZE = 4096
 
 
-#: Short names for ZeroConfig fields, accepted wherever settings are given as ``KEY=VALUE``
-#: (``qzero qualify --baseline/--candidate``, ``bench/steps_matrix.py --arm``). The one table
-#: of them: records and reports use ZeroConfig's own names.
-ZERO_ALIASES = {
-    "quantized": "zero_quantized_weights",
-    "overlap": "overlap_param_gather",
-    "fmt": "zero_quantized_weights_format",
-    "group_size": "zero_quantized_weights_group_size",
-    "allgather_bucket": "allgather_bucket_size",
-    "reduce_bucket": "reduce_bucket_size",
-}
+from .aliases import ZERO_ALIASES  # noqa: F401 (re-exported: the short names of ZeroConfig fields)
 
 
 @dataclass
@@ -189,12 +180,21 @@ def validate(settings: TrainSettings) -> None:
     if settings.zero.zero_quantized_gradients_error_feedback and settings.engine != "qzero":
         raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero engine: its residuals "
                             f"are ZeroOptimizer state, which the {settings.engine} engine does not have")
+    if settings.zero.zero_quantized_weights_delta and settings.engine != "qzero":
+        raise WorkloadError(f"zero_quantized_weights_delta is a setting of the qzero engine: the {settings.engine} "
+                            "engine's weight gather does not send delta payloads, so it would change nothing")
+    if settings.zero.copy_engine_collectives and settings.engine != "qzero":
+        raise WorkloadError(f"copy_engine_collectives is a setting of the qzero engine: it moves ZeroOptimizer's own "
+                            f"gather and all-to-all, which the {settings.engine} engine does not run")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
         raise WorkloadError(f"offload_optimizer is a setting of the deepspeed engine, not of {settings.engine!r}")
     if settings.precision not in ("bf16", "fp16"):
         raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
+    lr = settings.lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise WorkloadError(f"lr must be a finite number >= 0, got {lr!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
         if getattr(settings, name) < 1:
             raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
@@ -210,6 +210,52 @@ def validate(settings: TrainSettings) -> None:
         )
     if not isinstance(settings.zero, ZeroConfig):  # set after construction
         raise WorkloadError(f"zero must be a ZeroConfig, got {type(settings.zero).__name__}")
+
+
+#: Bytes each parameter needs at the least in any engine: its 16-bit weight on every rank, and
+#: its fp32 master and AdamW's two fp32 moments once across the ranks (gradients, activations
+#: and buffers come on top).
+WEIGHT_BYTES, STATE_BYTES = 2, 12
+
+
+def check_fits(settings: TrainSettings) -> int:
+    """Count the model's parameters from its config (built on the meta device: nothing is
+    allocated) and refuse, naming the model, one whose weights and optimizer state alone
+    cannot fit: :data:`WEIGHT_BYTES` a parameter on every rank plus :data:`STATE_BYTES` split
+    over the ranks, against one GPU's memory per rank, or against the host's memory for all
+    the ranks this host runs on the CPU. Returns the count. (Run once, before the ranks start:
+    it is not part of :func:`validate`, which every arm and every torchrun rank repeats.)"""
+    from .workload import WorkloadError, count_parameters, model_config
+
+    where = f"--model-config {settings.model_config}" if settings.model_config else f"--preset {settings.preset}"
+    config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
+    positions = getattr(config, "max_position_embeddings", None)
+    if settings.model_config and positions is not None and positions < settings.seq_len:
+        raise WorkloadError(f"{where}: max_position_embeddings {positions} is shorter than --seq-len {settings.seq_len}")
+    params = count_parameters(config, where)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else settings.world_size
+    per_rank = params * (WEIGHT_BYTES + STATE_BYTES / world)
+    if resolve_device(settings) == "cuda":
+        have, ranks, what = torch.cuda.get_device_properties(0).total_memory, 1, "one GPU has {}"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_torchrun else world
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        what = "this host has {} of memory" + (f" for its {ranks} ranks" if ranks > 1 else "")
+    if per_rank * ranks > have:
+        need = f"{_size(per_rank)} a rank" + (f", {_size(per_rank * ranks)} in all" if ranks > 1 else "")
+        raise WorkloadError(
+            f"{where}: {params:,} parameters need at least {need} ({WEIGHT_BYTES} bytes a parameter on every rank, "
+            f"{STATE_BYTES} split over {world} rank(s)); {what.format(_size(have))}"
+        )
+    return params
+
+
+def _size(n: float) -> str:
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
 
 
 # ---------------------------------------------------------------------- one rank
@@ -233,7 +279,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
     engine = make_engine(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
     model = engine.model
-    loss_sums, norms, marks, skipped = [], [], [], 0
+    loss_sums, norms, marks, skipped, gathered = [], [], [], 0, []
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
     per_step = world * settings.micro_batch * settings.grad_accum
     # A step's time runs from its start to the next step's start on the compute stream (CUDA
@@ -260,6 +306,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             engine.backward(loss)
             loss_sum += loss.detach()
         took = engine.step()
+        gathered.append(engine.gathered_bytes())
         engine.zero_grad()
         loss_sums.append(loss_sum)
         norm = engine.grad_norm()
@@ -281,7 +328,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     losses = (totals / world).tolist()
     norms = [None if n is None else float(n) for n in norms]
     engine.finish()  # gather-ahead: the last step's gather may still be in flight
-    result = _summary(settings, engine, losses, norms, times, skipped, device)
+    result = _summary(settings, engine, losses, norms, times, skipped, device, gathered[settings.warmup :] or gathered)
     # steps [warmup, steps) back to back between two synchronisations, the last one's gather included
     result["wall_seconds"], result["wall_steps"] = wall, settings.steps - settings.warmup
     if rank == 0 and out_path:
@@ -341,12 +388,14 @@ def sample_index(total: int, size: int = SAMPLE_SIZE) -> torch.Tensor:
     return torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
 
 
-def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
+def _summary(settings, engine, losses, norms, times, skipped, device, gathered) -> dict:
+    """``gathered``: ``(sent, plain)`` weight-gather bytes per rank of every measured step; their
+    means are the per-step figures (a delta arm's exact resyncs send more than its other steps)."""
     params = [p for p in engine.model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
     sample = engine.sample(sample_index(total))
     flats = engine.flats()
-    sent, plain = engine.gathered_bytes()
+    sent, plain = (_mean([step[i] for step in gathered]) for i in (0, 1))
     grad_sent, grad_plain = engine.reduced_bytes()
     peak_alloc, peak_reserved, total_mem = _memory(device)
     return {
@@ -367,10 +416,18 @@ def _summary(settings, engine, losses, norms, times, skipped, device) -> dict:
         "memory_kind": "cuda allocator" if device.type == "cuda" else "process peak RSS (CPU)",
         "bytes_sent_per_step": sent,
         "plain_bytes_per_step": plain,
+        # every rank's weight-gather bytes over the model's parameters: bytes on the wire per parameter
+        "weight_bytes_per_param": sent * dist.get_world_size() / total if total else None,
         "grad_bytes_sent_per_step": grad_sent,
         "grad_plain_bytes_per_step": grad_plain,
         "params": total,
     }
+
+
+def _mean(values: list) -> int | float:
+    """The mean, as an integer when it is one (every step the same)."""
+    m = sum(values) / len(values)
+    return int(m) if m == int(m) else m
 
 
 def _memory(device: torch.device) -> tuple[int, int, int]:
@@ -390,8 +447,13 @@ class _progress:
 
     def __init__(self, total: int):
         try:
+            import threading
+
             from tqdm import tqdm
 
+            # a thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit,
+            # which would leave that lock's semaphore behind for the resource tracker to warn about
+            tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
         except ImportError:
             self._bar = None
@@ -422,7 +484,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool) -> None:
+def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool,
+             parent: int) -> None:
+    from .orphans import die_with_parent
+
+    die_with_parent(parent)  # a launcher killed outright (SIGKILL) takes its ranks with it
     device_kind = resolve_device(settings)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
@@ -467,7 +533,7 @@ def launch(settings: TrainSettings, out_path: str | None = None, show_progress: 
         path = out_path or os.path.join(tmp, "result.json")
         mp.start_processes(
             _spawned,
-            args=(settings, _free_port(), path, show_progress),
+            args=(settings, _free_port(), path, show_progress, os.getpid()),
             nprocs=settings.world_size,
             start_method="spawn",
         )

@@ -11,11 +11,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import ZeroConfig, _as_int
+from ..config import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, ZeroConfig, _as_int
 
 # The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.
-DEFAULT_GROUP_SIZE = ZeroConfig.zero_quantized_weights_group_size
-DEFAULT_FORMAT = ZeroConfig.zero_quantized_weights_format
 DEFAULT_SMALL_PARAM_NUMEL = ZeroConfig.small_param_numel
 
 ENABLE_KEY = "zero_quantized_weights"
@@ -32,6 +30,9 @@ GRAD_ENABLE_KEY = "zero_quantized_gradients"
 GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_format",
              "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block",
              "zero_quantized_gradients_error_feedback")
+#: :attr:`qzero.ZeroConfig.zero_quantized_weights_delta` and its resync interval: recognised and
+#: validated here, and a delta gather refused (see :func:`_check_delta_keys`).
+DELTA_KEYS = ("zero_quantized_weights_delta", "zero_quantized_weights_delta_resync_steps")
 
 
 
@@ -106,6 +107,7 @@ def prepare_config(config: dict) -> PreparedConfig:
         return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
     settings = _settings_from(zero)
     _check_gradient_keys(zero, _stage_of(zero))
+    _check_delta_keys(zero)
     enabled = zero.get(ENABLE_KEY, False)
     if not isinstance(enabled, bool):
         raise ValueError(f"zero_optimization.{ENABLE_KEY} must be true or false, got {enabled!r}")
@@ -174,6 +176,24 @@ def _check_gradient_keys(zero: dict, stage: int) -> None:
         raise ValueError(
             f"zero_optimization.{GRAD_ENABLE_KEY}=true at stage {stage}: DeepSpeed implements it at stage 3 only, "
             "and this adapter quantizes the weight gather, not DeepSpeed's gradient reduction; use "
+            "qzero.ZeroOptimizer (ZeroConfig.from_dict takes this zero_optimization dict) or remove the key"
+        )
+
+
+def _check_delta_keys(zero: dict) -> None:
+    """Validate the delta keys (as :class:`qzero.ZeroConfig` does) and pop them from ``zero`` (a
+    copy). A delta gather is refused by name rather than ignored: DeepSpeed writes each rank's
+    bf16/fp16 master into its partition of the flat group before it calls the gather, so the
+    replica that a difference is taken against is gone by then."""
+    given = {key: zero.pop(key) for key in DELTA_KEYS if key in zero}
+    try:
+        ZeroConfig(zero_quantized_weights=True, **given)
+    except ValueError as e:
+        raise ValueError(f"zero_optimization: {e}") from None
+    if given.get(DELTA_KEYS[0]):
+        raise ValueError(
+            f"zero_optimization.{DELTA_KEYS[0]}=true: the DeepSpeed adapter does not send delta gathers (DeepSpeed "
+            "overwrites each rank's replica of its partition with the new weights before the gather); use "
             "qzero.ZeroOptimizer (ZeroConfig.from_dict takes this zero_optimization dict) or remove the key"
         )
 

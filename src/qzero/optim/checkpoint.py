@@ -115,6 +115,8 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
         sd[f"group{i}.master"] = _sharded(g.master, g, opt)
         for key, value in opt.optimizer.state.get(g.master, {}).items():
             sd[f"group{i}.state.{key}"] = _sharded(value, g, opt) if value.shape == g.master.shape else value
+        if g.delta is not None:  # [Note: the replica in a checkpoint]
+            sd[replica_key(i)] = _sharded(g.own, g, opt)
     sd.update(error_feedback.state_entries(opt))
     return sd
 
@@ -130,6 +132,7 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 "used_numel": g.layout.used_numel,
                 "state": _state_keys(opt, g),
                 "hyperparameters": json.loads(json.dumps(hyper, default=_json_default)),
+                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g)}} if g.delta is not None else {}),
             }
         )
     meta = {
@@ -357,6 +360,9 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                         f"{path!r}: {META_FILE} declares state {show(key)} of group {i} larger than its group"
                     )
                 expected[f"group{i}.state.{key}"] = (spec["shape"], dtype)
+        if restores_replica(g, saved):  # [Note: the replica in a checkpoint]
+            check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta")
+            expected[replica_key(i)] = ([g.layout.used_numel], g.dtype)
     expected.update(error_feedback.expected_entries(opt, meta))
     for fqn, (shape, dtype) in expected.items():
         entry = index.state_dict_metadata.get(fqn)
@@ -603,8 +609,11 @@ class _PendingLoad:
                 state[key] = torch.zeros(shape, dtype=STATE_DTYPES[spec["dtype"]], device=device)
             self.states.append(state)
         self.residuals = error_feedback.ResidualLoad(opt, meta)
+        # delta gathers: the groups whose replica the checkpoint restores ([Note: the replica in a checkpoint])
+        self.replicas = [restores_replica(g, saved) for g, saved in zip(opt.groups, meta["groups"])]
         # what is read in place, copied aside (to the host) to be put back on a refusal
-        self._in_place = [g.master for g in opt.groups] + list(_module_state(opt).values()) + self.residuals.in_place
+        self._in_place = ([g.master for g in opt.groups] + list(_module_state(opt).values())
+                          + [g.own for g, r in zip(opt.groups, self.replicas) if r] + self.residuals.in_place)
         self._saved = [t.detach().to("cpu", copy=True) for t in self._in_place]
 
     def targets(self) -> dict:
@@ -616,6 +625,8 @@ class _PendingLoad:
             specs = self.meta["groups"][i]["state"]
             for key, t in state.items():
                 out[f"group{i}.state.{key}"] = _sharded(t, g, opt) if specs[key]["sharded"] else t
+            if self.replicas[i]:
+                out[replica_key(i)] = _sharded(g.own, g, opt)
         out.update(self.residuals.targets())
         return out
 
@@ -652,7 +663,7 @@ class _PendingLoad:
             spec = self.meta["groups"][i]["state"]
             for what, t, sharded in [("the fp32 master", g.master, True)] + [
                 (f"optimizer state {k!r}", v, spec[k]["sharded"]) for k, v in state.items() if v.is_floating_point()
-            ]:
+            ] + ([("the replica", g.own, True)] if self.replicas[i] else []):
                 pieces = [(a, n) for a, n, _ in logical_pieces(g)] if sharded else [(0, t.numel())]
                 flat = t.reshape(-1)
                 bad = _first_non_finite(flat, pieces)
@@ -679,8 +690,14 @@ class _PendingLoad:
         for grads in opt.grads:
             grads.zero()
         # The configured gather, as after a step: resuming at the same world size is bit-exact.
+        # Delta gathers: the saved replica, or an exact resync ([Note: the replica in a checkpoint]).
         with torch.no_grad():
-            for g in opt.groups:
+            for g, saved, restore in zip(opt.groups, self.meta["groups"], self.replicas):
+                if restore:
+                    g.restore_replica(saved["delta"])
+                    continue
+                if g.delta is not None:
+                    g.delta.resync_due()
                 g.gather()
 
 
@@ -723,3 +740,43 @@ def _read_failure(e: CheckpointException, path: str) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
+
+
+# --------------------------------------------------------------------------- delta gathers: the replica
+
+# [Note: the replica in a checkpoint]
+# With delta gathers the weights every rank holds (the replica) are not bf16(master): they
+# are where the closed loop has brought them ([Note: delta loop] in qzero/optim/delta.py). A
+# checkpoint therefore also holds, per flat group, the replica (``group{i}.replica``: the
+# logical buffer in the flat dtype, each rank writing its partition, like the masters) and
+# the loop's state with the layout it ran on (``groups[i].delta`` in qzero.json). A load into
+# the same layout (world size, flat order, group size and format: ``layout_key``) puts the
+# replica back (each rank its partition, then the plain gather of the partitions) and the
+# loop's state with it, so the run continues bit for bit; any other load (another world
+# size, a checkpoint without a replica) ends with an exact resync instead.
+
+
+def replica_key(i: int) -> str:
+    return f"group{i}.replica"
+
+
+def layout_key(group: FlatGroup) -> list:
+    """What the replica's bits depend on besides the values: where every parameter sits and how
+    the partitions are cut into groups (JSON values)."""
+    plan = group.gather_plan
+    return [group.world_size, group.layout.numel, group.layout.order, plan.group_size, plan.fmt,
+            digest(repr([(s.start, s.numel) for s in group.layout.slots]))]
+
+
+def check_loop_state(d: dict, where: str) -> None:
+    from .delta import LoopState
+
+    if d.get("state") not in [s.value for s in LoopState] or type(d.get("deltas")) is not int or d["deltas"] < 0:
+        raise ValueError(f"{where} is {show(d)}; expected a loop state ({[s.value for s in LoopState]}) and a count >= 0")
+
+
+def restores_replica(group: FlatGroup, saved: dict) -> bool:
+    """Whether a load puts the saved replica back (the same on every rank: the metadata and the
+    layout are agreed on)."""
+    delta = saved.get("delta")
+    return group.delta is not None and isinstance(delta, dict) and delta.get("layout") == layout_key(group)

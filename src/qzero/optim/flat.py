@@ -19,6 +19,7 @@ from ..comm import GatherStats
 from ..config import ZeroConfig
 from ..engine import CommContext, GatherHandle, start_gather
 from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
+from .delta import DeltaLoop
 
 
 class FlatGroup:
@@ -43,6 +44,7 @@ class FlatGroup:
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         quantized = config.zero_quantized_weights
+        delta = quantized and config.zero_quantized_weights_delta
         # The bucket bounds every receive buffer alive at once; where a schedule keeps two
         # chunks in flight, the engine runs the plan cut to fit (qzero.engine.fitting_plan).
         bucket = config.allgather_bucket_size
@@ -55,6 +57,7 @@ class FlatGroup:
             bucket_numel=bucket,
             fmt=config.zero_quantized_weights_format if quantized else None,
             order=config.flat_order,
+            delta=delta,
         )
         self.gather_plan: GatherPlan = self.layout.gather
         self.exact_plan: GatherPlan = (
@@ -68,6 +71,10 @@ class FlatGroup:
             if quantized
             else self.gather_plan
         )
+        #: Delta gathers: when the next gather is an exact resync ([Note: delta loop]); None otherwise.
+        self.delta: DeltaLoop | None = (
+            DeltaLoop(config.zero_quantized_weights_delta_resync_steps, self.device) if delta else None
+        )
         self.lo, self.hi = self.layout.partition(rank)
         # The fp32 master shard exists from the start (the inner optimizer is built on it before
         # anything is modified) and gets its values in sync_from(). The fp32 gradient shard
@@ -80,6 +87,7 @@ class FlatGroup:
         self._update: Callable[[int, int], None] | None = None
         self._prepared = 0
         self._slice = 0  # length of the last update slice
+        self._copy = True  # prepare() copies the master shard into the partition (not for a delta gather)
 
     def flatten(self) -> None:
         """Copy the parameters into one flat buffer and make them views into it."""
@@ -129,10 +137,23 @@ class FlatGroup:
     def start_gather(self, update: Callable[[int, int], None] | None = None, ahead: bool = False) -> GatherHandle:
         """Copy the master shard into the partition and start the gather without waiting
         (``update`` as in :meth:`gather`; what the gather has not asked for yet is updated
-        by :meth:`prepare` of the whole shard, which the caller runs next)."""
+        by :meth:`prepare` of the whole shard, which the caller runs next).
+
+        With delta gathers the partition keeps the replica: the payloads are made from the
+        master shard and the replica (no copy), unless this gather is an exact resync
+        ([Note: delta loop])."""
         self._update, self._prepared, self._slice = update, 0, 0
-        return start_gather(self.flat, self.gather_plan, self.process_group, self.context, prepare=self.prepare,
-                            ahead=ahead)
+        plan, inputs = self.gather_plan, None
+        if self.delta is not None:
+            exact = self.delta.next_is_exact()
+            self.delta.gathered(exact)
+            if exact:
+                plan = self.exact_plan
+            else:
+                inputs = self.delta.inputs(self.master)
+        self._copy = inputs is None
+        return start_gather(self.flat, plan, self.process_group, self.context, prepare=self.prepare,
+                            ahead=ahead, delta=inputs)
 
     def prepare(self, stop: int) -> bool:
         """Make the partition's local ``[0, stop)`` hold the updated master shard: update
@@ -153,15 +174,27 @@ class FlatGroup:
         self._slice = stop - start
         if self._update is not None:
             self._update(start, stop)
-        self.own[start:stop].copy_(self.master[start:stop])
+        if self._copy:
+            self.own[start:stop].copy_(self.master[start:stop])
         self._prepared = stop
         if stop == n:
             self._update = None  # this step's update is complete
         return True
 
+    def restore_replica(self, loop_state: dict) -> None:
+        """After a checkpoint load put this rank's partition of the saved replica in place: zero
+        its padding, gather the partitions as they are (plainly) and take up the saved loop."""
+        for a, b in self.layout.padding_ranges(self.lo, self.hi):
+            self.own[a:b].zero_()
+        start_gather(self.flat, self.exact_plan, self.process_group, self.context).wait()
+        self.delta.load_state_dict(loop_state)
+
     def gather_exact(self) -> GatherStats:
-        """Gather the exact bf16/fp16 of every rank's masters (no quantization)."""
+        """Gather the exact bf16/fp16 of every rank's masters (no quantization): with delta
+        gathers, an exact resync."""
         self.own.copy_(self.master)
         handle = start_gather(self.flat, self.exact_plan, self.process_group, self.context)
         handle.wait()
+        if self.delta is not None:
+            self.delta.gathered(exact=True)
         return handle.stats

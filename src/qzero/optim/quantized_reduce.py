@@ -43,6 +43,11 @@ from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
 
 
+#: Payload buffers reused in turn under copy-engine collectives: one more than the exchanges a
+#: reducer keeps waiting (``qzero.optim.grads.MAX_IN_FLIGHT``).
+RING = 3
+
+
 class Piece(NamedTuple):
     """The part of a bucket rank ``dest`` owns: staging ``[offset, offset + numel)`` holds
     flat ``[flat_lo, flat_lo + numel)``; exact ranges are relative to the piece."""
@@ -104,6 +109,11 @@ class QuantizedExchange:
         )
         #: :class:`qzero.optim.error_feedback.ErrorFeedback` of this rank, or None.
         self.error_feedback = error_feedback
+        # ZeroConfig.copy_engine_collectives: the all-to-all on the zero-CTA group, its payloads
+        # in symmetric memory ([Note: copy-engine collectives] in qzero/copy_engine.py).
+        self.copy_engine = group.context.copy_engine
+        if self.copy_engine is not None:
+            self.pg = self.copy_engine.group
 
     @classmethod
     def over(cls, quant: GradientQuantization, dtype: torch.dtype, process_group, world: int, rank: int,
@@ -125,6 +135,8 @@ class QuantizedExchange:
         self._exact = exact
         self._plans: dict = {}
         self._index: dict = {}
+        self.copy_engine = None
+        self._launches = 0
 
     def pieces(self, key, parts) -> tuple[Piece, ...]:
         plan = self._plans.get(key)
@@ -162,7 +174,7 @@ class QuantizedExchange:
                         recv_sizes[s] = p.layout.nbytes
             else:
                 send_sizes[p.dest] = p.layout.nbytes
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        send, recv = self._payload_buffers(pieces, sum(send_sizes), sum(recv_sizes))
         at = 0
         for p in pieces:
             if p.dest != self.rank:
@@ -173,10 +185,25 @@ class QuantizedExchange:
                     self._exact_index(key, p), self.rotation, None if ef is None else ef.piece(p.flat_lo, p.numel),
                 )
                 at += p.layout.nbytes
-        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
         with peer_failure("the quantized gradient reduction"):
             work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.pg, async_op=True)
         return _Pending(work, send, recv, buf, mine), send.numel()
+
+    def _payload_buffers(self, pieces, send_bytes: int, recv_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The send and receive buffers of one launch: fresh ones, or with copy-engine
+        collectives views into one of ``RING`` reused symmetric slabs (launch ``n`` reuses launch
+        ``n - RING``'s, finished by then: the reducers finish in launch order and keep at most
+        ``RING - 1`` waiting), sized by the largest payload of any rank so that every rank
+        grows them alike."""
+        if self.copy_engine is None:
+            return (torch.empty(send_bytes, dtype=torch.uint8, device=self.device),
+                    torch.empty(recv_bytes, dtype=torch.uint8, device=self.device))
+        sends = [sum(p.layout.nbytes for p in pieces if p.dest != r) for r in range(self.world)]
+        most_recv = max((p.layout.nbytes * (self.world - 1) for p in pieces), default=0)
+        ring, self._launches = self._launches % RING, self._launches + 1
+        send = self.copy_engine.buffers((self, ring, "send"), 1, max(sends, default=0))[0][:send_bytes]
+        recv = self.copy_engine.buffers((self, ring, "recv"), 1, most_recv)[0][:recv_bytes]
+        return send, recv
 
     def finish(self, pending: _Pending, key) -> tuple[torch.Tensor, int] | None:
         """Wait, then ``(fp32 sum of this rank's piece, its flat start)``, or None when this

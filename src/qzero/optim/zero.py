@@ -25,10 +25,13 @@ import torch.distributed as dist
 from ..agreement import digest, optimizer_fields
 from ..comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
+from ..copy_engine import CopyEngineComm, check_copy_engine_support
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
 from .error_feedback import ErrorFeedback
+from ..quant.reference import NOT_REFUSED
+from .delta import refusal_error
 from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from .quantized_reduce import GradientQuantization
@@ -74,6 +77,8 @@ class ZeroOptimizer:
             _check_flattenable(groups, names, config, world)
             # The streams and kernels of every gather this optimizer runs.
             context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels)
+            if config.copy_engine_collectives:
+                check_copy_engine_support(context.device, process_group)
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
             # touching the model, so that its errors, too, leave everything as it was.
             flat_groups = [
@@ -83,12 +88,13 @@ class ZeroOptimizer:
             inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
             if not isinstance(inner, torch.optim.Optimizer):
                 raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
-            # What every rank must have alike ([Note: agreement] in qzero/agreement.py): the inner
-            # optimizer as built (class, every group's hyperparameters) among them. Later changes
-            # to param_groups (an LR scheduler's) are the caller's to keep alike.
+            # What every rank must have alike ([Note: agreement] in qzero/agreement.py): the delta
+            # settings by name first (a mismatch is reported by them), the whole config, the
+            # model, and the inner optimizer as built (class, every group's hyperparameters).
+            # Later changes to param_groups (an LR scheduler's) are the caller's to keep alike.
             inner_fields, details = optimizer_fields(inner)
-            fields = {"config": config.digest(), "model (parameter and buffer shapes)": _model_digest(model, groups),
-                      **inner_fields}
+            fields = {**_delta_fields(config), "config": config.digest(),
+                      "model (parameter and buffer shapes)": _model_digest(model, groups), **inner_fields}
         except Exception as e:  # noqa: BLE001 - any local failure is agreed on, so no peer waits for this rank
             error, fields, details = e, None, None
         device = groups[0][0][0].device if groups else None
@@ -98,6 +104,8 @@ class ZeroOptimizer:
         self.process_group = process_group
         self.world_size, self.rank = world, rank
         self.model = model
+        if config.copy_engine_collectives:  # every rank passed the check: create the group together
+            context.copy_engine = CopyEngineComm(process_group, context.device)
         self.context = context
         self.groups = flat_groups
         self.optimizer = inner
@@ -167,7 +175,7 @@ class ZeroOptimizer:
         if not loss.requires_grad:
             raise ValueError("ZeroOptimizer.backward(loss): loss does not require grad (was it computed under "
                              "torch.no_grad() or torch.inference_mode(), detached, or from frozen parameters only?)")
-        self.wait_for_weights()
+        self._finish_gathers()
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:
             grads.after_backward()
@@ -241,9 +249,28 @@ class ZeroOptimizer:
         return True
 
     def wait_for_weights(self) -> None:
-        """Finish a gather still running under gather-ahead (a no-op otherwise)."""
+        """Finish a gather still running under gather-ahead (a no-op otherwise). With delta
+        gathers, also raise (on every rank) if the last gather refused non-finite differences."""
+        self._finish_gathers()
+        self._check_delta()
+
+    def _finish_gathers(self) -> None:
         if self.ahead is not None:
             self.ahead.wait_all()
+
+    def _check_delta(self) -> None:
+        """One host synchronisation on the refusal flags of the delta gathers ([Note: delta loop])."""
+        loops = [(gi, g) for gi, g in enumerate(self.groups) if g.delta is not None]
+        if not loops or int(torch.cat([g.delta.refused for _, g in loops]).min()) == NOT_REFUSED:
+            return
+        culprits = []
+        for gi, g in loops:
+            at = g.delta.take_refusal()
+            if at is not None:
+                slot = next((s for s in g.layout.slots if s.start <= at < s.stop), None)
+                name = g.names[slot.index] if slot is not None else f"padding at flat index {at}"
+                culprits.append(f"{name!r} (group {gi}, flat index {at})")
+        raise refusal_error(culprits, f"the weight gather of optimizer step {self.steps_taken}")
 
     def close(self) -> None:
         """Finish any running gather and take qzero's hooks off the model and its parameters
@@ -265,7 +292,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def gather_exact_weights(self) -> None:
         """Make every replica's weights the exact bf16/fp16 rounding of the fp32 masters
-        (for evaluation or export); the next ``step()`` gathers as configured again."""
+        (for evaluation or export); the next ``step()`` gathers as configured again. With
+        delta gathers this is an exact resync: the next differences are taken against it."""
         self.wait_for_weights()
         for g in self.groups:
             g.gather_exact()
@@ -347,7 +375,8 @@ class ZeroOptimizer:
         numel = sum(g.layout.used_numel for g in self.groups)
         return (
             f"ZeroOptimizer(stage={self.config.stage}, world_size={self.world_size}, params={numel:,}, "
-            f"quantized={self.config.zero_quantized_weights}, inner={type(self.optimizer).__name__})"
+            f"quantized={self.config.zero_quantized_weights}, delta={self.config.zero_quantized_weights_delta}, "
+            f"inner={type(self.optimizer).__name__})"
         )
 
 
@@ -415,6 +444,16 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
             f"({world} x {config.zero_quantized_weights_group_size})"
             + (f" for each of the {depth} chunks gather-ahead keeps in flight" if depth > 1 else "")
         )
+
+
+def _delta_fields(config: ZeroConfig) -> dict[str, int]:
+    """The delta settings as integers, by their ZeroConfig names (agreed on across ranks)."""
+    return {
+        "zero_quantized_weights_delta": int(config.zero_quantized_weights_delta),
+        "zero_quantized_weights_format": 1 + sorted(("fp8", "int4", "int8")).index(config.zero_quantized_weights_format),
+        "zero_quantized_weights_group_size": config.zero_quantized_weights_group_size,
+        "zero_quantized_weights_delta_resync_steps": config.zero_quantized_weights_delta_resync_steps,
+    }
 
 
 def _broadcast_module_state(model: torch.nn.Module, src: int, group, world: int) -> None:

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import torch
 
 from .formats import SCALE_BYTES, get_format
-from .reference import FLT_MIN, num_groups
+from .reference import FLT_MIN, NOT_REFUSED, num_groups
 
 try:
     import triton
@@ -146,6 +146,7 @@ def _shape_of(numel: int, group_size: int, block: int, warps: int) -> _Launch:
 
 
 if triton is not None:
+    _NOT_REFUSED = tl.constexpr(NOT_REFUSED)
 
     @triton.jit
     def _widen(bits, IS_BF16: tl.constexpr):
@@ -247,7 +248,13 @@ if triton is not None:
     @triton.jit
     def _mask_exact(bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid,
                     IS_BF16: tl.constexpr, HAS_EXACT: tl.constexpr, STEPS: tl.constexpr):
-        x = _widen(bits, IS_BF16)
+        return _zero_exact(_widen(bits, IS_BF16), bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid,
+                           HAS_EXACT, STEPS)
+
+    @triton.jit
+    def _zero_exact(x, bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid,
+                    HAS_EXACT: tl.constexpr, STEPS: tl.constexpr):
+        """``x`` with the tile's exact elements zeroed; ``bits`` of those elements into the side channel."""
         if HAS_EXACT:
             lo = tl.load(blk_ptr + pid)
             hi = tl.load(blk_ptr + pid + 1)
@@ -323,6 +330,7 @@ if triton is not None:
         first = tl.load(run + 3)
         vg = tl.where(first >= 0, first + t * G, -1)
         return base, rem, vg
+
 
     @triton.jit
     def _pack_kernel(
@@ -440,6 +448,26 @@ if triton is not None:
                      FMT: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr):
         """Dequantize one tile of one payload into ``dst``: ``rem`` elements from ``base``,
         coded groups from the payload's ``vg``-th (``rem == 0``: nothing)."""
+        offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
+        out = _narrow(q * scale[:, None], IS_BF16, SOFT)
+        tl.store(dst_ptr + base + offs, out, mask=valid)
+
+    @triton.jit
+    def _tile_of(row_ptr, n, n_runs, run_steps, pid, G: tl.constexpr, GS: tl.constexpr, RUNS: tl.constexpr):
+        """``(base, rem, vg)`` of program ``pid``'s tile for an unpack (``rem`` 0 for exact groups)."""
+        base = pid * (G * GS)
+        rem = tl.minimum(n - base, G * GS).to(tl.int32)
+        vg = pid * G
+        if RUNS:
+            base, rem, vg = _run_tile(row_ptr, n_runs, run_steps, pid, G, GS)
+            rem = tl.where(vg >= 0, rem, 0)
+        return base, rem, vg
+
+    @triton.jit
+    def _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
+                     GS_PAD: tl.constexpr, G: tl.constexpr):
+        """One tile of one payload (``rem`` elements, coded groups from the ``vg``-th): the codes
+        as fp32 (``[G, GS_PAD]``) and the scales (those of groups past the tile's end read as 1)."""
         g = tl.arange(0, G)
         j = tl.arange(0, GS_PAD)
         offs = g[:, None] * GS + j[None, :]
@@ -466,21 +494,108 @@ if triton is not None:
         else:
             v = tl.load(values_ptr + vg * GS + offs, mask=valid, other=0)
             q = v.to(tl.int8, bitcast=True).to(tl.float32)
-
-        out = _narrow(q * scale[:, None], IS_BF16, SOFT)
-        tl.store(dst_ptr + base + offs, out, mask=valid)
+        return offs, valid, q, scale, g
 
     @triton.jit
-    def _tile_of(row_ptr, n, n_runs, run_steps, pid, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr,
-                 RUNS: tl.constexpr):
-        """``(base, rem, vg)`` of program ``pid``'s tile for an unpack (``rem`` 0 for exact groups)."""
-        base = pid * (G * GS)
-        rem = tl.minimum(n - base, G * GS).to(tl.int32)
+    def _pack_delta_kernel(
+        target_ptr,  # fp32: the master slice
+        replica_ptr,  # int16 view of the bf16/fp16 replica slice
+        values_ptr,  # uint8
+        scales_ptr,  # fp32
+        side_ptr,  # int16 view of the side channel
+        idx_ptr,  # int64, sorted exact indices
+        blk_ptr,  # int64, per program: first index of idx inside its tile; one extra at the end
+        runs_ptr,  # int64, one row of _runs_table (RUNS only)
+        n,
+        n_runs,
+        run_steps,
+        IS_BF16: tl.constexpr,
+        SOFT: tl.constexpr,
+        FMT: tl.constexpr,
+        QMAX: tl.constexpr,
+        FLOOR: tl.constexpr,
+        GS: tl.constexpr,
+        GS_PAD: tl.constexpr,
+        G: tl.constexpr,
+        HAS_EXACT: tl.constexpr,
+        STEPS: tl.constexpr,
+        RUNS: tl.constexpr,
+    ):
+        """One rank's delta payload ([Note: delta payload]): ``d = fp32(RN(target)) - fp32(replica)``
+        in registers (one read of each), quantized as a weight is; a group with a non-finite
+        ``d`` gets scale NaN and values 0; exact elements send ``RN(target)``'s bits aside.
+        With group runs, a tile of exact groups stores its side elements only (as the weight pack)."""
+        pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         vg = pid * G
         if RUNS:
-            base, rem, vg = _run_tile(row_ptr, n_runs, run_steps, pid, G, GS)
-            rem = tl.where(vg >= 0, rem, 0)
-        return base, rem, vg
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
+        coded = tl.where(vg >= 0, rem, 0)  # elements whose values are stored
+        j = tl.arange(0, GS_PAD)
+        offs = g[:, None] * GS + j[None, :]
+        valid = (j[None, :] < GS) & (offs < rem)
+        t_bits = _narrow(tl.load(target_ptr + base + offs, mask=valid, other=0.0), IS_BF16, SOFT)
+        r_bits = tl.load(replica_ptr + base + offs, mask=valid, other=0)
+        d = _widen(t_bits, IS_BF16) - _widen(r_bits, IS_BF16)
+        d = _zero_exact(d, t_bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, HAS_EXACT, STEPS)
+        finite = tl.abs(d) < float("inf")  # false for NaN too
+        ok = tl.min(finite.to(tl.int32), axis=1) != 0  # per group
+        scale = _scale_of(tl.max(tl.where(finite, tl.abs(d), 0.0), axis=1), QMAX, FLOOR)
+        q = tl.where(ok[:, None], _quantized_int(tl.where(finite, d, 0.0), _reciprocal(scale)[:, None]), 0)
+        if FMT == 2:
+            qe, qo = tl.split(tl.reshape(q, [G, GS_PAD // 2, 2]))
+            byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
+            jb = tl.arange(0, GS_PAD // 2)
+            pair = g[:, None] * (GS // 2) + jb[None, :]
+            tl.store(values_ptr + vg * (GS // 2) + pair, byte, mask=(jb[None, :] < GS // 2) & (2 * pair < coded))
+        else:
+            tl.store(values_ptr + vg * GS + offs, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=valid & (offs < coded))
+        tl.store(scales_ptr + vg + g, tl.where(ok, scale, float("nan")), mask=g * GS < coded)
+
+    @triton.jit
+    def _unpack_delta_ranks_kernel(
+        buf_ptr,  # uint8: the receive buffer, rank r's payload at r * payload_bytes
+        flat_ptr,  # int16 view of the bf16/fp16 flat buffer (the replica, updated in place)
+        refused_ptr,  # int64, one element: the smallest flat index of a group whose scale is not finite
+        n,  # elements of every rank's slice of the chunk
+        offset,  # where the chunk starts in every partition
+        partition,  # elements of a partition
+        payload_bytes,
+        scales_offset,
+        runs_ptr,  # int64, _runs_table: one row per rank (RUNS only)
+        row_len,
+        n_runs,
+        run_steps,
+        IS_BF16: tl.constexpr,
+        SOFT: tl.constexpr,
+        FMT: tl.constexpr,
+        GS: tl.constexpr,
+        GS_PAD: tl.constexpr,
+        G: tl.constexpr,
+        RUNS: tl.constexpr,
+    ):
+        """Every source rank's delta payload of one chunk added into the replica in place:
+        ``r <- RN(fp32(r) + q * scale)`` (compiled without fp contraction, like the pack, so
+        the product and the sum round on their own); groups whose scale is not finite keep
+        their bits and lower the refusal flag to their flat index. With group runs, rank r's
+        runs and scales offset are row r of the table (tiles of exact groups do nothing)."""
+        pid = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1).to(tl.int64)
+        row_ptr = runs_ptr + r * row_len
+        values_ptr = buf_ptr + r * payload_bytes
+        if RUNS:
+            scales_offset = tl.load(row_ptr)
+        scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
+        dst_ptr = flat_ptr + (r * partition + offset)
+        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
+        offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
+        ok = tl.abs(scale) < float("inf")
+        old = tl.load(dst_ptr + base + offs, mask=valid, other=0)
+        new = _narrow(_widen(old, IS_BF16) + q * scale[:, None], IS_BF16, SOFT)
+        tl.store(dst_ptr + base + offs, tl.where(ok[:, None], new, old), mask=valid)
+        start = r * partition + offset + base + g * GS  # flat index of each group's first element
+        first = tl.min(tl.where(ok, tl.full(start.shape, _NOT_REFUSED, tl.int64), start), axis=0)
+        if first < _NOT_REFUSED:
+            tl.atomic_min(refused_ptr, first)
 
     @triton.jit
     def _unpack_kernel(
@@ -500,7 +615,7 @@ if triton is not None:
         RUNS: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
-        base, rem, vg = _tile_of(runs_ptr, n, n_runs, run_steps, pid, G, GS, GS_PAD, RUNS)
+        base, rem, vg = _tile_of(runs_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
         _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
 
     @triton.jit
@@ -535,7 +650,7 @@ if triton is not None:
             scales_offset = tl.load(row_ptr)
         scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
         dst_ptr = flat_ptr + (r * partition + offset)
-        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, GS_PAD, RUNS)
+        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
         _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
 
     @triton.jit
@@ -828,6 +943,20 @@ def unpack_payload(
 COPY_BLOCK = 1024
 
 
+def _check_chunk(buf, flat, partition_numel: int, offset: int, numel: int, world: int, layout, runs=None) -> _At:
+    """Check a receive buffer, a flat buffer and group runs against one chunk; the flat buffer's 16-bit view."""
+    _check(flat, "flat buffer")
+    pb = layout.nbytes if runs is None else runs.payload_bytes
+    if runs is not None and (len(runs.rows) != world or runs.numel != numel):
+        raise ValueError(f"group runs of {len(runs.rows)} payloads of {runs.numel} elements given for {world} of {numel}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() < world * pb:
+        raise ValueError(f"the receive buffer must be a contiguous uint8 tensor of at least {world} x {pb} bytes")
+    if flat.numel() != world * partition_numel or not 0 <= offset <= offset + numel <= partition_numel:
+        raise ValueError(f"chunk [{offset}, {offset + numel}) does not fit {world} partitions of "
+                         f"{partition_numel} in a flat buffer of {flat.numel()}")
+    return _At(flat, 0, 2 * flat.numel(), torch.int16)
+
+
 def unpack_payloads(
     buf: torch.Tensor,
     flat: torch.Tensor,
@@ -845,32 +974,34 @@ def unpack_payloads(
     payload of one chunk in one launch (a program per tile and rank), then one scatter of
     every rank's exact elements. The same result as :func:`unpack_payload` per rank."""
     f = get_format(fmt)
-    _check(flat, "flat buffer")
-    pb = layout.nbytes if runs is None else runs.payload_bytes
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() < world * pb:
-        raise ValueError(f"the receive buffer must be a contiguous uint8 tensor of at least {world} x {pb} bytes")
-    if flat.numel() != world * partition_numel or not 0 <= offset <= offset + numel <= partition_numel:
-        raise ValueError(f"chunk [{offset}, {offset + numel}) does not fit {world} partitions of "
-                         f"{partition_numel} in a flat buffer of {flat.numel()}")
+    bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout, runs)
     if numel == 0:
         return
     shape = _launch_shape(numel, group_size, False)
-    bits = _At(flat, 0, 2 * flat.numel(), torch.int16)
-    if runs is not None and (len(runs.rows) != world or runs.numel != numel):
-        raise ValueError(f"group runs of {len(runs.rows)} payloads of {runs.numel} elements given for {world} of {numel}")
-    if runs is None:
-        programs, args = shape.programs, (layout.scales_offset, buf, 0, 0, 0)
-    else:  # each rank's scales offset and runs: its row of the table
-        t = _runs_table(runs, shape, flat.device)
-        programs, args = t.programs, (0, t.table, t.row_len, t.n_runs, t.steps)
+    programs, per_rank = _ranks_arguments(buf, layout, runs, shape, flat.device)
     _launch(
         _unpack_ranks_kernel,
         (programs, world),
-        (buf, bits, numel, offset, partition_numel, pb, *args),
+        (buf, bits, numel, offset, partition_numel, *per_rank),
         dict(IS_BF16=flat.dtype == torch.bfloat16, SOFT=_soft(flat.device), FMT=_FMT_CODES[f.name], GS=group_size,
              GS_PAD=shape.gs_pad, G=shape.groups_per_prog, RUNS=runs is not None),
         dict(num_warps=shape.num_warps),
     )
+    _scatter_exact(buf, bits, exact)
+
+
+def _ranks_arguments(buf, layout, runs, shape: _Launch, device) -> tuple[int, tuple]:
+    """The programs per rank of a launch over every rank's payload, and the arguments that
+    say where each rank's payload sections are: one layout for all, or (with group runs)
+    each rank's row of the :class:`_RunsTable`."""
+    if runs is None:
+        return shape.programs, (layout.nbytes, layout.scales_offset, buf, 0, 0, 0)
+    t = _runs_table(runs, shape, device)
+    return t.programs, (runs.payload_bytes, 0, t.table, t.row_len, t.n_runs, t.steps)
+
+
+def _scatter_exact(buf: torch.Tensor, bits: _At, exact) -> None:
+    """Every rank's exact elements from their side channels in ``buf`` into the flat buffer (one launch)."""
     if exact is not None and exact[0].numel():
         src_idx, dst_idx = exact
         count = src_idx.numel()
@@ -881,3 +1012,85 @@ def unpack_payloads(
             dict(BLOCK=COPY_BLOCK),
             dict(num_warps=4),
         )
+
+
+def _check_delta_format(f) -> None:
+    if f.name not in ("int4", "int8"):
+        raise ValueError(f"a delta payload is int4 or int8, got {f.name!r}")
+
+
+def pack_delta_payload(
+    target: torch.Tensor,
+    replica: torch.Tensor,
+    out: torch.Tensor,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact_index: torch.Tensor | None,
+    runs=None,
+) -> None:
+    """Kernel twin of :func:`qzero.quant.reference.pack_delta_payload`: same arguments, same
+    bytes, one pass (the fp32 target and the replica are each read once; the difference
+    lives in registers only)."""
+    f = get_format(fmt)
+    _check_delta_format(f)
+    _check(replica, "replica")
+    n = replica.numel()
+    if target.dtype != torch.float32 or target.dim() != 1 or not target.is_contiguous() or target.numel() != n:
+        raise ValueError(f"the target must be a contiguous 1-D fp32 tensor of the replica's {n} elements")
+    count = 0 if exact_index is None else exact_index.numel()
+    values, scales, side = _payload_sections(out, layout, n, group_size, f, count, runs=runs)
+    if n == 0:
+        return
+    has_exact = count > 0
+    shape = _launch_shape(n, group_size, has_exact)
+    idx, blk = _exact_tables(exact_index, shape, replica.device, runs)
+    table = None if runs is None else _runs_table(runs, shape, replica.device)
+    _launch(
+        _pack_delta_kernel,
+        (shape.programs if table is None else table.programs,),
+        (target, _At(replica, 0, 2 * n, torch.int16), values, scales, side if has_exact else scales,
+         idx if has_exact else scales, blk if has_exact else scales, scales if table is None else table.table, n,
+         0 if table is None else table.n_runs, 0 if table is None else table.steps),
+        dict(IS_BF16=replica.dtype == torch.bfloat16, SOFT=_soft(replica.device), FMT=_FMT_CODES[f.name],
+             QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog,
+             HAS_EXACT=has_exact, STEPS=shape.search_steps, RUNS=table is not None),
+        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
+    )
+
+
+def unpack_delta_payloads(
+    buf: torch.Tensor,
+    flat: torch.Tensor,
+    partition_numel: int,
+    offset: int,
+    numel: int,
+    world: int,
+    layout,
+    group_size: int,
+    fmt: str,
+    exact: tuple[torch.Tensor, torch.Tensor] | None,
+    refused: torch.Tensor,
+    runs=None,
+) -> None:
+    """Kernel twin of :func:`qzero.quant.reference.unpack_delta_payloads`: every source rank's
+    delta payload of one chunk added into ``flat`` in place (one launch, a program per tile
+    and rank), then one scatter of every rank's exact elements."""
+    f = get_format(fmt)
+    _check_delta_format(f)
+    bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout, runs)
+    if refused.dtype != torch.int64 or refused.numel() < 1 or refused.device != flat.device:
+        raise ValueError("the refusal flag must be an int64 tensor on the flat buffer's device (reference.refusal_flag)")
+    if numel == 0:
+        return
+    shape = _launch_shape(numel, group_size, False)
+    programs, per_rank = _ranks_arguments(buf, layout, runs, shape, flat.device)
+    _launch(
+        _unpack_delta_ranks_kernel,
+        (programs, world),
+        (buf, bits, refused, numel, offset, partition_numel, *per_rank),
+        dict(IS_BF16=flat.dtype == torch.bfloat16, SOFT=_soft(flat.device), FMT=_FMT_CODES[f.name], GS=group_size,
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog, RUNS=runs is not None),
+        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
+    )
+    _scatter_exact(buf, bits, exact)
