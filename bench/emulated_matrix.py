@@ -125,12 +125,12 @@ def _clearing_side_channel(pack_chunk):
     as bf16: NaN, say). Zeroed, it decodes as zeros. One memset of the side channel per chunk,
     on the stream of the pack (microseconds)."""
 
-    def pack(flat, plan, chunk, rank, buf, kernels):
+    def pack(flat, plan, chunk, rank, buf, kernels, delta=None):
         lay = chunk.payload
         if plan.quantized and lay.exact_numel:
             at = rank * chunk.payload_bytes + lay.exact_offset
             buf[at : at + lay.exact_numel * plan.elem_size].zero_()
-        return pack_chunk(flat, plan, chunk, rank, buf, kernels)
+        return pack_chunk(flat, plan, chunk, rank, buf, kernels, delta)
 
     return pack
 
