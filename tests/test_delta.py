@@ -360,3 +360,29 @@ def test_reshard_resumes_from_an_exact_resync(tmp_path):
     run_distributed(checkpoint_run, 2, plain_path, "save", "contiguous", False)
     for r in run_distributed(checkpoint_run, 2, plain_path, "load", "contiguous"):
         assert r[3] is True and r[2] == ["int4 delta"] * 3
+
+
+def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
+    """bench/emulated_matrix.py wraps the engine's pack_chunk (to clear side channels); a delta
+    gather calls it with its DeltaInputs, which must reach the real pack."""
+    import os
+    import sys
+
+    from qzero.chunks import DeltaInputs
+    from qzero.layout import plan_gather
+    from qzero.quant import reference
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import emulated_matrix
+    finally:
+        sys.path.remove(bench)
+    seen = []
+    pack = emulated_matrix._clearing_side_channel(lambda *args: seen.append(args) or "slot")
+    plan = plan_gather(64, 1, fmt="int4", group_size=8, bucket_numel=64, exact_ranges=[(0, 4)], delta=True)
+    buf = torch.ones(plan.chunks[0].payload_bytes, dtype=torch.uint8)
+    inputs = DeltaInputs(torch.zeros(64), reference.refusal_flag("cpu"))
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    assert pack(flat, plan, plan.chunks[0], 0, buf, reference, inputs) == "slot"
+    assert seen[0][-1] is inputs
