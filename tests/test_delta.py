@@ -53,21 +53,22 @@ def step_record(opt, before: list[torch.Tensor]) -> dict:
     return out
 
 
+def backward(opt, model, rank, world, step, micro=0, overflow=False) -> float:
+    """One micro-batch's backward (rank 1's loss made Inf with ``overflow``); the mean loss over ranks."""
+    tokens, targets = batch(step, micro)
+    loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
+    opt.backward(loss * torch.inf if overflow and rank == 1 else loss)
+    mean = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
 def delta_run(rank, world, cfg_kwargs, steps, micro=1, dtype=torch.bfloat16, overflow_step=None):
     model = make_model(dtype, seed=rank)  # replicas start different: rank 0's weights must win
     opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(**cfg_kwargs))
     records, losses = [], []
     for step in range(steps):
-        step_loss = 0.0
-        for m in range(micro):
-            tokens, targets = batch(step, m)
-            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
-            if step == overflow_step and rank == 1:
-                loss = loss * torch.inf
-            opt.backward(loss)
-            t = loss.detach().float().reshape(1).clone()
-            dist.all_reduce(t)
-            step_loss += t.item() / world
+        step_loss = sum(backward(opt, model, rank, world, step, m, step == overflow_step) for m in range(micro))
         before = [g.flat.clone() for g in opt.groups]
         took = opt.step()
         opt.wait_for_weights()
@@ -307,12 +308,7 @@ def checkpoint_run(rank, world, path, mode, order="contiguous", delta=True):
 
     def train(steps, offset):
         for step in range(offset, offset + steps):
-            tokens, targets = batch(step, 0)
-            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
-            opt.backward(loss)
-            t = loss.detach().reshape(1).clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
+            losses.append(backward(opt, model, rank, world, step))
             opt.step()
             opt.zero_grad()
             payloads.append(opt.last_gather[0].payload)

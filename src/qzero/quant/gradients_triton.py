@@ -31,13 +31,13 @@ if triton is not None:
     from .triton import (
         _e4m3_bits,
         _e4m3_value,
-        _exact_runs,
         _quantized_int,
         _reciprocal,
         _scale_of,
         _tile,
         _times_reciprocal,
         _widen,
+        _zero_exact,
     )
 
     @triton.jit
@@ -74,14 +74,7 @@ if triton is not None:
         offs = g[:, None] * GS + j[None, :]
         valid = (j[None, :] < GS) & (offs < rem)
         bits = tl.load(src_ptr + base + offs, mask=valid, other=0)
-        x = _to_f32(bits, KIND)
-        if HAS_EXACT:
-            lo = tl.load(blk_ptr + pid)
-            hi = tl.load(blk_ptr + pid + 1)
-            if hi > lo:
-                is_exact, pos = _exact_runs(idx_ptr, lo, hi, base, offs, STEPS)
-                tl.store(side_ptr + lo + pos, bits, mask=is_exact & valid)
-                x = tl.where(is_exact, 0.0, x)
+        x = _zero_exact(_to_f32(bits, KIND), bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, HAS_EXACT, STEPS)
         # NaN or +-Inf: Triton's max does not promise to propagate NaN, so look for it.
         nonfinite = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
         absmax = tl.max(tl.abs(x), axis=1)
