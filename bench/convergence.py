@@ -4,8 +4,9 @@ gradient reduction) reach the loss of bf16?
 Arms (default): ``bf16`` (plain gather, ``quantized=false``), ``int8-g64``, ``int8-g8192``,
 ``fp8-g64`` and ``int4-g64``. An arm name is a weight spec (``bf16`` or ``<fmt>-g<group size>``)
 optionally followed by ``+gq-<fmt>-g<group size>``, the quantized gradient reduction
-(``zero_quantized_gradients=true`` with that format, int8 or fp8, and group size), e.g.
-``int8-g64+gq-int8-g64``. Every arm trains the same randomly initialised Qwen3-shaped
+(``zero_quantized_gradients=true`` with that format, int8, fp8 or int4, and group size; then
+``-h<block>`` for the Hadamard rotation or ``-noh`` for none, which int4 must state, and
+``-ef`` for error feedback), e.g. ``int8-g64+gq-int8-g64`` or ``int8-g64+gq-int4-g64-h32-ef``. Every arm trains the same randomly initialised Qwen3-shaped
 model (preset ``qwen3-125m-byte``: hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64,
 MLP 3840, byte vocabulary, 125,456,640 parameters) on the same batches of real text (by
 default :func:`qzero.workload.load_corpus`: this Python's standard-library ``*.py`` sources,
@@ -128,6 +129,8 @@ class Arm:
     grad_quantized: bool = False  # zero_quantized_gradients (does something only at world size >= 2)
     grad_fmt: str = "int8"
     grad_group_size: int = 64
+    grad_rotation: int = 0  # zero_quantized_gradients_rotation_block with the Hadamard rotation; 0: none
+    grad_error_feedback: bool = False  # zero_quantized_gradients_error_feedback
     delta: bool = False  # zero_quantized_weights_delta: the weights' differences, closed loop
 
     @property
@@ -136,10 +139,13 @@ class Arm:
                    f"{self.fmt.upper()}{' delta' if self.delta else ''} g{self.group_size}")
         if not self.grad_quantized:
             return weights
-        return ("bf16 gather" if not self.quantized else weights) + f" + grad {self.grad_fmt.upper()} g{self.grad_group_size}"
+        return (("bf16 gather" if not self.quantized else weights) + f" + grad {self.grad_fmt.upper()} g{self.grad_group_size}"
+                + (f" H{self.grad_rotation}" if self.grad_rotation else "") + (" +EF" if self.grad_error_feedback else ""))
 
     def zero_fields(self) -> dict:
         """The arm's own ZeroConfig fields (every other setting is shared by all arms)."""
+        from qzero.config import DEFAULT_ROTATION_BLOCK
+
         return {
             "zero_quantized_weights": self.quantized,
             "zero_quantized_weights_format": self.fmt,
@@ -148,6 +154,9 @@ class Arm:
             "zero_quantized_gradients": self.grad_quantized,
             "zero_quantized_gradients_format": self.grad_fmt,
             "zero_quantized_gradients_group_size": self.grad_group_size,
+            "zero_quantized_gradients_rotation": "hadamard" if self.grad_rotation else "none",
+            "zero_quantized_gradients_rotation_block": self.grad_rotation or DEFAULT_ROTATION_BLOCK,
+            "zero_quantized_gradients_error_feedback": self.grad_error_feedback,
         }
 
 
@@ -164,8 +173,11 @@ def parse_arm(name: str) -> Arm:
     ``<fmt>-g<group size>`` (``int8-g64``, ``fp8-g64``, ``int4-g64``) or ``<fmt>-delta-g<group
     size>`` (delta gathers, ``zero_quantized_weights_delta``; fmt int4 or int8, e.g.
     ``int4-delta-g256``). Gradients (the quantized gradient reduction, ``zero_quantized_gradients``):
-    ``gq-<fmt>-g<group size>`` with fmt int8 or fp8, e.g. ``int8-g64+gq-int8-g64`` or
-    ``bf16+gq-int8-g256``."""
+    ``gq-<fmt>-g<group size>`` with fmt int8, fp8 or int4, then optionally ``-h<block>`` (the
+    Hadamard rotation over blocks of that many elements; int4 needs it or ``-noh``, no rotation,
+    said explicitly) and ``-ef`` (error feedback), e.g. ``int8-g64+gq-int8-g64``,
+    ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``, ``int8-g64+gq-int4-g64-noh``,
+    ``int8-g64+gq-int4-g64-h32-ef``."""
     from qzero.config import GRADIENT_FORMATS
 
     name = name.strip()
@@ -182,9 +194,32 @@ def parse_arm(name: str) -> Arm:
         if not grads.startswith("gq-"):
             raise ValueError(f"arm {name!r}: after '+' expected a gradient spec gq-<fmt>-g<group size>, "
                              f"e.g. int8-g64+gq-int8-g64, got {grads!r}")
-        fmt, group = _spec(grads[3:], GRADIENT_FORMATS, name, "gradient spec")
-        arm.update(grad_quantized=True, grad_fmt=fmt, grad_group_size=group)
-    return Arm(name, **arm)
+        parts = grads[3:].split("-")
+        fmt, group = _spec("-".join(parts[:2]), GRADIENT_FORMATS, name, "gradient spec")
+        options = parts[2:]
+        rotation, ef, said = 0, False, False
+        for opt in options:
+            if opt == "ef" and not ef:
+                ef = True
+            elif opt == "noh" and not said:
+                said = True
+            elif opt.startswith("h") and opt[1:].isdigit() and not said:
+                rotation, said = int(opt[1:]), True
+            else:
+                raise ValueError(f"arm {name!r}: gradient option {opt!r} is not -h<block>, -noh or -ef")
+        if fmt == "int4" and not said:
+            raise ValueError(f"arm {name!r}: gq-int4 needs -h<block> (the Hadamard rotation) or -noh (none), "
+                             "e.g. gq-int4-g64-h32")
+        arm.update(grad_quantized=True, grad_fmt=fmt, grad_group_size=group, grad_rotation=rotation,
+                   grad_error_feedback=ef)
+    arm = Arm(name, **arm)
+    from qzero import ZeroConfig
+
+    try:
+        ZeroConfig(**arm.zero_fields())
+    except ValueError as e:
+        raise ValueError(f"arm {name!r}: {e}") from None
+    return arm
 
 
 def parse_arms(text: str) -> list[Arm]:
@@ -398,7 +433,7 @@ class GradErrorProbe:
 
         from qzero.optim import zero
         from qzero.optim.quantized_reduce import QuantizedExchange
-        from qzero.quant.gradients import dequantize_piece
+        from qzero.quant.gradients import dequantize_piece, hadamard
 
         probe = self
         launch, finish, step = QuantizedExchange.launch, QuantizedExchange.finish, zero.ZeroOptimizer.step
@@ -427,6 +462,8 @@ class GradErrorProbe:
                 at += p.layout.nbytes
                 src = buf[p.offset : p.offset + p.numel].to(torch.float32)
                 got = dequantize_piece(payload, p.layout, p.numel, ex.group_size, ex.fmt)
+                if ex.rotation:  # the payload holds the rotated piece: rotate it back
+                    got = hadamard(got, ex.rotation)
                 idx = exact_index(p, src.device)
                 if idx is not None:
                     got[idx] = src[idx]
@@ -1109,6 +1146,10 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
         if gq != arm.grad_quantized or (gq and (gfmt, ggroup) != (arm.grad_fmt, arm.grad_group_size)):
             raise ValueError(f"arm {arm.name}: its record's settings are zero_quantized_gradients={gq} "
                              f"format={gfmt} group_size={ggroup}")
+        own_fields = arm.zero_fields()
+        for key in ("zero_quantized_gradients_rotation", "zero_quantized_gradients_error_feedback"):
+            if gq and s.get(key, own_fields[key] if key.endswith("feedback") else "none") != own_fields[key]:
+                raise ValueError(f"arm {arm.name}: its record's {key} is {s.get(key)!r}, the arm's {own_fields[key]!r}")
     st = flat[present[0].name]
     device = st["device"]
     world = st.get("world_size") or first.get("world_size") or 1

@@ -100,22 +100,33 @@ def main(quick: bool) -> dict:
     # the scatter of every rank's exact elements
     sig = dict(src_ptr="*i16", dst_ptr="*i16", src_idx_ptr="*i64", dst_idx_ptr="*i64", count="i32")
     results["exact scatter"] = build(qt._copy_indexed_kernel, sig, dict(BLOCK=qt.COPY_BLOCK))
-    # Gradient pack and dequantize-sum: every source type (fp32 as int32 bits), 8-bit formats.
-    for (kind, name), fmt in itertools.product(enumerate(("bf16", "fp16", "fp32")), ("int8", "fp8")):
+    # Gradient pack and dequantize-sum: every source type (fp32 as int32 bits) and format; with
+    # the Hadamard rotation (blocks of 32 and, at the group size, 64) and error feedback.
+    variants = [(fmt, 0, False) for fmt in ("int8", "fp8", "int4")]
+    variants += [("int4", 32, True), ("int4", 64, False), ("int8", 32, True), ("fp8", 16, False)]
+    for (kind, name), (fmt, rot, ef) in itertools.product(enumerate(("bf16", "fp16", "fp32")), variants):
         if quick and name == "fp16" and fmt != "fp8":
+            continue
+        if name == "fp16" and (rot or ef):  # fp16 is widened as bf16 is (one code path): its plain variants suffice
             continue
         code, qmax = FMTS[fmt]
         bits = "*i32" if kind == 2 else "*i16"
+        rotation = dict(ROT=rot, LOG_ROT=max(rot.bit_length() - 1, 0), ROT_SCALE=gt.ref.rotation_scale(rot) if rot else 1.0)
         sig = dict(src_ptr=bits, values_ptr="*u8", scales_ptr="*fp32", side_ptr=bits, idx_ptr="*i64",
-                   blk_ptr="*i64", n="i64")
+                   blk_ptr="*i64", res_ptr="*i16" if ef else "*fp32", n="i64")
         const = dict(KIND=kind, SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16,
-                     HAS_EXACT=True, STEPS=11)
-        results[f"gradient pack {name} {fmt}"] = build(gt._grad_pack_kernel, sig, const, **qt.PACK_OPTIONS)
-        sig = dict(payloads_ptr="*u8", own_ptr=bits, out_ptr="*fp32", n="i64", nbytes="i64", scales_offset="i64",
-                   rank="i32", world="i32")
-        const = dict(KIND=kind, SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
-        results[f"gradient dequantize-sum {name} {fmt}"] = build(gt._dequantize_sum_kernel, sig, const,
-                                                                 **qt.PACK_OPTIONS)
+                     HAS_EXACT=True, STEPS=11, **rotation, EF=ef)
+        tag = f"{name} {fmt}" + (f" rotation {rot}" if rot else "") + (" error feedback" if ef else "")
+        results[f"gradient pack {tag}"] = build(gt._grad_pack_kernel, sig, const, **qt.PACK_OPTIONS)
+        tag = f"{name} {fmt}" + (f" rotation {rot}" if rot else "")  # no error-feedback variant of its own
+        if f"gradient dequantize-sum {tag}" in results:
+            continue
+        exact = bool(rot)
+        sig = dict(payloads_ptr="*u8", own_ptr=bits, out_ptr="*fp32", idx_ptr="*i64" if exact else "*fp32",
+                   blk_ptr="*i64" if exact else "*fp32", n="i64", nbytes="i64", scales_offset="i64", rank="i32",
+                   world="i32")
+        const = dict(KIND=kind, SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11, **rotation)
+        results[f"gradient dequantize-sum {tag}"] = build(gt._dequantize_sum_kernel, sig, const, **qt.PACK_OPTIONS)
     return results
 
 

@@ -318,6 +318,9 @@ case("group gathers: unknown kernels on one rank", "fsdp",
 case("group reduces: int8 on one rank, fp8 on the others", "fsdp",
      _group(lambda r, w: [("quantize_group_reduces", {"fmt": "fp8" if r else "int8"})]),
      r"quantize_group_reduces: fmt differs between ranks: 'int8' \(rank 0\), 'fp8' \(ranks? 1")
+case("group reduces: int4 rotated by 16 on one rank, by 32 on the others", "fsdp",
+     _group(lambda r, w: [("quantize_group_reduces", {"fmt": "int4", "rotation_block": 32 if r else 16})]),
+     r"quantize_group_reduces: fmt differs between ranks: 'int4 rotated by blocks of 16' \(rank 0\)")
 case("group reduces: small_param_numel differs", "fsdp",
      _group(lambda r, w: [("quantize_group_reduces", {"small_param_numel": SMALL + r})]),
      r"quantize_group_reduces: small_param_numel differs between ranks: \[100, 101(, 102)?\]")

@@ -82,6 +82,7 @@ CONFIG_CASES = [
     ("overlap_comm 1", {"overlap_comm": 1}, r"overlap_comm.*1"),
     ("check_finite 'no'", {"check_finite": "no"}, r"check_finite.*'no'"),
     ("solo_reduce 1", {"solo_reduce": 1}, r"solo_reduce.*1"),
+    ("copy_engine_collectives 1", {"copy_engine_collectives": 1}, r"copy_engine_collectives.*1"),
     ("reduce_scatter false", {"reduce_scatter": False}, r"reduce_scatter=False"),
     ("allgather_partitions false", {"allgather_partitions": False}, r"allgather_partitions=False"),
     ("small threshold -1", {"small_param_numel": -1}, r"small_param_numel.*-1"),
@@ -330,7 +331,14 @@ OPT_CASES = [
      r"missing from param_groups: \['norm', 'lin\.bias'\]"),
     ("empty parameter group", lambda r, w: (m := _net(r), ADAMW, {"param_groups": _groups(m, "empty group")}),
      r"parameter group 1 has no trainable parameters"),
+    ("copy-engine collectives on gloo and CPU",
+     lambda r, w: (_net(r), ADAMW, {"config": ZeroConfig(copy_engine_collectives=True)}),
+     r"copy_engine_collectives=True needs CUDA tensors \(the parameters are on cpu\); a process group with the "
+     r"NCCL backend \(this one's is 'gloo'\)"),
     # ranks disagree, or only one is wrong: every rank raises
+    ("one rank: copy-engine collectives",
+     lambda r, w: (_net(r), ADAMW, {"config": ZeroConfig(copy_engine_collectives=r == 1)}),
+     r"copy_engine_collectives=True needs CUDA tensors|rank\(s\) \[1\] rejected"),
     ("settings differ between ranks",
      lambda r, w: (_net(r), ADAMW, {"config": ZeroConfig(zero_quantized_weights=r == 0)}),
      r"config differs between ranks"),

@@ -30,6 +30,8 @@ def _parse(text: str):
         return None
     if text == "on when quantized":  # resolved on construction: off with the default (plain) gather
         return False
+    if text == "hadamard for int4":  # resolved on construction: none with the default (int8) format
+        return "none"
     try:
         return float(text.replace(",", ""))
     except ValueError:

@@ -201,10 +201,18 @@ def test_arm_names():
     assert conv.parse_arm("bf16+gq-fp8-g64").zero_fields() == {
         "zero_quantized_weights": False, "zero_quantized_weights_format": "int8",
         "zero_quantized_weights_group_size": 64, "zero_quantized_gradients": True,
-        "zero_quantized_gradients_format": "fp8", "zero_quantized_gradients_group_size": 64}
+        "zero_quantized_gradients_format": "fp8", "zero_quantized_gradients_group_size": 64,
+        "zero_quantized_gradients_rotation": "none", "zero_quantized_gradients_rotation_block": 32,
+        "zero_quantized_gradients_error_feedback": False}
+    int4 = conv.parse_arm("int8-g64+gq-int4-g64-h32-ef")
+    assert (int4.grad_fmt, int4.grad_rotation, int4.grad_error_feedback) == ("int4", 32, True)
+    assert int4.zero_fields()["zero_quantized_gradients_rotation"] == "hadamard"
+    assert int4.label == "INT8 g64 + grad INT4 g64 H32 +EF"
+    assert conv.parse_arm("int8-g64+gq-int4-g64-noh").zero_fields()["zero_quantized_gradients_rotation"] == "none"
     assert [a.name for a in conv.parse_arms(conv.DP_ARMS)] == ["bf16", "int8-g64", "int8-g64+gq-int8-g64",
                                                                "int8-g64+gq-int8-g256"]
-    for bad, word in (("int8-g64+gq-int4-g64", "gq-int4-g64"), ("int8-g64+int8-g64", "int8-g64"),
+    for bad, word in (("int8-g64+gq-int4-g64", "gq-int4-g64-h32"), ("int8-g64+gq-int4-g64-h128", "larger than"),
+                      ("int8-g64+gq-int4-g64-ef-x", "'x'"), ("int8-g64+int8-g64", "int8-g64"),
                       ("int8-g64+gq-int8-g60", "int8-g60"), ("int8-g64+gq-int8", "int8")):
         with pytest.raises(ValueError, match=word):
             conv.parse_arms(bad)

@@ -75,7 +75,7 @@ def _record(model, logs, poison=None):
         pg._reduce_scatter_comm = Recorder(pg._reduce_scatter_comm, logs[name], (poison or {}).get(name))
 
 
-def train_worker(rank, world, reshard, reduce_dtype, variant, steps):
+def train_worker(rank, world, reshard, reduce_dtype, variant, steps, quant=None):
     from qzero.fsdp import quantize_group_gathers, quantize_group_reduces
 
     param_dtype = torch.float32 if reduce_dtype == torch.float32 else torch.bfloat16
@@ -86,7 +86,7 @@ def train_worker(rank, world, reshard, reduce_dtype, variant, steps):
         if mode == "qgrad":
             if variant == "gathers":
                 quantize_group_gathers(model, group_size=GS, small_param_numel=SMALL)
-            report = quantize_group_reduces(model, group_size=GS, small_param_numel=SMALL, kernels="reference")
+            report = quantize_group_reduces(model, group_size=GS, small_param_numel=SMALL, kernels="reference", **(quant or {}))
             for _, m in _fsdp_modules(model):
                 if variant == "gathers":  # 1 / (2 world): FSDP2 passes PREMUL_SUM (gloo has none)
                     m.set_gradient_divide_factor(2.0 * world)
@@ -225,6 +225,48 @@ def test_group_reduce_against_reference_and_plain(world, reshard, reduce_dtype, 
         assert abs(a - b) <= 0.02 * abs(a), (plain, q)
 
 
+def test_group_reduce_int4_with_the_rotation():
+    """``fmt="int4"`` (the Hadamard rotation by default): each output is the gradient reference's
+    rank-ordered sum of the recorded inputs (rotated, summed, rotated back), bit for bit."""
+    from qzero.layout import _payload_layout
+    from qzero.quant import gradients
+    from qzero.quant.formats import get_format
+
+    world, steps, block = 3, 2, 8
+    results = run_distributed(train_worker, world, False, torch.float32, "avg", steps,
+                              {"fmt": "int4", "rotation_block": block})
+    sizes = _padded(world)
+    for group, names in GROUPS.items():
+        inputs = [res["qgrad"]["first"][group][0] for res in results]
+        n = inputs[0].numel() // world
+        exact, offset = [], 0
+        for name in names:
+            if build().get_parameter(name).numel() <= SMALL:
+                exact.append(torch.arange(offset, offset + sizes[name][0]))
+            offset += sizes[name][0]
+        idx = torch.cat(exact) if exact else None
+        count = 0 if idx is None else idx.numel()
+        layout = _payload_layout(n, get_format("int4").value_bytes(n), -(-n // GS), count, 4)
+        for dest, res in enumerate(results):
+            _, got, kind, _ = res["qgrad"]["first"][group]
+            assert kind == "AVG"
+            payloads = []
+            for s in range(world):
+                if s != dest:
+                    p = torch.zeros(layout.nbytes, dtype=torch.uint8)
+                    gradients.pack_gradient(inputs[s][dest * n : (dest + 1) * n], p, layout, GS, "int4", idx, block)
+                    payloads.append(p)
+            want = torch.empty(n, dtype=torch.float32)
+            gradients.dequantize_sum(torch.cat(payloads), inputs[dest][dest * n : (dest + 1) * n], want, layout, dest,
+                                     world, GS, "int4", idx, block)
+            want.mul_(1.0 / world)
+            assert torch.equal(got, want), (group, dest)
+            exact64 = sum(x[dest * n : (dest + 1) * n].double() for x in inputs) / world
+            assert torch.allclose(got.double(), exact64, rtol=0, atol=0.1 * float(exact64.abs().max()) + 1e-12)
+    for a, b in zip(results[0]["plain"]["losses"], results[0]["qgrad"]["losses"]):
+        assert abs(a - b) <= 0.05 * abs(a)
+
+
 # ---------------------------------------------------------------------- non-finite gradients
 
 
@@ -265,7 +307,10 @@ def test_non_finite_gradients_arrive_as_nan():
 
 BAD_CALLS = [
     (dict(group_size=12), ValueError, "group_size must be a positive multiple of 8, got 12"),
-    (dict(fmt="int4"), ValueError, "fmt must be one of ['int8', 'fp8'] for gradients, got 'int4'"),
+    (dict(fmt="int5"), ValueError, "fmt must be one of ['int8', 'fp8', 'int4'] for gradients, got 'int5'"),
+    (dict(fmt="int4", group_size=16, rotation_block=32), ValueError, "rotation_block 32 is larger than group_size 16"),
+    (dict(rotation="walsh"), ValueError, "rotation must be one of"),
+    (dict(rotation_block=12), ValueError, "rotation_block must be a power of two"),
     (dict(fmt="int3"), ValueError, "got 'int3'"),
     (dict(small_param_numel=-1), ValueError, "small_param_numel must be a non-negative int, got -1"),
     (dict(kernels="cuda"), ValueError, "kernels must be one of"),

@@ -119,7 +119,7 @@ def half_steps(x: torch.Tensor, exact: torch.Tensor, fmt: str) -> torch.Tensor:
     f = get_format(fmt)
     absmax = x.masked_fill(exact, 0).abs().max()
     scale = max(float(absmax) / f.qmax, torch.finfo(torch.float32).tiny)
-    if fmt == "int8":
+    if fmt in ("int8", "int4"):  # integers: one step per group
         return torch.full_like(x, scale / 2)
     y = (x.abs() / scale).clamp_min(2.0**-6)  # e4m3: quantum 2**(E - 3), E >= -6
     return torch.pow(2.0, torch.floor(torch.log2(y)) - 3) / 2 * scale
@@ -203,27 +203,37 @@ def test_fp8_fp32_reduce_dtype_and_overlap_off():
 # ------------------------------------------------------------------ NaN and Inf
 
 
-@pytest.mark.parametrize("order,stage", [("interleaved", 2), ("contiguous", 1)])
-def test_non_finite_gradients_are_found_where_they_are(order, stage):
+INT4_ROTATED = {"zero_quantized_gradients_format": "int4", "zero_quantized_gradients_rotation_block": 8}
+
+
+@pytest.mark.parametrize("order,stage,extra", [("interleaved", 2, {}), ("contiguous", 1, {}),
+                                               ("interleaved", 2, INT4_ROTATED)])
+def test_non_finite_gradients_are_found_where_they_are(order, stage, extra):
     world = 3
+    block = extra.get("zero_quantized_gradients_rotation_block", 0)
     # rank 1: NaN in a large parameter, +Inf in a small (exact) one, -Inf in another large one
     poison = {"rank": 1, "at": [(2, 5, float("nan")), (1, 2, float("inf")), (4, 0, float("-inf"))]}
     kwargs = dict(stage=stage, flat_order=order, reduce_bucket_size=300, small_param_numel=SMALL,
-                  zero_quantized_gradients=True, zero_quantized_gradients_group_size=GS)
+                  zero_quantized_gradients=True, zero_quantized_gradients_group_size=GS, **extra)
     results = run_distributed(grad_worker, world, kwargs, 1, torch.bfloat16, poison)
     assert all(res["error"] and "qzero: non-finite" in res["error"] for res in results)  # raised on every rank
     slots = results[0]["slots"]
+    exact = {k for start, m, is_exact in slots if is_exact for k in range(start, start + m)}
     expected = set()
     for i, j, _ in poison["at"]:
         f = slots[i][0] + j
+        if slots[i][2]:
+            expected.add(f)  # exact: just that element
+            continue
         owner = next(r for r, res in enumerate(results) if res["lo"] <= f < res["lo"] + res["shard"].numel())
-        if slots[i][2] or owner == poison["rank"]:
-            expected.add(f)  # exact, or the owner's own unquantized piece: just that element
+        flat_lo, n = next((a, n) for a, n in results[owner]["pieces"] if a <= f < a + n)
+        if owner == poison["rank"]:  # the owner's own piece: that element (rotated: its block, but a partial tail)
+            b0 = flat_lo + (f - flat_lo) // block * block if block else f
+            span = range(b0, b0 + block) if block and b0 + block <= flat_lo + n else [f]
         else:  # a quantized group arrives as NaN: the whole group of the owner's piece
-            flat_lo, n = next((a, n) for a, n in results[owner]["pieces"] if a <= f < a + n)
             g0 = flat_lo + (f - flat_lo) // GS * GS
-            exact = {k for start, m, is_exact in slots if is_exact for k in range(start, start + m)}
-            expected.update(set(range(g0, min(g0 + GS, flat_lo + n))) - exact)  # exact elements stay exact
+            span = range(g0, min(g0 + GS, flat_lo + n))
+        expected.update(set(span) - exact)  # exact elements stay exact
     found = set()
     for res in results:
         found.update(int(k) + res["lo"] for k in (~torch.isfinite(res["shard"])).nonzero().flatten())
@@ -301,7 +311,6 @@ def test_plain_bytes_are_what_the_plain_reduction_sends():
         (dict(zero_quantized_gradients_group_size=12), "zero_quantized_gradients_group_size"),
         (dict(zero_quantized_gradients_group_size=0), "zero_quantized_gradients_group_size"),
         (dict(zero_quantized_gradients_group_size=True), "zero_quantized_gradients_group_size"),
-        (dict(zero_quantized_gradients_format="int4"), "weight format only"),
         (dict(zero_quantized_gradients_format="bf16"), "zero_quantized_gradients_format"),
         (dict(zero_quantized_gradients="yes"), "zero_quantized_gradients must be true or false"),
     ],
@@ -350,17 +359,15 @@ def piece(n, dtype, gen, device):
     return x.to(dtype).to(device)
 
 
-@pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
-@pytest.mark.filterwarnings("ignore:invalid value encountered")  # NaN groups, under the interpreter
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("group_size", [8, 24, 64])
-def test_kernels_match_reference(dtype, fmt, group_size):
+def assert_kernels_match_reference(dtype, fmt, group_size, rotation=0, error_feedback=False):
+    """Payloads (and residuals), then fp32 sums, of the kernels and the torch reference: equal
+    bit for bit, with NaN and Inf in quantized groups, in an exact element and in the owner's
+    own piece."""
     from qzero.quant import triton as weight_kernels
 
     device = "cuda" if CUDA else "cpu"
-    n = 200_003 if CUDA else 331
-    gen = torch.Generator().manual_seed(group_size + 7 * len(fmt))
+    n = 200_003 if CUDA else 331  # odd: a lone int4 nibble, a partial rotation block
+    gen = torch.Generator().manual_seed(group_size + rotation + 7 * len(fmt))
     saved = weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems
     weight_kernels.TUNING.block_elems = weight_kernels.TUNING.exact_block_elems = 64  # many programs
     try:
@@ -376,22 +383,39 @@ def test_kernels_match_reference(dtype, fmt, group_size):
             x[101] = float("inf")
             a = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
             b = a.clone()
-            ref.pack_gradient(x, a, layout, group_size, fmt, idx)
-            kernels.pack_gradient(x, b, layout, group_size, fmt, idx)
-            assert torch.equal(a, b), f"payload {s} differs at bytes {(a != b).nonzero()[:5].flatten().tolist()}"
+            ra = (piece(n, torch.float32, gen, device) * 1e-2).to(ref.RESIDUAL_DTYPE) if error_feedback else None
+            rb = ra.clone() if error_feedback else None
+            for _ in range(2 if error_feedback else 1):  # the second pack adds the residual the first left
+                ref.pack_gradient(x, a, layout, group_size, fmt, idx, rotation, ra)
+                kernels.pack_gradient(x, b, layout, group_size, fmt, idx, rotation, rb)
+                assert torch.equal(a, b), f"payload {s} differs at bytes {(a != b).nonzero()[:5].flatten().tolist()}"
+                if error_feedback:
+                    assert torch.equal(ra.view(torch.int16), rb.view(torch.int16)), "residuals differ"
+                    assert bool(torch.isfinite(ra).all()) and bool(ra[idx].eq(0).all())
             payloads.append(a)
         payloads = torch.cat(payloads)
         own = piece(n, dtype, gen, device)
+        own[77] = float("nan")
         for rank in (0, 2, world - 1):
             want = torch.empty(n, dtype=torch.float32, device=device)
             got = torch.empty_like(want)
-            ref.dequantize_sum(payloads, own, want, layout, rank, world, group_size, fmt, idx)
-            kernels.dequantize_sum(payloads, own, got, layout, rank, world, group_size, fmt, idx)
+            ref.dequantize_sum(payloads, own, want, layout, rank, world, group_size, fmt, idx, rotation)
+            kernels.dequantize_sum(payloads, own, got, layout, rank, world, group_size, fmt, idx, rotation)
             assert torch.equal(want.view(torch.int32), got.view(torch.int32))
             nonfinite = ~torch.isfinite(want)
-            assert nonfinite[40].item() and nonfinite[141].item() and want[101] == float("inf")
+            assert nonfinite[40].item() and nonfinite[141].item() and nonfinite[77].item()
+            assert want[101] == float("inf")  # exact: its own value (with a rotation: not spread)
     finally:
         weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems = saved
+
+
+@pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # NaN groups, under the interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("group_size", [8, 24, 64])
+def test_kernels_match_reference(dtype, fmt, group_size):
+    assert_kernels_match_reference(dtype, fmt, group_size)
 
 
 @pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
@@ -491,7 +515,7 @@ def test_deepspeed_adapter_parses_the_gradient_keys():
     with pytest.raises(ValueError, match="zero_quantized_gradients_group_size"):
         qds.prepare_config(cfg(1, zero_quantized_gradients_group_size=12))
     with pytest.raises(ValueError, match="zero_quantized_gradients_format"):
-        qds.prepare_config(cfg(2, zero_quantized_gradients_format="int4"))
+        qds.prepare_config(cfg(2, zero_quantized_gradients_format="int3"))
     assert qds.prepare_config(cfg(3, zero_quantized_gradients=True)).ds_config["zero_optimization"][
         "zero_quantized_gradients"]  # DeepSpeed's own ZeRO++ at stage 3, untouched
     with pytest.raises(ValueError, match="stage 3"):

@@ -306,31 +306,32 @@ def test_optimizer_variants_run():
 # ------------------------------------------------------------------ checkpoints
 
 
+def train_steps(model, opt, rank, world, steps, losses):
+    """One micro-batch per step of ``steps`` (its data by step index); the mean loss appended."""
+    for step in steps:
+        tokens, targets = batch(step, 0)
+        loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
+        opt.backward(loss)
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        opt.step()
+        opt.zero_grad()
+
+
 def checkpoint_run(rank, world, path, mode, quantized, order="contiguous"):
     model = make_model(seed=rank if mode == "save" else rank + 10)  # a loaded run must not depend on its init
     cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, reduce_dtype="fp32", allgather_bucket_size=world * 128,
                            flat_order=order)
     opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
     losses = []
-
-    def train(steps, offset):
-        for step in range(offset, offset + steps):
-            tokens, targets = batch(step, 0)
-            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
-            opt.backward(loss)
-            t = loss.detach().reshape(1).clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
-            opt.step()
-            opt.zero_grad()
-
     if mode == "save":
-        train(3, 0)
+        train_steps(model, opt, rank, world, range(0, 3), losses)
         opt.save_checkpoint(path)
-        train(3, 3)
+        train_steps(model, opt, rank, world, range(3, 6), losses)
     else:
         opt.load_checkpoint(path)
-        train(3, 3)
+        train_steps(model, opt, rank, world, range(3, 6), losses)
     return losses[-3:], [p.detach().clone() for p in model.parameters() if p.requires_grad], {
         "masters": [(logical_pieces(g), g.master.clone(), g.layout.used_numel) for g in opt.groups]
     }, opt.groups[0].lo

@@ -154,9 +154,15 @@ def _aliases() -> str:
 def _arm(given: dict, overrides: dict, flag: str) -> TrainSettings:
     """An arm's settings: the flags' settings with the arm's on top (ZeroConfig's checks named by flag)."""
     try:
-        return settings_from({**given, **overrides})
+        settings = settings_from({**given, **overrides})
     except (TypeError, ValueError) as e:
         raise ValueError(f"{flag}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    # a refinement of the gradient reduction alone would leave the arm's reduction plain: an A/B of nothing
+    idle = [k for k in overrides if k.startswith("zero_quantized_gradients_") and not settings.zero.zero_quantized_gradients]
+    if idle:
+        raise ValueError(f"{flag} {idle[0]}=...: does nothing while zero_quantized_gradients is false; add "
+                         f"{flag} zero_quantized_gradients=true")
+    return settings
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,10 +18,15 @@ from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL, DELTA_FORMA
 from .engine import SCHEDULES as GATHER_SCHEDULES
 from .quant import KERNELS
 from .quant.formats import check_group_size, get_format
+from .quant.gradients import check_rotation_block
 
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
 #: Formats the gradient reduction can be quantized to (see ``zero_quantized_gradients_format``).
-GRADIENT_FORMATS = ("int8", "fp8")
+GRADIENT_FORMATS = ("int8", "fp8", "int4")
+#: Rotations applied to gradient pieces before they are quantized (``zero_quantized_gradients_rotation``).
+GRADIENT_ROTATIONS = ("hadamard", "none")
+#: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``bench/grad_quant.md``).
+DEFAULT_ROTATION_BLOCK = 32
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
 MAX_SCALE_POWER = 64
 #: The weight payload's defaults (``zero_quantized_weights_format``/``_group_size`` left as None).
@@ -206,8 +211,45 @@ class ZeroConfig:
     """Gradient elements that share one fp32 scale; a positive multiple of 8."""
 
     zero_quantized_gradients_format: str = "int8"
-    """Gradient payload format: ``int8`` (round half to even) or ``fp8`` (e4m3). ``int4`` is a
-    weight format only: 15 levels per group are too coarse for a gradient sum."""
+    """Gradient payload format: ``int8`` (round half to even), ``fp8`` (e4m3) or ``int4`` (round
+    half to even, two values a byte; 4.5 bits an element with 64-element groups; meant to be
+    used with the Hadamard rotation, its default)."""
+
+    zero_quantized_gradients_rotation: str | None = None
+    """Rotate every gradient piece before it is quantized: ``hadamard`` (a normalized
+    Walsh-Hadamard transform over blocks of ``zero_quantized_gradients_rotation_block``
+    elements, undone by the owner once, after its fp32 sum; it spreads an outlier's magnitude
+    over its block, so a group's quantization step follows its RMS rather than its largest
+    element: [Note: gradient rotation] in ``qzero/quant/gradients.py``) or ``none``. ``None``
+    (the default): ``hadamard`` for ``int4``, ``none`` for the 8-bit formats; resolved on
+    construction."""
+
+    zero_quantized_gradients_rotation_block: int = DEFAULT_ROTATION_BLOCK
+    """Elements of one rotation block: a power of two that divides
+    ``zero_quantized_gradients_group_size`` (so a group holds whole blocks). The default 32
+    was measured: ``bench/grad_quant.md``."""
+
+    zero_quantized_gradients_error_feedback: bool = False
+    """Error feedback: each rank keeps what its quantized payloads failed to carry (its
+    *residual*: the gradient plus the previous residual, minus what the payload decodes to)
+    and adds it to the same elements' next gradient, so the quantization error is carried
+    forward instead of lost. The residual is bf16, for every element this rank sends
+    (those of the other ranks' partitions): ``2 x (world - 1) / world`` bytes per parameter
+    on every rank (1 byte at DP2, 1.75 at DP8). It is optimizer state: saved in checkpoints,
+    resharded (to another world size, the residuals of one element are summed and carried by
+    one rank), resumed bit-exactly at the same world size. With fp16 loss scaling it is
+    rescaled with the loss scale and dropped on a skipped step. Needs
+    ``zero_quantized_gradients``."""
+
+    copy_engine_collectives: bool = False
+    """Run qzero's weight all-gather and quantized gradient all-to-all on the GPU's copy
+    engines, with no SMs taken from the forward and backward (NCCL >= 2.28: a second process
+    group over the same ranks with the zero-CTA policy, the collectives' buffers in NCCL
+    symmetric memory). Needs CUDA, an NCCL process group and a PyTorch with NCCL's CTA policy
+    option and symmetric memory; the optimizer refuses it at construction, naming what is
+    missing. The bits are the same; the gather's receive buffers (at most one bucket) and the
+    all-to-all's payload buffers stay allocated between steps. A plain gradient reduce-scatter
+    needs arithmetic and keeps its SMs. See ``docs/copy-engine.md``."""
 
     def __post_init__(self) -> None:
         if self.overlap_param_gather is None:
@@ -218,10 +260,15 @@ class ZeroConfig:
         if self.zero_quantized_weights_group_size is None:
             object.__setattr__(self, "zero_quantized_weights_group_size",
                                DELTA_GROUP_SIZE if delta else DEFAULT_GROUP_SIZE)
+        if self.zero_quantized_gradients_rotation is None:
+            object.__setattr__(self, "zero_quantized_gradients_rotation",
+                               "hadamard" if self.zero_quantized_gradients_format == "int4" else "none")
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (ZeRO-3 is not what qzero does)")
         for name in ("zero_quantized_weights", "overlap_comm", "overlap_param_gather", "check_finite",
-                     "solo_reduce", "sliced_update", "zero_quantized_gradients", "zero_quantized_weights_delta"):
+                     "solo_reduce", "sliced_update", "zero_quantized_gradients",
+                     "zero_quantized_gradients_error_feedback", "zero_quantized_weights_delta",
+                     "copy_engine_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_group_size(self.zero_quantized_weights_group_size)
@@ -239,7 +286,12 @@ class ZeroConfig:
             raise ValueError(
                 f"zero_quantized_gradients_format must be one of {list(GRADIENT_FORMATS)}, got "
                 f"{self.zero_quantized_gradients_format!r}"
-                + (" (int4 is a weight format only)" if self.zero_quantized_gradients_format == "int4" else "")
+            )
+        self._check_gradient_rotation()
+        if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
+            raise ValueError(
+                "zero_quantized_gradients_error_feedback=true needs zero_quantized_gradients=true: error feedback "
+                "carries the quantization error of the gradient reduction, and the plain reduction has none"
             )
         if self.flat_order not in ("auto", "contiguous", "interleaved"):
             raise ValueError(f"flat_order must be auto, contiguous or interleaved, got {self.flat_order!r}")
@@ -266,6 +318,23 @@ class ZeroConfig:
             raise ValueError(
                 f"initial_scale_power must be in [0, {MAX_SCALE_POWER}] (the scale must fit fp16 gradients' fp32 "
                 f"arithmetic), got {self.initial_scale_power!r}"
+            )
+
+    def _check_gradient_rotation(self) -> None:
+        rotation, block = self.zero_quantized_gradients_rotation, self.zero_quantized_gradients_rotation_block
+        if rotation not in GRADIENT_ROTATIONS:
+            raise ValueError(f"zero_quantized_gradients_rotation must be one of {list(GRADIENT_ROTATIONS)} or None, "
+                             f"got {rotation!r}")
+        try:
+            check_rotation_block(block)
+        except ValueError:
+            raise ValueError(f"zero_quantized_gradients_rotation_block must be a power of two >= 2, got {block!r}") from None
+        group = self.zero_quantized_gradients_group_size
+        if rotation == "hadamard" and group % block:
+            raise ValueError(
+                f"zero_quantized_gradients_rotation_block {block} "
+                + ("is larger than" if block > group else "does not divide")
+                + f" zero_quantized_gradients_group_size {group}: a group must hold whole rotation blocks"
             )
 
     def _check_delta(self) -> None:

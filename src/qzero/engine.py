@@ -154,10 +154,19 @@ class CommContext:
         # gather's compete for the SMs, the gather's go first (the forward waits for them).
         self.streams = ({s: torch.cuda.Stream(device, priority=-1) for s in ("pack", "unpack")}
                         if self.schedule == "streams" else {})
+        #: A :class:`qzero.copy_engine.CopyEngineComm` (``ZeroConfig.copy_engine_collectives``), set
+        #: by the owner: the gathers then run on its group, their receive buffers from its memory.
+        self.copy_engine = None
         #: GPU clock cycles to spin before each step of a stage (the collective's: on the pack
         #: stream, before it is issued). A test hook: delaying one stage exposes any missing
         #: wait between streams.
         self.delay_cycles = dict.fromkeys(STAGES, 0)
+
+    def recv_buffers(self, flat: torch.Tensor, count: int, nbytes: int) -> list[torch.Tensor]:
+        """``count`` receive buffers of ``nbytes`` for a gather of ``flat``."""
+        if self.copy_engine is not None:
+            return self.copy_engine.buffers(("gather", flat.data_ptr()), count, nbytes)
+        return [torch.empty(nbytes, dtype=torch.uint8, device=flat.device) for _ in range(count)]
 
     def _delay(self, stage: str) -> None:
         if self.delay_cycles[stage]:
@@ -248,6 +257,8 @@ def start_gather(
     refusal flag (:class:`qzero.chunks.DeltaInputs`); required by a delta plan, and only by one."""
     if plan.delta != (delta is not None):
         raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), and only a delta plan")
+    if context.copy_engine is not None:
+        group = context.copy_engine.group  # the same ranks, in the same order
     world, rank = world_and_rank(group)
     with peer_failure("the weight gather"):
         if not plan.quantized and not ahead and prepare is None:
@@ -282,7 +293,7 @@ class _Inline(GatherHandle):
         # The plain gather of a single chunk lands straight in the flat buffer, with no buffer.
         self._direct = not work.quantized and len(work.chunks) == 1
         n = 0 if self._direct else min(depth, len(work.chunks))
-        self._buffers = [torch.empty(work.max_recv_bytes, dtype=torch.uint8, device=flat.device) for _ in range(n)]
+        self._buffers = context.recv_buffers(flat, n, work.max_recv_bytes)
         self._pump()
 
     def _pump(self) -> None:
@@ -330,7 +341,7 @@ class _Streamed(GatherHandle):
             exact_scatter(plan, c, device)
         # Two receive buffers, alternating. They were allocated on the caller's stream: they
         # stay referenced until the caller's stream has waited for the last unpack.
-        self._recv = [torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._recv = context.recv_buffers(flat, 2, plan.max_recv_bytes)
         caller = torch.cuda.current_stream(device)
         # What the caller queued so far (writes to flat), then each chunk's prepare.
         event = caller.record_event()

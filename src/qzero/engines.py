@@ -203,6 +203,8 @@ class FSDP2Engine:
                 fmt=zero.zero_quantized_gradients_format,
                 small_param_numel=zero.small_param_numel,
                 kernels=zero.quant_kernels,
+                rotation=zero.zero_quantized_gradients_rotation,
+                rotation_block=zero.zero_quantized_gradients_rotation_block,
             )
             self._reduce_comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
                                   for m in self.model.modules() if hasattr(m, "_get_fsdp_state")]

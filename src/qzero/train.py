@@ -186,9 +186,15 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 engines; the deepspeed "
                             "engine reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
                             "ignores that key), so it would change nothing")
+    if settings.zero.zero_quantized_gradients_error_feedback and settings.engine != "qzero":
+        raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero engine: its residuals "
+                            f"are ZeroOptimizer state, which the {settings.engine} engine does not have")
     if settings.zero.zero_quantized_weights_delta and settings.engine != "qzero":
         raise WorkloadError(f"zero_quantized_weights_delta is a setting of the qzero engine: the {settings.engine} "
                             "engine's weight gather does not send delta payloads, so it would change nothing")
+    if settings.zero.copy_engine_collectives and settings.engine != "qzero":
+        raise WorkloadError(f"copy_engine_collectives is a setting of the qzero engine: it moves ZeroOptimizer's own "
+                            f"gather and all-to-all, which the {settings.engine} engine does not run")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":

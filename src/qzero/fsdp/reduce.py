@@ -18,9 +18,10 @@ quantized gradient reduction (:mod:`qzero.optim.quantized_reduce`, the
 ``r``'s part is one piece, the parts other ranks own are packed (symmetric groups of
 ``group_size`` counted from the start of each part, so no group spans two owners; one fp32
 scale each; the shards of parameters with at most ``small_param_numel`` elements verbatim
-in the side channel), one ``all_to_all_single`` with uneven splits moves them, and each
-rank sums in fp32 and rank order its own part unquantized and the others' dequantized
-payloads. The op is then applied to that fp32 sum (``AVG``: times ``1 / world``, as the
+in the side channel; with a rotation, each part rotated by blocks first), one
+``all_to_all_single`` with uneven splits moves them, and each rank sums in fp32 and rank
+order its own part unquantized and the others' dequantized payloads (with a rotation, the
+rotated parts, rotated back once after the sum). The op is then applied to that fp32 sum (``AVG``: times ``1 / world``, as the
 ZeroOptimizer averages; ``PREMUL_SUM``: the input is multiplied by the factor before it
 is packed, as the op defines) and the result is cast into the output. A group holding NaN
 or Inf on any rank arrives as NaN, so a non-finite gradient stays visible.
@@ -36,10 +37,10 @@ from torch import nn
 
 from ..agreement import canonical
 from ..comm import local_outcome
-from ..config import GRADIENT_FORMATS
+from ..config import DEFAULT_ROTATION_BLOCK, GRADIENT_FORMATS, GRADIENT_ROTATIONS
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
-from ..quant.gradients import GRADIENT_DTYPES
+from ..quant.gradients import GRADIENT_DTYPES, check_rotation_block
 from ._comms import agree_install, check_arguments, groups_to_convert, install_group, keep_report, stored_report
 
 __all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
@@ -90,6 +91,8 @@ def quantize_group_reduces(
     fmt: str = "int8",
     small_param_numel: int = 65_536,
     kernels: str = "auto",
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_ROTATION_BLOCK,
 ) -> GroupReduceReport:
     """Make every FSDP2 parameter group of ``model`` reduce-scatter its gradients quantized;
     return a report.
@@ -97,8 +100,12 @@ def quantize_group_reduces(
     Call after ``fully_shard`` (on the root, once). Each ``fully_shard`` module gets a
     :class:`GroupQuantizedReduceScatter` through ``set_custom_reduce_scatter``. The weight
     all-gather is independent: this combines with :func:`qzero.fsdp.quantize_group_gathers`
-    and :func:`qzero.fsdp.quantize_weight_gathers`. ``fmt``: ``int8`` or ``fp8``;
-    ``kernels``: ``auto``, ``triton`` or ``reference`` (as :func:`qzero.quant.gradient_kernels_for`).
+    and :func:`qzero.fsdp.quantize_weight_gathers`. ``fmt``: ``int8``, ``fp8`` or ``int4``;
+    ``kernels``: ``auto``, ``triton`` or ``reference`` (as :func:`qzero.quant.gradient_kernels_for`);
+    ``rotation``: ``hadamard`` (blocks of ``rotation_block`` elements, a power of two dividing
+    ``group_size``) or ``none``; None: ``hadamard`` for ``int4``, ``none`` otherwise (as
+    :attr:`qzero.ZeroConfig.zero_quantized_gradients_rotation`). Error feedback is the
+    ZeroOptimizer's (optimizer state); this reduce-scatter keeps none.
 
     Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
     bad argument, a model with no ``fully_shard`` module, a model already converted by this
@@ -106,10 +113,14 @@ def quantize_group_reduces(
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
+    block = 0
+
     def plan():
+        nonlocal block
         check_arguments(model, group_size, small_param_numel, kernels)
         if fmt not in GRADIENT_FORMATS:
             raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
+        block = _rotation_block(fmt, group_size, rotation, rotation_block)
         out = []
         for name, module, pg in groups_to_convert(
                 model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
@@ -117,17 +128,38 @@ def quantize_group_reduces(
                 own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
                 kernels_for=gradient_kernels_for):
             comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
-                                               small_param_numel=small_param_numel, kernels=kernels, name=name)
+                                               small_param_numel=small_param_numel, kernels=kernels, name=name,
+                                               rotation=block)
             out.append((module, comm, _describe(name, pg, comm)))
         return out
 
     plans, error = local_outcome(plan)
-    agree_install("quantize_group_reduces", install_group(model), error, fmt=fmt, group_size=group_size,
+    # the rotation travels with the format: ranks that rotate differently disagree on it
+    agreed_fmt = f"{fmt} rotated by blocks of {block}" if block else fmt
+    agree_install("quantize_group_reduces", install_group(model), error, fmt=agreed_fmt, group_size=group_size,
                   small_param_numel=small_param_numel, layout_name="parameter groups",
                   layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
     for module, comm, _ in plans:
         module.set_custom_reduce_scatter(comm)
     return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for *_, info in plans)))
+
+
+def _rotation_block(fmt: str, group_size: int, rotation: str | None, block: int) -> int:
+    """The rotation block the arguments ask for (0: none), checked."""
+    if rotation is None:
+        rotation = "hadamard" if fmt == "int4" else "none"
+    if rotation not in GRADIENT_ROTATIONS:
+        raise ValueError(f"rotation must be one of {list(GRADIENT_ROTATIONS)} or None, got {rotation!r}")
+    try:
+        check_rotation_block(block)
+    except ValueError:
+        raise ValueError(f"rotation_block must be a power of two >= 2, got {block!r}") from None
+    if rotation == "none":
+        return 0
+    if group_size % block:
+        raise ValueError(f"rotation_block {block} " + ("is larger than" if block > group_size else "does not divide")
+                         + f" group_size {group_size}: a group must hold whole rotation blocks")
+    return block
 
 
 def group_reduce_report(model: nn.Module) -> GroupReduceReport:
@@ -145,9 +177,11 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
     """FSDP2's reduce-scatter of one parameter group's gradients, quantized (see the
     module's docstring). Installed by :func:`quantize_group_reduces`."""
 
-    def __init__(self, fsdp_params, *, group_size: int, fmt: str, small_param_numel: int, kernels: str, name: str):
+    def __init__(self, fsdp_params, *, group_size: int, fmt: str, small_param_numel: int, kernels: str, name: str,
+                 rotation: int = 0):
         self.fsdp_params = list(fsdp_params)
         self.group_size, self.fmt, self.small_param_numel = group_size, fmt, small_param_numel
+        self.rotation = rotation  # the rotation block, 0 for none
         self.kernels, self.name = kernels, name
         self._exchanges: dict = {}
         #: How many calls ran quantized, and how many FSDP2's plain reduce-scatter (a backward
@@ -213,7 +247,7 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         ex = self._exchanges.get(key)
         if ex is None:
             ex = QuantizedExchange.over(
-                GradientQuantization(self.group_size, self.fmt), like.dtype, group, world, rank, like.device,
+                GradientQuantization(self.group_size, self.fmt, self.rotation), like.dtype, group, world, rank, like.device,
                 gradient_kernels_for(like.device, self.kernels), self.exact_ranges(n, world),
             )
             self._exchanges[key] = ex

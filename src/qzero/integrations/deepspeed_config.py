@@ -24,10 +24,12 @@ OVERLAP_KEY = "overlap_param_gather"
 #: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
 #: so they are taken out of (a copy of) the config before DeepSpeed sees it.
 QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY, OVERLAP_KEY)
-#: DeepSpeed's ZeRO++ gradient key (DeepSpeed implements it at stage 3 only) and qzero's two
+#: DeepSpeed's ZeRO++ gradient key (DeepSpeed implements it at stage 3 only) and qzero's
 #: refinements of it (:attr:`qzero.ZeroConfig.zero_quantized_gradients`), which DeepSpeed does not know.
 GRAD_ENABLE_KEY = "zero_quantized_gradients"
-GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_format")
+GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_format",
+             "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block",
+             "zero_quantized_gradients_error_feedback")
 #: :attr:`qzero.ZeroConfig.zero_quantized_weights_delta` and its resync interval: recognised and
 #: validated here, and a delta gather refused (see :func:`_check_delta_keys`).
 DELTA_KEYS = ("zero_quantized_weights_delta", "zero_quantized_weights_delta_resync_steps")

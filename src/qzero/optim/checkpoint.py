@@ -38,6 +38,7 @@ from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shard
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..agreement import digest
+from . import error_feedback
 from .checkpoint_index import INDEX_FILE, IndexedReader, castable, read_index, read_regular_file, show
 
 if TYPE_CHECKING:
@@ -54,7 +55,11 @@ def logical_pieces(group: FlatGroup) -> list[tuple[int, int, int]]:
     """``(local offset, length, logical offset)`` of the parameter elements in this rank's
     partition. The logical buffer is the parameters back to back in model order, which is
     the same at every world size and for either flat order; adjacent pieces are merged."""
-    layout, lo, hi = group.layout, group.lo, group.hi
+    return logical_pieces_between(group.layout, group.lo, group.hi)
+
+
+def logical_pieces_between(layout, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """:func:`logical_pieces` of flat ``[lo, hi)`` (local offsets relative to ``lo``)."""
     logical = 0
     pieces: list[tuple[int, int, int]] = []
     for s in layout.slots:
@@ -112,6 +117,7 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
             sd[f"group{i}.state.{key}"] = _sharded(value, g, opt) if value.shape == g.master.shape else value
         if g.delta is not None:  # [Note: the replica in a checkpoint]
             sd[replica_key(i)] = _sharded(g.own, g, opt)
+    sd.update(error_feedback.state_entries(opt))
     return sd
 
 
@@ -129,7 +135,7 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 **({"delta": {**g.delta.state_dict(), "layout": layout_key(g)}} if g.delta is not None else {}),
             }
         )
-    return {
+    meta = {
         "format": FORMAT_VERSION,
         "world_size": opt.world_size,
         "optimizer": type(opt.optimizer).__name__,
@@ -138,6 +144,10 @@ def _metadata(opt: ZeroOptimizer) -> dict:
         "module_state": {k: list(v.shape) for k, v in _module_state(opt).items()},
         "groups": groups,
     }
+    residuals = error_feedback.metadata(opt)
+    if residuals is not None:
+        meta[error_feedback.META_KEY] = residuals
+    return meta
 
 
 def _json_default(v):
@@ -312,6 +322,7 @@ def _check_schema(meta: dict, path: str) -> None:
     scale = scaler.get("scale")
     if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
         raise fail(("loss_scaler", "scale"), scale, "a positive number")
+    error_feedback.check_metadata(meta, path)
 
 
 def read_checked_index(path: str):
@@ -352,6 +363,7 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
         if restores_replica(g, saved):  # [Note: the replica in a checkpoint]
             check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta")
             expected[replica_key(i)] = ([g.layout.used_numel], g.dtype)
+    expected.update(error_feedback.expected_entries(opt, meta))
     for fqn, (shape, dtype) in expected.items():
         entry = index.state_dict_metadata.get(fqn)
         if entry is None:
@@ -596,11 +608,12 @@ class _PendingLoad:
                     shape, device = spec["shape"], kept[i][key]["device"]
                 state[key] = torch.zeros(shape, dtype=STATE_DTYPES[spec["dtype"]], device=device)
             self.states.append(state)
+        self.residuals = error_feedback.ResidualLoad(opt, meta)
         # delta gathers: the groups whose replica the checkpoint restores ([Note: the replica in a checkpoint])
         self.replicas = [restores_replica(g, saved) for g, saved in zip(opt.groups, meta["groups"])]
         # what is read in place, copied aside (to the host) to be put back on a refusal
         self._in_place = ([g.master for g in opt.groups] + list(_module_state(opt).values())
-                          + [g.own for g, r in zip(opt.groups, self.replicas) if r])
+                          + [g.own for g, r in zip(opt.groups, self.replicas) if r] + self.residuals.in_place)
         self._saved = [t.detach().to("cpu", copy=True) for t in self._in_place]
 
     def targets(self) -> dict:
@@ -614,6 +627,7 @@ class _PendingLoad:
                 out[f"group{i}.state.{key}"] = _sharded(t, g, opt) if specs[key]["sharded"] else t
             if self.replicas[i]:
                 out[replica_key(i)] = _sharded(g.own, g, opt)
+        out.update(self.residuals.targets())
         return out
 
     def undo(self) -> None:
@@ -672,6 +686,7 @@ class _PendingLoad:
             for k, v in _resumed_hyperparameters(pg, saved["hyperparameters"]).items():
                 pg[k] = v
         opt.scaler.load_state_dict(self.meta["loss_scaler"])
+        self.residuals.commit()
         for grads in opt.grads:
             grads.zero()
         # The configured gather, as after a step: resuming at the same world size is bit-exact.

@@ -83,17 +83,19 @@ class ReduceStats(NamedTuple):
 
 def make_reducer(
     group: FlatGroup, bucket_numel: int, solo: bool = False, quant: GradientQuantization | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, error_feedback=None,
 ):
     """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`;
-    ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives)."""
+    ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives;
+    ``error_feedback``: this rank's :class:`qzero.optim.error_feedback.ErrorFeedback` of the group)."""
     if group.layout.order == "interleaved":
-        return ScatterReducer(group, bucket_numel, solo, quant, dtype)
-    return OwnerReducer(group, bucket_numel, quant, dtype)
+        return ScatterReducer(group, bucket_numel, solo, quant, dtype, error_feedback)
+    return OwnerReducer(group, bucket_numel, quant, dtype, error_feedback)
 
 
 class _Reducer:
-    def __init__(self, group: FlatGroup, quant: GradientQuantization | None, dtype: torch.dtype | None):
+    def __init__(self, group: FlatGroup, quant: GradientQuantization | None, dtype: torch.dtype | None,
+                 error_feedback=None):
         self.group = group
         self.pg = group.process_group
         self.world = group.world_size
@@ -104,7 +106,8 @@ class _Reducer:
             else list(range(self.world))
         )
         # One rank has nothing to send: the plain path is already exact there.
-        self.quant = QuantizedExchange(group, quant, dtype) if quant is not None and self.world > 1 else None
+        self.quant = (QuantizedExchange(group, quant, dtype, error_feedback)
+                      if quant is not None and self.world > 1 else None)
         self._sent = self._plain = self._collectives = 0
         #: Plain sums land in the landing shard (see [Note: landing shard]); set by Stage2Grads.
         self.use_landing = False
@@ -183,8 +186,8 @@ class OwnerReducer(_Reducer):
 
     solo: tuple[int, ...] = ()
 
-    def __init__(self, group: FlatGroup, bucket_numel: int, quant=None, dtype=None):
-        super().__init__(group, quant, dtype)
+    def __init__(self, group: FlatGroup, bucket_numel: int, quant=None, dtype=None, error_feedback=None):
+        super().__init__(group, quant, dtype, error_feedback)
         self.buckets = plan_reduce_buckets(group.layout, bucket_numel)
 
     def _parts(self, bucket) -> list[tuple[int, int, int, int]]:
@@ -225,8 +228,9 @@ class ScatterReducer(_Reducer):
     that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are,
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
-    def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False, quant=None, dtype=None):
-        super().__init__(group, quant, dtype)
+    def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False, quant=None, dtype=None,
+                 error_feedback=None):
+        super().__init__(group, quant, dtype, error_feedback)
         self.solo = solo_slots(group.layout, bucket_numel) if solo else ()
         self.buckets = plan_scatter_buckets(group.layout, bucket_numel, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
@@ -303,11 +307,11 @@ class Stage1Grads:
 
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, solo: bool = False,
-        quant: GradientQuantization | None = None,
+        quant: GradientQuantization | None = None, error_feedback=None,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype)
+        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype, error_feedback)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -362,11 +366,11 @@ class Stage2Grads:
 
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool, solo: bool = False,
-        quant: GradientQuantization | None = None,
+        quant: GradientQuantization | None = None, error_feedback=None,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype)
+        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype, error_feedback)
         # [Note: landing shard]: plain 16-bit sums wait in the reduce dtype until backward ends
         self.reducer.use_landing = self.reducer.quant is None and self.dtype.itemsize < 4
         self.overlap = overlap

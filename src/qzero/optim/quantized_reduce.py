@@ -12,13 +12,20 @@ and nothing to ranks that own no part of the bucket. The owner then sums, in fp3
 rank order, its own piece unquantized and the others' dequantized payloads, and the
 reducer averages that into its gradient shard.
 
-Transient memory per bucket in flight: the packed payloads (about half the staged bucket
-for 8-bit codes from bf16), the received ones (``world - 1`` payloads of this rank's
-piece) and an fp32 sum of this rank's piece.
+With a rotation (:attr:`qzero.ZeroConfig.zero_quantized_gradients_rotation`) every piece
+is rotated as it is packed and the owner rotates its sum back once; with error feedback
+(:attr:`qzero.ZeroConfig.zero_quantized_gradients_error_feedback`) each pack adds this
+rank's residual of the piece (:class:`qzero.optim.error_feedback.ErrorFeedback`) and writes
+the new one, in the same pass ([Note: gradient rotation] and the residual in
+:mod:`qzero.quant.gradients`).
 
-Traffic: a rank sends ``1 + 4 / group_size`` bytes per element (plus exact elements in the
-reduce dtype) for the pieces other ranks own, where the plain reduction sends the reduce
-dtype's size. In the contiguous order a bucket inside one partition is sent straight to
+Transient memory per bucket in flight: the packed payloads (about half the staged bucket
+for 8-bit codes from bf16, a quarter for int4), the received ones (``world - 1`` payloads
+of this rank's piece) and an fp32 sum of this rank's piece.
+
+Traffic: a rank sends ``bits / 8 + 4 / group_size`` bytes per element (plus exact elements
+in the reduce dtype) for the pieces other ranks own, where the plain reduction sends the
+reduce dtype's size. In the contiguous order a bucket inside one partition is sent straight to
 its owner by every rank (an incast); at two ranks that is what a reduce moves, at larger
 worlds the owner's link carries ``world - 1`` payloads.
 """
@@ -34,6 +41,11 @@ from ..comm import peer_failure
 from ..layout import PayloadLayout, _clip_ranges, merge_adjacent, _payload_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
+
+
+#: Payload buffers reused in turn under copy-engine collectives: one more than the exchanges a
+#: reducer keeps waiting (``qzero.optim.grads.MAX_IN_FLIGHT``).
+RING = 3
 
 
 class Piece(NamedTuple):
@@ -63,16 +75,19 @@ def plan_pieces(parts, exact_ranges, group_size: int, fmt: str, elem_size: int) 
 
 
 class GradientQuantization(NamedTuple):
-    """What the reducers need from the config: the group size and the format."""
+    """What the reducers need from the config: the group size, the format and the rotation
+    block (0: no rotation)."""
 
     group_size: int
     fmt: str
+    rotation: int = 0
 
     @classmethod
     def from_config(cls, config) -> GradientQuantization | None:
         if not config.zero_quantized_gradients:
             return None
-        return cls(config.zero_quantized_gradients_group_size, config.zero_quantized_gradients_format)
+        rotation = config.zero_quantized_gradients_rotation_block if config.zero_quantized_gradients_rotation == "hadamard" else 0
+        return cls(config.zero_quantized_gradients_group_size, config.zero_quantized_gradients_format, rotation)
 
 
 class _Pending(NamedTuple):
@@ -86,12 +101,19 @@ class _Pending(NamedTuple):
 class QuantizedExchange:
     """Packs, moves and sums the pieces of one flat group's buckets."""
 
-    def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype):
+    def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype, error_feedback=None):
         self._setup(
             quant, dtype, group.process_group, group.world_size, group.rank, group.device,
             gradient_kernels_for(group.device, group.context.kernels_choice),
             merge_adjacent(sorted((s.start, s.stop) for s in group.layout.slots if s.exact)),
         )
+        #: :class:`qzero.optim.error_feedback.ErrorFeedback` of this rank, or None.
+        self.error_feedback = error_feedback
+        # ZeroConfig.copy_engine_collectives: the all-to-all on the zero-CTA group, its payloads
+        # in symmetric memory ([Note: copy-engine collectives] in qzero/copy_engine.py).
+        self.copy_engine = group.context.copy_engine
+        if self.copy_engine is not None:
+            self.pg = self.copy_engine.group
 
     @classmethod
     def over(cls, quant: GradientQuantization, dtype: torch.dtype, process_group, world: int, rank: int,
@@ -103,7 +125,8 @@ class QuantizedExchange:
         return self
 
     def _setup(self, quant, dtype, process_group, world, rank, device, kernels, exact) -> None:
-        self.group_size, self.fmt = quant
+        self.group_size, self.fmt, self.rotation = quant
+        self.error_feedback = None
         self.dtype = dtype
         self.pg = process_group
         self.world, self.rank = world, rank
@@ -112,6 +135,8 @@ class QuantizedExchange:
         self._exact = exact
         self._plans: dict = {}
         self._index: dict = {}
+        self.copy_engine = None
+        self._launches = 0
 
     def pieces(self, key, parts) -> tuple[Piece, ...]:
         plan = self._plans.get(key)
@@ -149,20 +174,36 @@ class QuantizedExchange:
                         recv_sizes[s] = p.layout.nbytes
             else:
                 send_sizes[p.dest] = p.layout.nbytes
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        send, recv = self._payload_buffers(pieces, sum(send_sizes), sum(recv_sizes))
         at = 0
         for p in pieces:
             if p.dest != self.rank:
                 payload = send[at : at + p.layout.nbytes]
+                ef = self.error_feedback
                 self.kernels.pack_gradient(
                     buf[p.offset : p.offset + p.numel], payload, p.layout, self.group_size, self.fmt,
-                    self._exact_index(key, p),
+                    self._exact_index(key, p), self.rotation, None if ef is None else ef.piece(p.flat_lo, p.numel),
                 )
                 at += p.layout.nbytes
-        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
         with peer_failure("the quantized gradient reduction"):
             work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.pg, async_op=True)
         return _Pending(work, send, recv, buf, mine), send.numel()
+
+    def _payload_buffers(self, pieces, send_bytes: int, recv_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The send and receive buffers of one launch: fresh ones, or with copy-engine
+        collectives views into one of ``RING`` reused symmetric slabs (launch ``n`` reuses launch
+        ``n - RING``'s, finished by then: the reducers finish in launch order and keep at most
+        ``RING - 1`` waiting), sized by the largest payload of any rank so that every rank
+        grows them alike."""
+        if self.copy_engine is None:
+            return (torch.empty(send_bytes, dtype=torch.uint8, device=self.device),
+                    torch.empty(recv_bytes, dtype=torch.uint8, device=self.device))
+        sends = [sum(p.layout.nbytes for p in pieces if p.dest != r) for r in range(self.world)]
+        most_recv = max((p.layout.nbytes * (self.world - 1) for p in pieces), default=0)
+        ring, self._launches = self._launches % RING, self._launches + 1
+        send = self.copy_engine.buffers((self, ring, "send"), 1, max(sends, default=0))[0][:send_bytes]
+        recv = self.copy_engine.buffers((self, ring, "recv"), 1, most_recv)[0][:recv_bytes]
+        return send, recv
 
     def finish(self, pending: _Pending, key) -> tuple[torch.Tensor, int] | None:
         """Wait, then ``(fp32 sum of this rank's piece, its flat start)``, or None when this
@@ -176,6 +217,6 @@ class QuantizedExchange:
         out = torch.empty(p.numel, dtype=torch.float32, device=self.device)
         self.kernels.dequantize_sum(
             pending.recv, own, out, p.layout, self.rank, self.world, self.group_size, self.fmt,
-            self._exact_index(key, p),
+            self._exact_index(key, p), self.rotation,
         )
         return out, p.flat_lo

@@ -25,9 +25,11 @@ import torch.distributed as dist
 from ..agreement import digest, optimizer_fields
 from ..comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
+from ..copy_engine import CopyEngineComm, check_copy_engine_support
 from ..engine import DEPTH as OVERLAP_DEPTH
 from ..engine import CommContext
 from ..overlap import GatherAhead
+from .error_feedback import ErrorFeedback
 from ..quant.reference import NOT_REFUSED
 from .delta import refusal_error
 from .flat import FlatGroup
@@ -75,6 +77,8 @@ class ZeroOptimizer:
             _check_flattenable(groups, names, config, world)
             # The streams and kernels of every gather this optimizer runs.
             context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels)
+            if config.copy_engine_collectives:
+                check_copy_engine_support(context.device, process_group)
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
             # touching the model, so that its errors, too, leave everything as it was.
             flat_groups = [
@@ -100,6 +104,8 @@ class ZeroOptimizer:
         self.process_group = process_group
         self.world_size, self.rank = world, rank
         self.model = model
+        if config.copy_engine_collectives:  # every rank passed the check: create the group together
+            context.copy_engine = CopyEngineComm(process_group, context.device)
         self.context = context
         self.groups = flat_groups
         self.optimizer = inner
@@ -109,13 +115,19 @@ class ZeroOptimizer:
             g.sync_from(src)
         _broadcast_module_state(model, src, process_group, world)
         quant = GradientQuantization.from_config(config)
+        #: Per flat group, this rank's quantization residuals (error feedback; None without it,
+        #: and at world size 1, where nothing is quantized): optimizer state.
+        self.error_feedback: list[ErrorFeedback | None] = [
+            ErrorFeedback(g) if config.zero_quantized_gradients_error_feedback and world > 1 else None
+            for g in self.groups
+        ]
         self.grads = [
-            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant)
+            Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant, ef)
             if config.stage == 1
             else Stage2Grads(
-                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant
+                g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant, ef
             )
-            for g in self.groups
+            for g, ef in zip(self.groups, self.error_feedback)
         ]
         # Under gather-ahead every read of a weight through the model waits for its chunks
         # ([Note: reads wait] in qzero/overlap.py).
@@ -162,7 +174,11 @@ class ZeroOptimizer:
             for s in shards:
                 s.mul_(1.0 / self.scaler.scale)
             overflow = self._any_rank(torch.stack([(~torch.isfinite(s)).any() for s in shards]).any())
+            old_scale = self.scaler.scale
             self.scaler.update(overflow)
+            for ef in self.error_feedback:
+                if ef is not None:
+                    ef.after_scale_update(old_scale, self.scaler.scale, overflow)
             if overflow:
                 self.last_step_skipped = True
                 return False  # no update and no gather: the weights did not change

@@ -73,15 +73,15 @@ def markdown(r: dict, plotted: bool = True) -> str:
         "",
         *_noise_lines(r),
         "| arm | role | median step | final loss | peak allocated | peak reserved | weights gathered/rank/step "
-        "| gradients sent/rank/step | skipped |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| gradients sent/rank/step | bits/parameter/step, weights + gradients | skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in r["arms"]:
         lines.append(
             f"| {a['arm']} | {a['role']} | {1e3 * a['median_step_s']:.1f} ms | {a['losses'][-1]:.4f} | "
             f"{_mib(a['peak_allocated_bytes'])} | {_mib(a['peak_reserved_bytes'])} | "
             f"{_mib(a['bytes_sent_per_step'])} of {_mib(a['plain_bytes_per_step'])} plain | {_grad_bytes(a)} | "
-            f"{a['skipped_steps']} |"
+            f"{_bits_per_param(r, a)} | {a['skipped_steps']} |"
         )
     t = r["thresholds"]
     per_param = [f"{a['arm']} {a['weight_bytes_per_param']:.3f}" for a in r["arms"]
@@ -90,6 +90,10 @@ def markdown(r: dict, plotted: bool = True) -> str:
         lines += ["", "Weight gather, bytes on the wire per parameter per step (mean over the measured steps): "
                   + ", ".join(per_param) + "."]
     lines += [
+        "",
+        "Bits per parameter: what a rank sends per element it sends (its partition's weights in the "
+        "gather; the gradient elements other ranks own in the reduction), scales and the exact small "
+        "parameters included; a plain bf16 collective is 16.",
         "",
         f"Memory figures are the {r['memory_kind']}. Each step is timed from its start to the next "
         "step's start on the compute stream, with no synchronisation between steps (the warm-up "
@@ -134,6 +138,27 @@ def _grad_bytes(a: dict) -> str:
     if sent is None or plain is None:
         return "n/a"  # an arm recorded before gradient bytes were counted
     return f"{_mib(sent)} of {_mib(plain)} plain"
+
+
+_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _bits_per_param(r: dict, a: dict) -> str:
+    """``weights + gradients`` bits per element sent, from the bytes sent against the plain
+    collectives' (which send every element in the model dtype, or the reduce dtype)."""
+    from ..train import flat_settings
+
+    settings = flat_settings(r["settings"])
+    which = 0 if a["role"] == "baseline" else 1
+    settings.update({k: v[which] for k, v in r.get("differing_settings", {}).items()})
+    weight = _ELEMENT_BYTES.get(settings.get("precision"), 2)
+    grad = _ELEMENT_BYTES.get(settings.get("reduce_dtype") or settings.get("precision"), 2)
+
+    def bits(sent, plain, size):
+        return "n/a" if not sent or not plain else f"{8 * size * sent / plain:.2f}"
+
+    return (f"{bits(a['bytes_sent_per_step'], a['plain_bytes_per_step'], weight)} + "
+            f"{bits(a.get('grad_bytes_sent_per_step'), a.get('grad_plain_bytes_per_step'), grad)}")
 
 
 def _noise_lines(r: dict) -> list[str]:

@@ -1,0 +1,227 @@
+"""Error feedback of the quantized gradient reduction
+(:attr:`qzero.ZeroConfig.zero_quantized_gradients_error_feedback`): every rank's residuals,
+what the loss scale does to them, and their checkpoint form.
+
+[Note: residual] A rank quantizes, in every reduction, each element of the other ranks'
+partitions it sends (its own partition is summed unquantized). Its *residual* of element
+``i`` is what its last payload of ``i`` failed to carry: the gradient plus the previous
+residual, minus what the payload decodes to (the arithmetic is the pack's, in
+:mod:`qzero.quant.gradients`). The next pack of ``i`` adds it, so over steps the
+quantization error is carried forward instead of lost: the sum of everything the owners
+received equals the sum of the gradients minus the residuals still held (up to the bf16
+rounding of the residuals). One residual buffer per flat group and rank, bf16, of
+``(world - 1) x partition`` elements: the flat buffer without this rank's own partition
+(partition ``q`` at ``(q - (q > rank)) x partition``). That is ``2 (world - 1) / world`` bytes
+per parameter. Residuals are in the units of the gradients as they are reduced: with fp16
+loss scaling they are rescaled when the scale grows and dropped on a skipped step (whose
+gradients are dropped too).
+
+Checkpoint form: per flat group, a 1-D bf16 tensor of ``world x parameters`` elements: ``world``
+rows, each in the logical coordinates the masters are saved in (the parameters back to back;
+see :mod:`qzero.optim.checkpoint`), row ``r`` (at ``r x parameters``) rank ``r``'s residuals
+(zeros on its own partition), each rank writing its row. A load at the same world size with the same partitions (the
+checkpoint records a digest of them) reads every rank's row back: the resumed run is bit
+for bit the uninterrupted one. Any other load (another world size, another flat order) sums
+every element's residuals over the saved rows (fp32, in row order), rounds the sum to bf16
+and gives it to one rank, the one after the element's new owner (``(owner + 1) mod world``):
+what the ranks together still owe the reduction is kept, up to that rounding. A checkpoint
+without residuals loads as zero residuals; a run without error feedback ignores them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+from ..quant.gradients import RESIDUAL_DTYPE
+
+if TYPE_CHECKING:
+    from .flat import FlatGroup
+    from .zero import ZeroOptimizer
+
+#: ``qzero.json``'s key for the residuals, and the DCP key of group ``i``'s.
+META_KEY = "error_feedback"
+RESIDUAL_DTYPE_NAME = "bfloat16"
+
+
+def state_key(i: int) -> str:
+    return f"group{i}.error_feedback"
+
+
+class ErrorFeedback:
+    """This rank's residuals of one flat group (see [Note: residual])."""
+
+    def __init__(self, group: FlatGroup):
+        self.layout = group.layout
+        self.rank, self.world = group.rank, group.world_size
+        self.partition = group.layout.partition_numel
+        self.residual = torch.zeros((self.world - 1) * self.partition, dtype=RESIDUAL_DTYPE, device=group.device)
+
+    def offset(self, q: int) -> int:
+        """Where partition ``q`` (not this rank's) starts in the residual buffer."""
+        return (q - (q > self.rank)) * self.partition
+
+    def piece(self, flat_lo: int, numel: int) -> torch.Tensor:
+        """The residuals of flat ``[flat_lo, flat_lo + numel)``, a piece another rank owns (a view)."""
+        q = flat_lo // self.partition
+        if q == self.rank or numel <= 0 or (flat_lo + numel - 1) // self.partition != q:
+            raise ValueError(f"flat [{flat_lo}, {flat_lo + numel}) is not inside one other rank's partition")
+        at = self.offset(q) + flat_lo - q * self.partition
+        return self.residual[at : at + numel]
+
+    def partition_view(self, q: int) -> torch.Tensor:
+        return self.residual[self.offset(q) : self.offset(q) + self.partition]
+
+    def reset(self) -> None:
+        self.residual.zero_()
+
+    def after_scale_update(self, old_scale: float, new_scale: float, skipped: bool) -> None:
+        """Keep the residuals in the units of the next gradients (fp16 loss scaling)."""
+        if skipped:
+            self.reset()  # the step's gradients were dropped; what they left behind goes with them
+        elif new_scale != old_scale:
+            self.residual.mul_(new_scale / old_scale)  # powers of two: exact
+
+
+# ---------------------------------------------------------------------- checkpoint form
+
+
+def _partition_pieces(layout, q: int) -> list[tuple[int, int, int]]:
+    from .checkpoint import logical_pieces_between
+
+    p = layout.partition_numel
+    return logical_pieces_between(layout, q * p, (q + 1) * p)
+
+
+def partitions_digest(layout) -> int:
+    """A fingerprint of where every rank's partition lies in the logical buffer."""
+    text = repr([layout.world_size] + [_partition_pieces(layout, q) for q in range(layout.world_size)])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _placement(opt: ZeroOptimizer, device: torch.device) -> str:
+    return f"rank:{dist.get_rank()}/{device}"
+
+
+def _row_shards(opt: ZeroOptimizer, ef: ErrorFeedback, own: torch.Tensor) -> list[Shard]:
+    """This rank's row in logical coordinates: its residuals, and ``own`` on its own partition."""
+    where = _placement(opt, ef.residual.device)
+    row = ef.rank * ef.layout.used_numel
+    shards = []
+    for q in range(ef.world):
+        src = own if q == ef.rank else ef.partition_view(q)
+        for local, length, at in _partition_pieces(ef.layout, q):
+            shards.append(Shard(src[local : local + length], ShardMetadata([row + at], [length], where)))
+    return shards
+
+
+def state_entries(opt: ZeroOptimizer) -> dict:
+    """The DCP entries of every group's residuals (none without error feedback)."""
+    out = {}
+    for i, ef in enumerate(opt.error_feedback):
+        if ef is not None:
+            own = torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)
+            out[state_key(i)] = init_from_local_shards(_row_shards(opt, ef, own), ef.world * ef.layout.used_numel,
+                                                       process_group=opt.process_group)
+    return out
+
+
+def metadata(opt: ZeroOptimizer) -> dict | None:
+    """What ``qzero.json`` records about the residuals (None without error feedback)."""
+    if not any(ef is not None for ef in opt.error_feedback):
+        return None
+    return {"world_size": opt.world_size, "dtype": RESIDUAL_DTYPE_NAME,
+            "partitions": [None if ef is None else partitions_digest(ef.layout) for ef in opt.error_feedback]}
+
+
+def check_metadata(meta: dict, path: str) -> None:
+    """The residuals' entry of a checkpoint's ``qzero.json``, if any, field by field."""
+    entry = meta.get(META_KEY)
+    if entry is None:
+        return
+    parts = entry.get("partitions") if isinstance(entry, dict) else None
+    world = entry.get("world_size") if isinstance(entry, dict) else None
+    if (type(world) is not int or world < 2 or entry.get("dtype") != RESIDUAL_DTYPE_NAME
+            or not isinstance(parts, list) or len(parts) != len(meta["groups"])
+            or not all(p is None or type(p) is int for p in parts)):
+        raise ValueError(f"{path!r}: qzero.json's {META_KEY!r} entry is {entry!r}; expected world_size (>= 2), "
+                         f"dtype {RESIDUAL_DTYPE_NAME!r} and one partition digest (or null) per group")
+
+
+def _saved(meta: dict, i: int):
+    entry = meta.get(META_KEY)
+    if entry is None or entry["partitions"][i] is None:
+        return None
+    return entry["world_size"], entry["partitions"][i]
+
+
+def expected_entries(opt: ZeroOptimizer, meta: dict) -> dict[str, tuple[list[int], torch.dtype]]:
+    """DCP entries a load will read, with their sizes and dtypes."""
+    out = {}
+    for i, ef in enumerate(opt.error_feedback):
+        saved = _saved(meta, i)
+        if ef is not None and saved is not None:
+            out[state_key(i)] = ([saved[0] * ef.layout.used_numel], RESIDUAL_DTYPE)
+    return out
+
+
+class ResidualLoad:
+    """The residuals' part of one checkpoint load: what DCP reads them into, and how they are
+    put in place. A load at the same world size and partitions reads every rank's row straight
+    into its residual buffer (``in_place``: the loader keeps a copy to put back on a refusal);
+    a resharded one reads the saved rows of the partition this rank now carries into buffers
+    of their own and sums them at :meth:`commit`; without saved residuals :meth:`commit` zeroes
+    them."""
+
+    def __init__(self, opt: ZeroOptimizer, meta: dict):
+        """Local only (no collective): it runs before the ranks agree."""
+        self.opt = opt
+        self._direct, self._summed, self._zeroed = [], [], []
+        for i, ef in enumerate(opt.error_feedback):
+            if ef is None:
+                continue
+            saved = _saved(meta, i)
+            if saved is None:
+                self._zeroed.append(ef)
+            elif saved[0] == ef.world and saved[1] == partitions_digest(ef.layout):
+                self._direct.append((i, ef, torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)))
+            else:  # resharded: this rank carries the residuals of the partition before its own, every saved row
+                q = (ef.rank - 1) % ef.world
+                pieces = [(local, torch.zeros(saved[0], length, dtype=RESIDUAL_DTYPE, device=ef.residual.device), at)
+                          for local, length, at in _partition_pieces(ef.layout, q)]
+                self._summed.append((i, ef, q, pieces, saved[0]))
+
+    @property
+    def in_place(self) -> list[torch.Tensor]:
+        return [ef.residual for _, ef, _ in self._direct]
+
+    def targets(self) -> dict:
+        """DCP targets (collective at world size > 1: it builds ShardedTensors)."""
+        out, pg = {}, self.opt.process_group
+        for i, ef, scratch in self._direct:
+            out[state_key(i)] = init_from_local_shards(_row_shards(self.opt, ef, scratch),
+                                                       ef.world * ef.layout.used_numel, process_group=pg)
+        for i, ef, _, pieces, world in self._summed:
+            n = ef.layout.used_numel
+            where = _placement(self.opt, ef.residual.device)
+            shards = [Shard(rows[r], ShardMetadata([r * n + at], [rows.shape[1]], where))
+                      for _, rows, at in pieces for r in range(world)]
+            out[state_key(i)] = init_from_local_shards(shards, world * n, process_group=pg)
+        return out
+
+    def commit(self) -> None:
+        for ef in self._zeroed:
+            ef.reset()
+        for _, ef, q, pieces, _ in self._summed:
+            ef.reset()
+            dst = ef.partition_view(q)
+            for local, rows, _ in pieces:
+                total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
+                for row in rows:  # fp32, in the saved ranks' order
+                    total += row.to(torch.float32)
+                dst[local : local + rows.shape[1]].copy_(total)
