@@ -22,9 +22,14 @@ CASES = {
     "deepspeed_zero2.py": ([], r"^steps\s+\d+-\s*\d+\s+loss (\d+\.\d+)", 0.5),
     "fsdp2_train.py": (["--steps", "6"], r"^step\s+\d+\s+loss (\d+\.\d+)", 1.0),
     "deepspeed_hf_trainer.py": (["--cpu", "--steps", "10"], r"'loss': '?(\d+\.\d+)'?", 0.3),
+    "accelerate_fsdp2.py": (["--cpu-fsdp2"], r"^step\s+\d+\s+loss (\d+\.\d+)", 0.5),
+    "lightning_model_parallel.py": ([], r"^step\s+\d+\s+loss (\d+\.\d+)", 0.5),
+    "torchtitan_parallelize.py": ([], r"^step\s+\d+\s+loss (\d+\.\d+)", 0.5),
 }
 NEEDS = {"deepspeed_zero2.py": ["deepspeed"], "fsdp2_train.py": ["transformers"],
-         "deepspeed_hf_trainer.py": ["deepspeed", "transformers", "accelerate"]}
+         "deepspeed_hf_trainer.py": ["deepspeed", "transformers", "accelerate"],
+         "accelerate_fsdp2.py": ["accelerate", "transformers"], "lightning_model_parallel.py": ["lightning"],
+         "torchtitan_parallelize.py": ["torchtitan.models.llama3"]}
 
 
 def test_every_example_is_tested():
