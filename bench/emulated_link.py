@@ -124,13 +124,14 @@ class LinkModel:
 #: The link regimes of the committed two-GPU results (BENCHMARKS.md), as models. Rates:
 #: PCIe-class and NVLink from the bare all-gather of the INT8 payload of 2 Gi parameters at DP2
 #: (``bench/results/gather/dp2_pcie.md``: 1.141 GB per rank in 45.56 ms;
-#: ``gather/division_kernels/dp2_nvlink.md``: in 4.12 ms); Ethernet-class from one NCCL
-#: all-gather of 2 Gi bf16 parameters, 2.147 GB per rank in 555 ms (BENCHMARKS.md, section 8;
+#: ``gather/dp2_nvlink_division_pack.md``: in 4.12 ms); Ethernet-class from one NCCL
+#: all-gather of 2 Gi bf16 parameters, 2.147 GB per rank in 555 ms (a measurement on the two-GPU host
+#: that is not among the committed results;
 #: the gather benchmark's payload-only 2.88 GB/s is below what the whole-step results need:
 #: FSDP2 moved 3.63 GB/s per direction over a whole 4B step there). Latencies: not measurable
 #: from those results (at the buckets used, a transfer is milliseconds); 20 us per ring step,
 #: 50 us on sockets. Contention (``ctas``, ``traffic``): calibrated against the whole-step
-#: results, ``bench/results/emulated/`` and docs/benchmarks-emulated.md.
+#: results, ``bench/results/emulated/`` and BENCHMARKS.md (*Emulated link*).
 REGIMES: dict[str, LinkModel] = {
     "none": LinkModel("none", math.inf),
     "pcie": LinkModel("pcie", 25.0e9, 20e-6),

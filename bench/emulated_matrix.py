@@ -125,12 +125,12 @@ def _clearing_side_channel(pack_chunk):
     as bf16: NaN, say). Zeroed, it decodes as zeros. One memset of the side channel per chunk,
     on the stream of the pack (microseconds)."""
 
-    def pack(flat, plan, chunk, rank, buf, kernels, delta=None):
+    def pack(flat, plan, chunk, rank, buf, kernels, *args, **kwargs):
         lay = chunk.payload
         if plan.quantized and lay.exact_numel:
             at = rank * chunk.payload_bytes + lay.exact_offset
             buf[at : at + lay.exact_numel * plan.elem_size].zero_()
-        return pack_chunk(flat, plan, chunk, rank, buf, kernels, delta)
+        return pack_chunk(flat, plan, chunk, rank, buf, kernels, *args, **kwargs)
 
     return pack
 
@@ -177,7 +177,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     world.set_link(parse_link("none"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    summary = _summary(s, engine, losses, [None] * len(losses), times, skipped, device)
+    summary = _summary(s, engine, losses, [None] * len(losses), times, skipped, device, [engine.gathered_bytes()])
     engine.finish()
     # every rank holds rank 0's values here: replicas are identical by construction, not by measurement
     summary["replicas_identical"] = None

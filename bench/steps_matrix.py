@@ -470,7 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tolerance", type=float, default=0.02, help="atol = rtol for sampled weights (default 0.02)")
     m.add_argument("--regime-label", default="", help="names the link regime in the outputs")
     m.add_argument("--out", default="steps-matrix", help="output folder (default ./steps-matrix)")
+    m.add_argument("--compare", nargs=2, metavar=("MATRIX_JSON", "BASE:ARM"),
+                   help="only print median(BASE) / median(ARM) of a saved matrix.json with its bootstrap 95%% "
+                   "interval (two arms its table does not set side by side), and exit")
     return p
+
+
+def compare(matrix: dict, base: str, arm: str, resamples: int = 2000) -> dict:
+    """``median(base) / median(arm)`` over a saved matrix's runs, with the analysis's bootstrap."""
+    for name in (base, arm):
+        if name not in matrix.get("runs", {}):
+            raise SpecError(f"arm {name!r} is not in the matrix ({', '.join(matrix.get('runs', {}))})")
+    r = _ratio(_times(matrix["runs"][base]), _times(matrix["runs"][arm]), resamples)
+    if r is None:
+        raise SpecError(f"{base!r} or {arm!r} has no measured steps")
+    return r
 
 
 def plan(args: argparse.Namespace, check=validate) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
@@ -518,6 +532,18 @@ def plan(args: argparse.Namespace, check=validate) -> tuple[TrainSettings, dict[
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compare:
+        path, pair = args.compare
+        base_arm, sep, arm = pair.partition(":")
+        try:
+            if not sep:
+                raise SpecError(f"--compare takes BASE:ARM, not {pair!r}")
+            with open(path) as f:
+                r = compare(json.load(f), base_arm, arm)
+        except (SpecError, OSError, ValueError) as e:
+            parser.error(str(e))
+        print(f"{base_arm} / {arm}: {r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
+        return 0
     try:
         base, arms, diffs, reference, peers = plan(args)
     except SpecError as e:

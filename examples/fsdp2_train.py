@@ -35,8 +35,8 @@ def main():
     parser.add_argument("--quant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--reshard-after-forward", action="store_true")
     parser.add_argument("--per-group", action="store_true", help="quantize_group_gathers after fully_shard")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -68,7 +68,7 @@ def main():
             print(report.summary())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    corpus = load_corpus()
+    corpus = load_corpus(limit=1_000_000)
     start = time.perf_counter()
     for step in range(args.steps):
         tokens = global_batch(corpus, step, 4 * world, args.seq, seed=0).view(world, 4, -1)[rank].to(device)
@@ -77,11 +77,11 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 10 == 0 or step == args.steps - 1:
+        if step % 5 == 0 or step == args.steps - 1:
             loss = loss.detach()
             dist.all_reduce(loss)
             if rank == 0:
-                print(f"step {step:3d}  loss {loss.item() / world:.4f}")
+                print(f"step {step:3d}  loss {loss.item() / world:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
     if rank == 0:
         mode = ("INT8 g64 per FSDP module" if args.per_group else "INT8 g64") if args.quant else "plain"
         print(f"{args.steps} steps, {mode} gather: {time.perf_counter() - start:.1f} s")

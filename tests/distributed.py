@@ -76,3 +76,48 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, start_me
     if errors:
         raise WorkerError("\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items(), key=str)))
     return [results[r] for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_script(argv: list[str], ranks: int = 1, *, timeout: float = 600.0, cwd=None) -> list[tuple[int, str]]:
+    """Run ``python argv...`` on ``ranks`` processes at once, each with the environment torchrun
+    gives a script (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+    none of them for one process), this checkout's ``src`` first on the path and one thread
+    each. Returns ``(exit code, stdout and stderr)`` by rank; raises ``TimeoutError`` (after
+    killing them all) when they do not all finish within ``timeout`` seconds."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if ranks > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
+                   LOCAL_WORLD_SIZE=str(ranks))
+    procs = []
+    try:
+        for r in range(ranks):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r)) if ranks > 1 else env
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=e, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{' '.join(argv)} did not finish within {timeout} s on {ranks} rank(s)") from None
+        return [(p.returncode, out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

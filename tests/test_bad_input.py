@@ -90,6 +90,7 @@ CONFIG_CASES = [
     ("loss scale window 0", {"loss_scale_window": 0}, r"loss_scale_window.*0"),
     ("hysteresis 0", {"hysteresis": 0}, r"hysteresis.*0"),
     ("min loss scale -1", {"min_loss_scale": -1}, r"min_loss_scale.*-1"),
+    ("min loss scale 0", {"min_loss_scale": 0}, r"min_loss_scale must be > 0.*got 0"),
 ]
 for _id, _d, _m in CONFIG_CASES:
     case(f"config: {_id}", "config", (lambda d: lambda: ZeroConfig.from_dict(d))(_d), _m)

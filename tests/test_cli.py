@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,7 +39,7 @@ def test_qualify_end_to_end_writes_a_report(tmp_path):
     assert report["arms"][1]["bytes_sent_per_step"] < 0.6 * report["arms"][0]["bytes_sent_per_step"]
     assert report["environment"]["command"].startswith("qzero qualify")
     assert report["differing_settings"] == {"overlap_param_gather": [False, True], "zero_quantized_weights": [False, True]}
-    for name in ("report.md", "loss.png", "step_times.png"):
+    for name in ("report.md", "loss.png", "step_times.png", "bytes.png"):
         assert (out / name).stat().st_size > 0
     assert all(log.stat().st_size > 0 for log in out.glob("arm*.log"))  # empty logs are not left behind
     assert "NOTHING TO SAVE ON CPU LOOPBACK" in res.stdout and "bytes on the wire per rank per step 0.5" in res.stdout
@@ -60,6 +62,7 @@ def test_train_runs_and_records(tmp_path):
     rec = json.loads(out.read_text())
     assert len(rec["losses"]) == 4 and rec["replicas_identical"]
     assert "replicas identical: True" in res.stdout
+    assert "resource_tracker" not in res.stderr and "leaked" not in res.stderr  # tqdm's lock once leaked a semaphore
 
 
 @pytest.mark.parametrize(
@@ -70,7 +73,7 @@ def test_train_runs_and_records(tmp_path):
         (["train", "--device", "cuda", "--world-size", "64"], "CUDA|GPU"),
         (["train", "--data", "{tiny}", "--seq-len", "4096"], "longer than the data"),
         (["qualify", "--order", "BBB"], "--order"),
-        (["qualify", "--candidate", "colour=blue"], "KEY=VALUE"),
+        (["qualify", "--candidate", "colour=blue"], "unknown setting .colour.; KEY is a workload setting"),
         (["train", "--group-size", "12"], "group_size"),
         (["qualify", "--candidate", "group_size=12"], "--candidate: group_size must be a positive multiple of 8"),
         (["qualify", "--baseline", "zero_quantized_weights_format=int5"], "--baseline: .*int5"),
@@ -84,6 +87,26 @@ def test_train_runs_and_records(tmp_path):
         (["train", "--data", "{tmp}"], "data .* is a directory"),
         (["train", "--steps", "3", "--warmup", "2"], "use --warmup 1 or fewer"),
         (["train", "--steps", "1"], "steps must be at least 2"),
+        # model configs that transformers accepts but no rank could train
+        (["train", "--model-config", "{cfg:qwen9}"], "unknown model_type 'qwen9'; did you mean 'qwen3'"),
+        (["train", "--model-config", "{cfg:vit}"], "model_type 'vit' is not a causal language model"),
+        (["train", "--model-config", "{cfg:heads0}"], "num_attention_heads must be a positive integer, got 0"),
+        (["train", "--model-config", "{cfg:hidden-1}"], "hidden_size must be a positive integer, got -1"),
+        (["train", "--model-config", "{cfg:vocab100}"], "vocab_size 100 is below the 256 byte values"),
+        (["train", "--model-config", "{cfg:kv3}"], "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        (["train", "--model-config", "{cfg:positions16}", "--seq-len", "32"],
+         "max_position_embeddings 16 is shorter than --seq-len 32"),
+        (["train", "--model-config", "{cfg:layers}"], "num_hidden_layers 100,000 is more than the 4,096"),
+        (["train", "--lr", "nan"], "lr must be a finite number >= 0, got nan"),
+        (["train", "--lr", "-1"], "lr must be a finite number >= 0, got -1.0"),
+        (["train", "--no-quantized", "--format", "int4"], "--format is a setting of the quantized weight gather"),
+        (["qualify", "--repeats", "0"], "^qzero: error: --repeats must be at least 1, got 0$"),
+        (["qualify", "--tolerance", "-1"], "--tolerance must be a finite number >= 0, got -1.0"),
+        (["qualify", "--max-loss-diff", "nan"], "--max-loss-diff must be a finite number >= 0, got nan"),
+        (["qualify", "--candidate", "quantised=true"], "unknown setting 'quantised' .not a workload setting, ZeroConfig field or short name.; did you mean quantized"),
+        (["qualify", "--candidate", "quantized"], "expected KEY=VALUE"),
+        (["qualify", "--baseline", "quantized=true", "--candidate", "quantized=true"], "no difference configured"),
+        (["qualify", "--candidate", "fmt=int4"], "--candidate zero_quantized_weights_format=...: does nothing while this arm.s zero_quantized_weights is false"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -94,12 +117,76 @@ def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hello world\n" * 10)
     (tmp_path / "empty.json").write_text("")
+    for name, config in CONFIGS.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
     args = [a.replace("{tiny}", str(tiny)).replace("{empty}", str(tmp_path / "empty.json"))
             .replace("{tmp}", str(tmp_path)) for a in args]
+    args = [str(tmp_path / f"{a[5:-1]}.json") if a.startswith("{cfg:") else a for a in args]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert re.search(message, err), err
+    assert re.search(message, err.strip()), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert len(err.strip()) <= 400  # an unknown model_type once printed 12,000 characters
+
+
+#: Model configs for the cases above: the tiny preset's shape with one thing wrong.
+TINY_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+CONFIGS = {
+    "qwen9": {"model_type": "qwen9"},
+    "vit": {"model_type": "vit"},
+    "heads0": dict(TINY_CONFIG, num_attention_heads=0),
+    "hidden-1": dict(TINY_CONFIG, hidden_size=-1),
+    "vocab100": dict(TINY_CONFIG, vocab_size=100),
+    "kv3": dict(TINY_CONFIG, num_key_value_heads=3),
+    "positions16": dict(TINY_CONFIG, max_position_embeddings=16),
+    # ~2.1 T parameters (about 32 TiB of weights and optimizer state): 40 layers at width 65,536
+    "huge": dict(TINY_CONFIG, hidden_size=65536, intermediate_size=262144, num_hidden_layers=40,
+                 num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+    "layers": dict(TINY_CONFIG, num_hidden_layers=100_000),
+}
+
+#: Runs ``qzero.cli.main`` on each case in one process, each case's stderr captured, and
+#: prints [exit code, stderr] per case as JSON. The cases read special files: a FIFO (which
+#: blocked forever), a pipe (read by the parent, then empty for the ranks), /dev/zero (read
+#: until memory ran out), and a config too large for any machine: so they run in a process of
+#: their own, under a timeout and an address-space limit.
+SPECIAL_FILES_DRIVER = """
+import contextlib, io, json, os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+from qzero.cli import main
+read, write = os.pipe()
+os.write(write, b"hello world " * 100)
+os.close(write)
+fifo = sys.argv[1]
+cases = [["train", "--data", fifo], ["train", "--model-config", fifo], ["train", "--data", f"/dev/fd/{read}"],
+         ["train", "--model-config", "/dev/zero"], ["train", "--model-config", sys.argv[2]],
+         ["train", "--out", "/proc/run.json"]]
+out = []
+for args in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(args)
+    out.append([rc, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def test_special_files_and_impossible_models_are_refused_before_any_rank_starts(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "huge.json").write_text(json.dumps(CONFIGS["huge"]))
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    res = subprocess.run([sys.executable, "-c", SPECIAL_FILES_DRIVER, str(fifo), str(tmp_path / "huge.json")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    expected = [f"data {fifo} is a pipe, not a regular file", f"model config {fifo} is a pipe",
+                r"data /dev/fd/\d+ is a pipe", "model config /dev/zero is a character device",
+                r"2,\d{3},\d{3},\d{3},\d{3} parameters need at least .* TiB a rank", "--out /proc/run.json: cannot create a file"]
+    for (rc, err), message in zip(results, expected):
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("qzero: error: "), err
+        assert re.search(message, err), err
 
 
 def test_qualify_against_a_peer_engine(tmp_path):
@@ -124,18 +211,23 @@ def test_train_with_fsdp2(tmp_path):
     assert rec["losses"][-1] < rec["losses"][0] and len(rec["sample"]) > 4000
 
 
-def test_bench_gather_ships_with_the_package(tmp_path, capsys):
-    """``qzero bench gather`` runs from the package (here: re-render a committed result)."""
-    import shutil
-
+def test_bench_gather_ships_with_the_package(tmp_path):
+    """``qzero bench gather`` runs from the package: ``--render`` rewrites the Markdown table of a
+    saved multi-GPU result (built here by the benchmark's own record code) from its JSON alone."""
+    from gather_results import gather_result
     from qzero.cli import main
 
-    src = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gather", "dp2_pcie.json")
+    times = {"bf16 one NCCL call": [29.0, 30.0, 31.0], "bf16": [39.0, 40.0, 41.0], "int8": [22.0, 20.0, 21.0],
+             "int8 payload only": [18.5, 19.0, 19.5]}
     path = tmp_path / "r.json"
-    shutil.copy(src, path)
+    path.write_text(json.dumps(gather_result(2, {1 << 30: times})))
     assert main(["bench", "gather", "--render", str(path)]) == 0
-    with open(os.path.splitext(src)[0] + ".md") as f:
-        assert (tmp_path / "r.md").read_text() == f.read()  # the committed table, rendered again
+    md = (tmp_path / "r.md").read_text()
+    assert md.startswith("# Gather, 2 x test GPU: test link\n")
+    # median 21 ms; 2 GiB of bf16 in 21 ms = 102 GB/s; 40 / 21 = 1.90x the bf16 arm, 30 / 21 = 1.43x one call
+    assert "| 1 Gi | int8 | 21.00 | 102 | 1.90x | 1.43x |" in md
+    assert "| 1 Gi | bf16 | 40.00 | 54 | 1.00x | 0.75x |" in md
+    assert md.count("| 1 Gi |") == len(times)
 
 
 def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
@@ -178,7 +270,7 @@ def test_arm_settings_take_zero_config_names_and_short_names():
     assert base.zero == b.zero
     _, b, c = arms("--no-overlap", "--preset", "small", "--baseline", "fmt=int4", "--baseline", "quantized=true",
                    "--candidate", "zero_quantized_weights_format=fp8", "--candidate", "group-size=128",
-                   "--candidate", "small_param_numel=0")
+                   "--candidate", "small_param_numel=0", "--candidate", "quantized=true")
     assert (b.zero.zero_quantized_weights_format, c.zero.zero_quantized_weights_format) == ("int4", "fp8")
     assert c.zero.zero_quantized_weights_group_size == 128 and b.zero.zero_quantized_weights_group_size == 64
     assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap holds for both
@@ -195,3 +287,94 @@ def test_the_help_lists_only_the_public_commands():
 
     text = cli.build_parser().format_help()
     assert "{train,qualify,bench}" in text and "_arm" not in text and "SUPPRESS" not in text
+
+
+def test_the_parameter_count_is_a_real_builds_and_the_memory_bound_is_its_formula(tmp_path, monkeypatch):
+    """check_fits counts on the meta device what a real build holds (tied embeddings once), and
+    refuses exactly when 2 bytes a parameter on every rank plus 12 split over the ranks exceed
+    the host's memory for its ranks."""
+    import torch
+
+    import qzero.train as train
+    from qzero.workload import WorkloadError, build_model, model_config
+
+    path = tmp_path / "tied.json"
+    path.write_text(json.dumps(dict(TINY_CONFIG, tie_word_embeddings=True, num_hidden_layers=2)))
+    for settings in (train.TrainSettings(preset="tiny", device="cpu", world_size=3),
+                     train.TrainSettings(model_config=str(path), device="cpu", world_size=3)):
+        real = build_model(model_config(settings.preset, settings.model_config), torch.bfloat16, torch.device("cpu"), 0)
+        count = sum(p.numel() for p in real.parameters() if p.requires_grad)
+        assert train.check_fits(settings) == count
+    need = 3 * count * (2 + 12 / 3)  # the tied config on 3 ranks
+    monkeypatch.setattr(train.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else int(need))
+    assert train.check_fits(settings) == count
+    monkeypatch.setattr(train.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else int(need) - 1)
+    with pytest.raises(WorkloadError, match=f"{count:,} parameters need at least .* for its 3 ranks"):
+        train.check_fits(settings)
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom qzero.cli import main\nfor argv in (['--help'], ['train', '--help'], ['qualify', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\nprint('torch imported:', 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "zero_quantized_weights=true" in res.stdout and "qwen3-125m-byte" in res.stdout
+    assert res.stdout.strip().endswith("torch imported: False")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: each process's parent pid)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def _is_rank(pid: int) -> bool:
+    """A rank past its start: spawned by multiprocessing and holding a socket (the process
+    group's store connects only after the rank has armed its parent-death handling)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" not in f.read():
+                return False
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("command", ["train", "qualify"])
+def test_ranks_die_with_a_sigkilled_parent(tmp_path, command):
+    """SIGKILL of the ``qzero train``/``qualify`` process (an OOM kill, a CI timeout) ends
+    everything it started: ranks, and for qualify the arm process between (which nothing
+    ended: its ranks trained on under it). For train, torch's own spawn already sends the
+    ranks SIGINT when the launcher dies; qzero's SIGKILL replaces it, which no rank can catch
+    or defer."""
+    from test_orphans import wait_dead
+
+    args = ["--steps", "100000", "--seq-len", "32", "--micro-batch", "2"]
+    if command == "qualify":
+        args += ["--out", str(tmp_path / "rep")]
+    parent = subprocess.Popen([sys.executable, "-m", "qzero.cli", command, *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and sum(map(_is_rank, _descendants(parent.pid))) < 2:
+            assert parent.poll() is None, f"qzero {command} exited early ({parent.returncode})"
+            time.sleep(0.5)
+        started = _descendants(parent.pid)
+        assert sum(map(_is_rank, started)) == 2, "the ranks did not start in time"
+    finally:
+        parent.kill()  # SIGKILL
+        parent.wait(timeout=30)
+    assert wait_dead(started, timeout=60) == [], f"processes of a SIGKILLed qzero {command} kept running"

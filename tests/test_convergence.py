@@ -380,22 +380,33 @@ def test_from_arms_rebuilds_the_study_from_per_arm_records(tmp_path):
     assert conv.main(["--from-arms", str(tmp_path / "nothing"), "--out", str(out)]) == 1
 
 
+def older_record(quantized: bool, fmt: str = "int8", steps: int = 2000) -> dict:
+    """A per-arm record with its settings in the older flat form (ZeRO settings by short names,
+    the rest under ``extra_config``), as earlier runs of ``bench/convergence.py`` wrote them."""
+    settings = {"engine": "qzero", "preset": "qwen3-125m-byte", "model_config": None, "data": None, "world_size": 1,
+                "device": "cuda", "precision": "bf16", "stage": 2, "quantized": quantized, "overlap": False,
+                "group_size": 64, "fmt": fmt, "small_param_numel": None, "allgather_bucket": 500000000,
+                "reduce_bucket": 500000000, "reduce_dtype": None, "seq_len": 512, "micro_batch": 8, "grad_accum": 1,
+                "steps": steps, "warmup": 10, "lr": 0.0003, "seed": 0, "deterministic": True,
+                "extra_config": {"gradient_clipping": 1.0}}
+    return {"settings": settings, "world_size": 1, "losses": [3.0 - i / steps for i in range(steps)],
+            "grad_norms": [1.0] * steps, "step_times": [0.1, 0.2], "params": 125_456_640,
+            "bytes_sent_per_step": 531 if quantized else 1000, "plain_bytes_per_step": 1000}
+
+
 def test_from_arms_reads_older_records():
-    """The committed records hold settings in the older flat form (ZeRO settings by short names,
-    the rest under ``extra_config``): the study is rebuilt from them all the same."""
+    """Records with settings in the older flat form are rebuilt into a study all the same, and a
+    record whose format is not its arm's is refused."""
     conv = load_script()
-    folder = os.path.join(os.path.dirname(SCRIPT), "results", "convergence")
-    committed = json.loads(open(os.path.join(folder, "convergence.json")).read())
-    records = {name: json.loads(open(os.path.join(folder, f"arm_{name}.json")).read()) for name in committed["arms"]}
-    assert "extra_config" in records["bf16"]["settings"]  # the older form
-    study = conv.study_from_records(records, conv.parse_arms(",".join(committed["arms"])))
-    assert list(study["arms"]) == list(committed["arms"])
-    for key in ("steps", "micro_batch", "lr", "clip", "seq_len", "preset"):
-        assert study[key] == committed[key], key
-    broken = dict(records)
-    broken["fp8-g64"] = dict(records["fp8-g64"], settings=dict(records["fp8-g64"]["settings"], fmt="int4"))
+    arms = "bf16,int8-g64,fp8-g64"
+    records = {"bf16": older_record(False), "int8-g64": older_record(True), "fp8-g64": older_record(True, "fp8")}
+    study = conv.study_from_records(records, conv.parse_arms(arms))
+    assert list(study["arms"]) == arms.split(",")
+    want = {"steps": 2000, "micro_batch": 8, "lr": 0.0003, "clip": 1.0, "seq_len": 512, "preset": "qwen3-125m-byte"}
+    assert {key: study[key] for key in want} == want
+    broken = dict(records, **{"fp8-g64": older_record(True, "int4")})
     with pytest.raises(ValueError, match="fmt=int4"):
-        conv.study_from_records(broken, conv.parse_arms(",".join(committed["arms"])))
+        conv.study_from_records(broken, conv.parse_arms(arms))
 
 
 def test_delta_arms_and_their_replica_error_on_the_cpu(tmp_path):

@@ -381,11 +381,22 @@ def test_the_matrix_runs_arms_in_fresh_processes_on_the_cpu(tmp_path):
     assert math.isfinite(m["analysis"]["arms"][0]["median_step_s"])
 
 
-def test_calibration_compares_exposures_and_fits_the_resident_ctas():
+def test_calibration_compares_exposures_and_fits_the_resident_ctas(tmp_path, monkeypatch):
     import emulated_calibration as cal
+    import steps_matrix
 
-    real = [r for r in cal.real_rows() if r["folder"] == "dp2_pcie_4b_bucket50m"]
+    # a two-GPU matrix as bench/steps_matrix.py analyses and writes it, in a results tree of its own
+    medians = {"gpu1": 0.390, "plain": 0.590, "int8": 0.505, "plain_ahead": 0.516, "fsdp2": 0.487, "deepspeed": 0.713}
+    runs = {arm: [{"step_times": [m * f for f in (0.99, 1.0, 1.01)], "wall_seconds": 3 * m, "wall_steps": 3}]
+            for arm, m in medians.items()}
+    (tmp_path / "dp2_pcie_4b_bucket50m").mkdir()
+    matrix = {"runs": runs, "analysis": steps_matrix.analyse(runs, "plain", [])}
+    (tmp_path / "dp2_pcie_4b_bucket50m" / "matrix.json").write_text(json.dumps(matrix))
+    monkeypatch.setattr(cal, "REAL", tuple(r for r in cal.REAL if r.folder == "dp2_pcie_4b_bucket50m"))
+    real = cal.real_rows(str(tmp_path))
+    assert {r["arm"] for r in real} == set(medians)  # int8_ahead has no runs here: left out
     floor = next(r["real_ms"] for r in real if r["arm"] == "gpu1")
+    assert floor == pytest.approx(390.0)
     exposed = {r["arm"]: r["real_ms"] - floor for r in real}
     base = dict(preset="qwen3-4b", allgather_bucket=5e7, reduce_bucket=2.6e7, runs=1, finite=True, link="x",
                 link_busy_ms_modelled=1.0, link_busy_ms_measured=None)

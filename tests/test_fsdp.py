@@ -337,3 +337,108 @@ def test_meta_device_init():
         assert kind == "QuantizedGatherTensor"
         assert all(torch.equal(plain_masters[k], masters[k]) for k in masters)
         assert loss != plain_loss and abs(loss - plain_loss) <= 0.02 * plain_loss
+
+
+# ---------------------------------------------------------------------- inside frameworks: what they must not break
+
+
+def test_wrapped_parameters_have_their_own_addresses():
+    """Frameworks tell parameters apart by ``data_ptr()`` (Accelerate's FSDP2 prepare does)."""
+    from qzero.fsdp import quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert 0 not in ptrs and len(set(ptrs)) == len(ptrs)
+    assert model.mid.weight.data_ptr() == model.mid.weight.unwrapped.data_ptr()
+
+
+def test_optimizer_holding_a_quantized_parameter_twice_is_refused():
+    """The trace of a re-pointing by a shared key: one parameter several times, the others never updated."""
+    from qzero.fsdp import quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.param_groups[0]["params"] = [model.mid.weight, model.mid.weight, model.norm.weight]
+    before = model.mid.weight.unwrapped.clone()
+    with pytest.raises(RuntimeError, match="more than once.*'mid.weight', 2 times"):
+        opt.step()
+    assert torch.equal(model.mid.weight.unwrapped, before)
+    opt.param_groups[0]["params"] = list(model.parameters())  # a fresh list is checked again, and passes
+    model(batch(0, 0)).float().pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model.mid.weight.unwrapped, before)
+
+
+def test_stripped_parameter_is_refused_at_forward_and_reported():
+    from qzero.fsdp import gather_report, quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    assert "mid.weight" in gather_report(model).quantized and gather_report(model).not_gathered
+    model.mid.weight = nn.Parameter(model.mid.weight.unwrapped.clone())  # a plain tensor in its place
+    report = gather_report(model)
+    assert "mid.weight" not in report.quantized
+    assert dict(report.plain)["mid.weight"].startswith("stripped") and "stripped" in report.summary()
+    with pytest.raises(RuntimeError, match="no longer wrapped.*mid.weight"):
+        model(batch(0, 0))
+
+
+def test_load_state_dict_assign_keeps_the_quantized_gather():
+    """``load_state_dict(assign=True)`` (Accelerate's cpu_ram_efficient_loading) replaces the
+    parameters: each loaded tensor is wrapped like the parameter it replaces."""
+    from qzero.fsdp import QuantizedGatherTensor, gather_report, quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    assert isinstance(model.mid.weight, QuantizedGatherTensor)
+    assert model.mid.weight.unwrapped.data_ptr() == state["mid.weight"].data_ptr()
+    assert not any(why.startswith("stripped") for _, why in gather_report(model).plain)
+    model(batch(0, 0))  # the forward's check passes
+
+
+def pickle_worker(rank, world):
+    import copy
+    import io
+
+    from qzero.fsdp import QuantizedGatherTensor, gather_report, quantize_weight_gathers
+
+    model = quantize_weight_gathers(build(), small_param_numel=SMALL)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    out = []
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        w = twin.mid.weight
+        out.append(dict(
+            wrapped=isinstance(w, QuantizedGatherTensor) and isinstance(w, nn.Parameter),
+            same_values=torch.equal(w.unwrapped, model.mid.weight.unwrapped),
+            own_storage=w.data_ptr() != model.mid.weight.data_ptr(),
+            same_forward=torch.equal(twin(batch(0, 0)), model(batch(0, 0))),  # its check holds its own parameters
+            same_report=gather_report(twin).quantized == gather_report(model).quantized,
+        ))
+    return out
+
+
+def test_converted_model_pickles_and_deep_copies():
+    """torch tells a wrapper subclass by ``data_ptr() == 0`` when it pickles or copies one;
+    the wrapper's own address must not change how it is saved (torch.save(model), EMA copies).
+    (Under a process group: converted before one exists, the model holds the install's
+    deferred agreement, which does not pickle.)"""
+    for twin in run_distributed(pickle_worker, 1)[0]:
+        assert all(twin.values()), twin
+
+
+def test_optimizer_check_leaves_the_sliced_update_alone():
+    """The duplicate check is a process-wide optimizer hook; qzero's own sliced update (which
+    refuses optimizers with hooks) must still slice once a model was converted."""
+    from qzero.fsdp import quantize_weight_gathers
+    from qzero.optim.update import sliceable
+
+    quantize_weight_gathers(build(), small_param_numel=SMALL)  # installs the process-wide check
+    master = torch.zeros(8, requires_grad=True)
+    opt = torch.optim.AdamW([master], lr=1e-3)
+    master.grad = torch.ones(8)
+    opt.step()
+    assert sliceable(opt, [master])
+    opt.register_step_pre_hook(lambda *_: None)  # anyone else's hook still turns it off
+    assert not sliceable(opt, [master])

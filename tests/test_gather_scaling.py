@@ -2,25 +2,21 @@
 
 import copy
 import json
-import os
 
 import pytest
 
 import bench_scripts
+from gather_results import gather_result
 
-ROOT = bench_scripts.ROOT
 gs = bench_scripts.load("gather_scaling")
-DP2 = os.path.join(ROOT, "bench", "results", "gather", "dp2_pcie.json")
 
 
 def synthetic(world, busbw_gbps, numel=1 << 30, group=64, extra_ms=0.0):
-    """A gather_bench result whose arms follow the model exactly (plus ``extra_ms``)."""
+    """A gather benchmark result whose arms follow the model exactly (plus ``extra_ms``)."""
     arms = {}
     for arm, bpp in (("bf16", 2.0), ("int8", 1 + 4 / group), ("int4", 0.5 + 4 / group)):
-        ms = 1e3 * bpp * numel * (world - 1) / world / (busbw_gbps * 1e9) + extra_ms
-        arms[arm] = {"median_ms": ms, "times_ms": [ms]}
-    return {"mode": "multi", "world_size": world, "regime": "test link", "group_size": group, "device": "fake",
-            "sizes": [{"numel": numel, "arms": arms}]}
+        arms[arm] = [1e3 * bpp * numel * (world - 1) / world / (busbw_gbps * 1e9) + extra_ms]
+    return gather_result(world, {numel: arms}, group_size=group)
 
 
 def write(tmp_path, results):
@@ -69,15 +65,31 @@ def test_bad_inputs_are_refused(tmp_path):
     assert gs.main([*write(tmp_path, [no_bf16]), "--out", str(tmp_path / "o")]) == 2
 
 
-def test_the_committed_dp2_result_reads():
-    """The committed PCIe-class result: the calibration reads the bf16 arm of the largest size
-    (bytes over time, computed here from the raw file), and the INT8 gather is within 10% of
-    its bytes' time at that bandwidth."""
-    raw = json.load(open(DP2))
-    size = max(raw["sizes"], key=lambda s: s["numel"])
-    w = raw["world_size"]
-    busbw = 2 * size["numel"] * (w - 1) / w / (size["arms"]["bf16"]["median_ms"] / 1e3) / 1e9
-    a = gs.analyse(gs.load([DP2]))
-    assert a["calibration"]["busbw_GBps"] == pytest.approx(busbw, rel=1e-6)
-    int8 = next(r for r in a["rows"] if r["arm"] == "int8" and r["numel"] == size["numel"])
-    assert 1.0 <= int8["measured_over_model"] < 1.1
+def test_a_result_of_the_gather_benchmark_reads(tmp_path):
+    """A result as ``qzero bench gather`` writes it (its record code, two sizes, the arms the
+    bandwidth model does not describe beside those it does): the calibration reads the bf16 arm
+    of the first size listed, payload-only and public-API arms count their format's bytes, and
+    time beyond the bytes shows as measured / model above one."""
+    busbw, n_big, n_small = 50e9, 1 << 31, 1 << 28
+
+    def ms(bpp, n, extra=1.0):  # the model's time at DP2, times ``extra``
+        return 1e3 * bpp * n / 2 / busbw * extra
+
+    def arms(n):
+        return {"bf16 one NCCL call": [ms(2, n, 0.9)] * 3, "bf16": [ms(2, n) * f for f in (0.99, 1.0, 1.02)],
+                "int8": [ms(1.0625, n, 1.05)] * 3, "int8 payload only": [ms(1.0625, n)] * 3,
+                "int8 via quantized_all_gather": [ms(1.0625, n, 1.2)] * 3}
+
+    path = tmp_path / "dp2.json"
+    path.write_text(json.dumps(gather_result(2, {n_big: arms(n_big), n_small: arms(n_small)})))
+    a = gs.analyse(gs.load([str(path)]))
+    assert a["calibration"]["numel"] == n_big
+    assert a["calibration"]["busbw_GBps"] == pytest.approx(busbw / 1e9)
+    ratio = {(r["numel"], r["arm"]): r["measured_over_model"] for r in a["rows"]}
+    assert len(ratio) == 2 * 5
+    for n in (n_big, n_small):
+        assert ratio[n, "bf16"] == pytest.approx(1.0)
+        assert ratio[n, "int8"] == pytest.approx(1.05)
+        assert ratio[n, "int8 payload only"] == pytest.approx(1.0)
+        assert ratio[n, "int8 via quantized_all_gather"] == pytest.approx(1.2)
+        assert ratio[n, "bf16 one NCCL call"] == pytest.approx(0.9)

@@ -433,13 +433,14 @@ def test_gradient_launchers_pass_constexprs_in_kernel_order(monkeypatch):
 
     monkeypatch.setattr(kernels, "_launch", checked)
     n, gs, world = 200, 64, 2
+    device = "cuda" if CUDA else "cpu"
     gen = torch.Generator().manual_seed(3)
-    idx = torch.tensor([5, 6, 7], dtype=torch.int64)
+    idx = torch.tensor([5, 6, 7], dtype=torch.int64, device=device)
     layout = _payload_layout(n, n, -(-n // gs), idx.numel(), 2)
-    x, own = piece(n, torch.bfloat16, gen, "cpu"), piece(n, torch.bfloat16, gen, "cpu")
-    payload = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    x, own = piece(n, torch.bfloat16, gen, device), piece(n, torch.bfloat16, gen, device)
+    payload = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
     kernels.pack_gradient(x, payload, layout, gs, "int8", idx)
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=device)
     kernels.dequantize_sum(payload, own, out, layout, 0, world, gs, "int8", idx)
     want = torch.empty_like(out)
     ref.dequantize_sum(payload, own, want, layout, 0, world, gs, "int8", idx)

@@ -121,3 +121,82 @@ def test_each_gate_fails_when_it_must(change, gate):
     assert r["gates"][gate] is False
     assert not r["passed"]
     assert "GATES FAILED" in verdict(r) and gate in verdict(r)
+
+
+def test_on_a_cpu_the_headline_also_says_too_noisy_when_the_report_does():
+    from qzero.qualify.report import markdown
+
+    r = synthetic(device="cpu", times=[0.9, 0.95, 0.85], base_times2=[1.6, 1.7, 1.5])
+    assert r["noise"]["too_noisy"]
+    head = verdict(r)
+    assert head.startswith("NOTHING TO SAVE ON CPU LOOPBACK") and "TOO NOISY TO DECIDE" in head
+    assert "too noisy to decide" in markdown(r)
+    assert "TOO NOISY" not in verdict(synthetic(device="cpu"))  # arms of one setting agree there
+
+
+def test_the_interval_spans_the_spread_between_arms_not_only_between_steps():
+    """Two baseline runs 60% apart, each with little step noise: resampling steps pooled gives
+    an interval narrower than what the runs themselves show; resampling arms then steps spans
+    the ratios of single runs."""
+    import random
+
+    rng = random.Random(7)
+    base = [[m + rng.gauss(0, 0.01) for _ in range(30)] for m in (1.0, 1.6)]
+    cand = [[m + rng.gauss(0, 0.01) for _ in range(30)] for m in (0.9, 0.92)]
+    run_ratios = [stats.speedup(b, c) for b in base for c in cand]  # what one run of each setting would report
+    lo, hi = stats.bootstrap_ci([t for a in base for t in a], [t for a in cand for t in a])
+    assert not lo <= min(run_ratios) or not max(run_ratios) <= hi  # steps alone miss what the runs show
+    lo, hi = stats.bootstrap_ci_arms(base, cand)
+    assert lo <= min(run_ratios) * 1.01 and max(run_ratios) * 0.99 <= hi
+    assert stats.bootstrap_ci_arms(base, cand) == (lo, hi)  # seeded
+    lo, hi = stats.bootstrap_ci_arms([base[0]], [cand[0]])  # one arm a setting: steps only, narrow
+    assert lo <= run_ratios[0] <= hi and hi - lo < 0.05
+
+
+def test_the_report_says_what_the_interval_covers():
+    r = synthetic()
+    assert r["speedup_ci95_covers"].startswith("run-to-run spread as far as 2 baseline and 2 candidate arms")
+    assert "over arms and steps" in verdict(r)
+    b = arm("baseline", 1, [3.0, 2.0], [1.0, 1.1, 0.9], [1.0, 2.0])
+    c = arm("candidate", 2, [3.0, 2.0], [0.5, 0.55, 0.45], [1.0, 2.0])
+    one = analyse([b, c], TrainSettings(), TrainSettings(), TrainSettings(zero={"zero_quantized_weights": True}),
+                  "BC", Thresholds())
+    assert "understates" in one["speedup_ci95_covers"] and "over steps)" in verdict(one)
+
+
+def test_thresholds_refuse_negative_and_non_finite_limits():
+    for bad in (dict(atol=-1.0), dict(max_loss_diff=float("nan")), dict(rtol=float("inf"))):
+        with pytest.raises(ValueError, match=f"threshold {next(iter(bad))} must be a finite number >= 0"):
+            Thresholds(**bad)
+
+
+def test_the_plots_show_bytes_by_arm_the_gate_and_every_arm_and_no_speedup_title():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qzero.qualify.report import bytes_figure, loss_figure, step_figure
+
+    r = synthetic()
+    for a in r["arms"]:
+        a["grad_bytes_sent_per_step"], a["grad_plain_bytes_per_step"] = 40, 40
+    figs = [bytes_figure(r, plt), loss_figure(r, plt), step_figure(r, plt)]
+    try:
+        assert not any("speedup" in ax.get_title().lower() for f in figs for ax in f.axes)
+        bars = figs[0].axes[0]
+        heights = sorted(round(p.get_height()) for p in bars.patches)  # bytes, shown in B: 100 and 53
+        assert heights == sorted([100, 53, 53, 100] + [100] * 4 + [40] * 4)
+        assert bars.get_ylabel() == "B per rank per step"
+        ax, dx = figs[1].axes
+        gate = r["thresholds"]["max_loss_diff"]
+        flat = [ln for ln in dx.get_lines() if len(set(ln.get_ydata())) == 1]
+        assert {gate, -gate} <= {ln.get_ydata()[0] for ln in flat}  # the gate's limits drawn
+        curves = ax.get_lines()
+        assert len(curves) == 4 and len({ln.get_marker() for ln in curves}) == 4  # coinciding arms stay visible
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels[3] == "B4 (baseline) = B1" and labels[2] == "C3 (candidate) = C2"
+    finally:
+        for f in figs:
+            plt.close(f)

@@ -189,6 +189,24 @@ def _matrix(runs, analysis):
     }
 
 
+def test_compare_gives_the_ratio_of_two_saved_arms_and_refuses_unknown_ones(tmp_path, capsys):
+    """``--compare`` reads a written matrix.json: two arms its table does not pair, with the
+    analysis's own ratio and interval."""
+    runs = {"plain": [run(REF), run(REF, round=1)], "fast": [run(FAST)], "slow": [run(SLOW)]}
+    a = sm.analyse(runs, "plain", [])
+    sm.write(_matrix(runs, a), str(tmp_path), with_plot=False)
+    path = str(tmp_path / "matrix.json")
+    assert sm.main(["--compare", path, "slow:fast"]) == 0
+    got = sm.compare(json.loads((tmp_path / "matrix.json").read_text()), "slow", "fast")
+    assert got["ratio"] == pytest.approx(4.0) and got["ci95"][0] > 1.0
+    assert capsys.readouterr().out == f"slow / fast: 4.000 [{got['ci95'][0]:.3f}, {got['ci95'][1]:.3f}]\n"
+    for bad in ("slow:gone", "slow"):
+        with pytest.raises(SystemExit) as e:
+            sm.main(["--compare", path, bad])
+        assert e.value.code == 2
+    assert "'gone' is not in the matrix (plain, fast, slow)" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- arm specs
 
 

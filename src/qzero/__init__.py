@@ -7,23 +7,40 @@ and the path of one weight from the master shard to every rank's buffer, are def
 ``docs/design.md``.
 """
 
-from .config import ZeroConfig
-from .comm import GatherStats, all_gather, quantized_all_gather
-from .layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
-from .optim import ZeroOptimizer
-from .quant import FORMATS
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FORMATS",
-    "FlatLayout",
-    "GatherPlan",
-    "GatherStats",
-    "ZeroConfig",
-    "ZeroOptimizer",
-    "all_gather",
-    "plan_flat_layout",
-    "plan_gather",
-    "quantized_all_gather",
-]
+# Imported on first use (PEP 562): ``import qzero`` does not import torch, so that the
+# ``qzero`` command answers ``--help`` and argument errors without waiting for it.
+_EXPORTS = {
+    "FORMATS": ".quant",
+    "FlatLayout": ".layout",
+    "GatherPlan": ".layout",
+    "GatherStats": ".comm",
+    "ZeroConfig": ".config",
+    "ZeroOptimizer": ".optim",
+    "all_gather": ".comm",
+    "plan_flat_layout": ".layout",
+    "plan_gather": ".layout",
+    "quantized_all_gather": ".comm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule, as ``import qzero; qzero.optim`` found it when everything was imported eagerly
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

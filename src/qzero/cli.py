@@ -8,16 +8,31 @@ traceback; a failed qualification gate exits 1, a run that crashed 3.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import math
 import os
 import sys
+import tempfile
+from typing import TYPE_CHECKING
 
-from .train import WORKLOAD_FIELDS, ZERO_ALIASES, ZERO_FIELDS, TrainSettings, setting_name, settings_from
+from .aliases import ZERO_ALIASES
+
+if TYPE_CHECKING:
+    from .train import TrainSettings
+
+# Nothing above imports torch (nor does the package's __init__): ``qzero --help`` and a bad
+# argument answer at once. What needs torch is imported where it is used.
 
 EXIT_GATE_FAILED = 1
 EXIT_BAD_ARGS = 2
 EXIT_RUN_FAILED = 3
 DEFAULT_WARMUP = 2
+#: An error is one line of at most this many characters.
+MAX_ERROR_CHARS = 400
+#: ZeroConfig fields that only the quantized weight gather reads: setting one where that gather
+#: is off changes nothing, so it is refused as a mistake.
+QUANTIZED_ONLY = {"zero_quantized_weights_format": "--format", "zero_quantized_weights_group_size": "--group-size"}
 
 # the optional packages each part needs, and the extra of qzero that installs them
 NEEDS = {
@@ -44,7 +59,8 @@ def _has(module: str) -> bool:
 
 
 def _check_out_file(path: str | None) -> None:
-    """``train --out``: a file we can create (its folder exists), not a folder."""
+    """``train --out``: a file we can create (its folder exists), not a folder. The record is
+    written as a temporary file beside it, then renamed: creating one there is tried now."""
     if path is None:
         return
     if os.path.isdir(path):
@@ -54,6 +70,18 @@ def _check_out_file(path: str | None) -> None:
         raise ValueError(f"--out {path}: the directory {os.path.dirname(path) or folder} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"--out {path}: not writable")
+    _probe(folder, f"--out {path}")
+
+
+def _probe(folder: str, flag: str) -> None:
+    """Create and remove a file in ``folder``: permissions alone do not tell (``/proc`` looks
+    writable to root, a read-only mount to anyone with write permission)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".qzero-probe-")
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot create a file in {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.remove(name)
 
 
 def _check_out_dir(path: str) -> None:
@@ -68,6 +96,7 @@ def _check_out_dir(path: str) -> None:
         probe = parent
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
         raise ValueError(f"--out {path}: cannot write there ({probe} is not a writable directory)")
+    _probe(probe, f"--out {path}")
 
 
 def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
@@ -112,6 +141,8 @@ def _given(args: argparse.Namespace, quantized: bool) -> dict:
     stored under the name of a TrainSettings or ZeroConfig field; ZeroConfig fields only where
     the flag was given, so that the others keep ZeroConfig's defaults (and ``small_param_numel``
     the preset's threshold, ``overlap_param_gather`` its dependence on the quantized gather)."""
+    from .train import WORKLOAD_FIELDS, ZERO_FIELDS
+
     given = {name: getattr(args, name) for name in WORKLOAD_FIELDS if hasattr(args, name)}
     given.update({name: getattr(args, name) for name in ZERO_FIELDS if getattr(args, name, None) is not None})
     if args.warmup is None:  # the default shrinks with short runs: a step is timed up to the next one's start
@@ -122,6 +153,8 @@ def _given(args: argparse.Namespace, quantized: bool) -> dict:
 
 def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
     """TrainSettings from the parsed flags."""
+    from .train import settings_from
+
     return settings_from(_given(args, quantized))
 
 
@@ -129,15 +162,16 @@ def _overrides(items: list[str], flag: str) -> dict:
     """``KEY=VALUE`` pairs naming TrainSettings or ZeroConfig fields, or a short name of one
     (:data:`qzero.train.ZERO_ALIASES`), as a flat dict by field name; values parsed as JSON
     when they can be."""
+    from .train import setting_name
+
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} quantized=true")
         name = setting_name(key)
-        if not sep or name is None:
-            raise ValueError(
-                f"{flag} {item!r}: expected KEY=VALUE with KEY a setting ({', '.join(WORKLOAD_FIELDS)}), "
-                f"a ZeroConfig field ({', '.join(ZERO_FIELDS)}) or a short name ({_aliases()})"
-            )
+        if name is None:
+            raise ValueError(f"{flag} {item!r}: unknown setting {key.strip()!r}{_did_you_mean(key)}")
         if name in out:
             raise ValueError(f"{flag} {item!r}: {name} is already set")
         try:
@@ -147,22 +181,41 @@ def _overrides(items: list[str], flag: str) -> dict:
     return out
 
 
-def _aliases() -> str:
-    return ", ".join(f"{k}={v}" for k, v in ZERO_ALIASES.items())
+def _did_you_mean(key: str) -> str:
+    """``; did you mean ...?`` with the closest setting names, or where to find them."""
+    from .train import WORKLOAD_FIELDS, ZERO_FIELDS
+
+    names = [*WORKLOAD_FIELDS, *ZERO_FIELDS, *ZERO_ALIASES]
+    close = difflib.get_close_matches(key.strip().replace("-", "_"), names, n=3)
+    if close:
+        return f" (not a workload setting, ZeroConfig field or short name); did you mean {' or '.join(close)}?"
+    return ("; KEY is a workload setting (e.g. engine, world_size), a ZeroConfig field (e.g. stage) or a short "
+            f"name ({', '.join(ZERO_ALIASES)}): qzero qualify --help")
 
 
 def _arm(given: dict, overrides: dict, flag: str) -> TrainSettings:
-    """An arm's settings: the flags' settings with the arm's on top (ZeroConfig's checks named by flag)."""
+    """An arm's settings: the flags' settings with the arm's on top (ZeroConfig's checks named by
+    flag). A setting of the quantized gather (or reduction) given to an arm whose gather (or
+    reduction) is plain is refused."""
+    from .train import settings_from
+
     try:
         settings = settings_from({**given, **overrides})
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{flag}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    # a refinement of the gradient reduction alone would leave the arm's reduction plain: an A/B of nothing
-    idle = [k for k in overrides if k.startswith("zero_quantized_gradients_") and not settings.zero.zero_quantized_gradients]
-    if idle:
-        raise ValueError(f"{flag} {idle[0]}=...: does nothing while zero_quantized_gradients is false; add "
-                         f"{flag} zero_quantized_gradients=true")
+        raise ValueError(f"{flag}: {_one_line(e)}") from None
+    # a refinement of a quantized gather or reduction that the arm leaves plain: an A/B of nothing
+    for key in overrides:
+        switch = next((s for s in ("zero_quantized_weights", "zero_quantized_gradients") if key.startswith(s + "_")), None)
+        if switch and not getattr(settings.zero, switch):
+            raise ValueError(f"{flag} {key}=...: does nothing while this arm's {switch} is false; add "
+                             f"{flag} {switch}=true, or drop it")
     return settings
+
+
+def _one_line(e: BaseException) -> str:
+    """An error's first line, at most :data:`MAX_ERROR_CHARS` characters."""
+    text = (str(e).splitlines() or [""])[0] or type(e).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub._choices_actions = [c for c in sub._choices_actions if c.dest != "_arm"]
     a.add_argument("settings_json")
     a.add_argument("out")
+    a.add_argument("--parent", type=int, help="pid of the qualify process: the arm dies with it")
     return parser
 
 
@@ -218,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qzero: error: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
     except (ValueError, TypeError, OSError) as e:
-        print(f"qzero: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"qzero: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_ARGS
 
 
@@ -232,10 +286,16 @@ def _preflight(args: argparse.Namespace, settings: list[TrainSettings]) -> None:
     require("workload", command)
     if any(s.engine == "deepspeed" for s in settings):
         require("deepspeed", f"{command} with engine deepspeed")
-    from .train import resolve_device, validate
+    from .train import check_fits, resolve_device, validate
 
     for s in settings:
         validate(s)
+    counted = set()
+    for s in settings:  # the model built on the meta device: its size against the device's memory
+        key = (s.preset, s.model_config, s.seq_len, s.world_size, s.device)
+        if key not in counted:
+            check_fits(s)
+            counted.add(key)
     cores = os.cpu_count() or 1
     world = max(s.world_size for s in settings)
     if "RANK" not in os.environ and resolve_device(settings[0]) == "cpu" and world > cores:
@@ -244,12 +304,20 @@ def _preflight(args: argparse.Namespace, settings: list[TrainSettings]) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from .train import launch
+    from .train import TrainSettings, launch
 
     if args.command == "_arm":
+        if args.parent is not None:
+            from .orphans import die_with_parent
+
+            die_with_parent(args.parent)
         launch(TrainSettings(**json.loads(args.settings_json)), args.out, show_progress=False)
         return 0
     if args.command == "train":
+        moot = [flag for name, flag in QUANTIZED_ONLY.items() if getattr(args, name) is not None]
+        if moot and not args.quantized:
+            raise ValueError(f"{moot[0]} is a setting of the quantized weight gather, which --no-quantized turns "
+                             f"off: drop one of them")
         settings = _settings(args, args.quantized)
         _check_out_file(args.out)
         _preflight(args, [settings])
@@ -274,6 +342,8 @@ def _qualify_arms(args: argparse.Namespace) -> tuple[TrainSettings, TrainSetting
     """(common, baseline, candidate) settings of ``qzero qualify``: each arm's ``KEY=VALUE``
     settings on top of the flags'. The arms are built from the settings as given, so what
     ZeroConfig derives (gather-ahead from the quantized gather) follows each arm's own."""
+    from .train import settings_from
+
     given = _given(args, False)
     base = settings_from(given)
     baseline = _arm(given, _overrides(args.baseline, "--baseline") or {"zero_quantized_weights": False}, "--baseline")
@@ -284,9 +354,19 @@ def _qualify_arms(args: argparse.Namespace) -> tuple[TrainSettings, TrainSetting
 def _qualify(args: argparse.Namespace) -> int:
     from .qualify import Thresholds, qualify, verdict, write
 
-    if args.repeats < 1 or not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
-        raise ValueError(f"--order must use B and C, each at least once (got {args.order!r}), and --repeats >= 1")
+    from .qualify.run import differing
+
+    if not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
+        raise ValueError(f"--order must use B and C, each at least once (got {args.order!r})")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    for flag, value in (("--max-loss-diff", args.max_loss_diff), ("--tolerance", args.tolerance)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
     base, baseline, candidate = _qualify_arms(args)
+    if not differing(baseline, candidate):
+        raise ValueError("the baseline and candidate arms have the same settings: no difference configured, so "
+                         "nothing to compare (give --candidate or --baseline a setting that differs)")
     thresholds = Thresholds(max_loss_diff=args.max_loss_diff, atol=args.tolerance, rtol=args.tolerance)
     _check_out_dir(args.out)
     _preflight(args, [baseline, candidate])

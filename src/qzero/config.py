@@ -132,7 +132,7 @@ class ZeroConfig:
     """fp16 dynamic scaling halves the scale only after this many overflows in a row."""
 
     min_loss_scale: float = 1.0
-    """fp16 dynamic scaling never goes below this."""
+    """fp16 dynamic scaling never goes below this; must be > 0."""
 
     check_finite: bool = True
     """Refuse NaN/Inf before anything is gathered, raising on every rank and naming the
@@ -314,6 +314,9 @@ class ZeroConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.min_loss_scale == 0:  # the dynamic scale halves down to it, and gradients are divided by the scale
+            raise ValueError("min_loss_scale must be > 0 (the dynamic loss scale halves down to it and gradients are "
+                             f"divided by the scale), got {self.min_loss_scale!r}")
         if not 0 <= self.initial_scale_power <= MAX_SCALE_POWER:
             raise ValueError(
                 f"initial_scale_power must be in [0, {MAX_SCALE_POWER}] (the scale must fit fp16 gradients' fp32 "

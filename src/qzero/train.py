@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import resource
 import socket
@@ -29,17 +30,7 @@ from .layout import DEFAULT_SMALL_PARAM_NUMEL
 SAMPLE_SIZE = 4096
 
 
-#: Short names for ZeroConfig fields, accepted wherever settings are given as ``KEY=VALUE``
-#: (``qzero qualify --baseline/--candidate``, ``bench/steps_matrix.py --arm``). The one table
-#: of them: records and reports use ZeroConfig's own names.
-ZERO_ALIASES = {
-    "quantized": "zero_quantized_weights",
-    "overlap": "overlap_param_gather",
-    "fmt": "zero_quantized_weights_format",
-    "group_size": "zero_quantized_weights_group_size",
-    "allgather_bucket": "allgather_bucket_size",
-    "reduce_bucket": "reduce_bucket_size",
-}
+from .aliases import ZERO_ALIASES  # noqa: F401 (re-exported: the short names of ZeroConfig fields)
 
 
 @dataclass
@@ -201,6 +192,9 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"offload_optimizer is a setting of the deepspeed engine, not of {settings.engine!r}")
     if settings.precision not in ("bf16", "fp16"):
         raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
+    lr = settings.lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise WorkloadError(f"lr must be a finite number >= 0, got {lr!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
         if getattr(settings, name) < 1:
             raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
@@ -216,6 +210,52 @@ def validate(settings: TrainSettings) -> None:
         )
     if not isinstance(settings.zero, ZeroConfig):  # set after construction
         raise WorkloadError(f"zero must be a ZeroConfig, got {type(settings.zero).__name__}")
+
+
+#: Bytes each parameter needs at the least in any engine: its 16-bit weight on every rank, and
+#: its fp32 master and AdamW's two fp32 moments once across the ranks (gradients, activations
+#: and buffers come on top).
+WEIGHT_BYTES, STATE_BYTES = 2, 12
+
+
+def check_fits(settings: TrainSettings) -> int:
+    """Count the model's parameters from its config (built on the meta device: nothing is
+    allocated) and refuse, naming the model, one whose weights and optimizer state alone
+    cannot fit: :data:`WEIGHT_BYTES` a parameter on every rank plus :data:`STATE_BYTES` split
+    over the ranks, against one GPU's memory per rank, or against the host's memory for all
+    the ranks this host runs on the CPU. Returns the count. (Run once, before the ranks start:
+    it is not part of :func:`validate`, which every arm and every torchrun rank repeats.)"""
+    from .workload import WorkloadError, count_parameters, model_config
+
+    where = f"--model-config {settings.model_config}" if settings.model_config else f"--preset {settings.preset}"
+    config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
+    positions = getattr(config, "max_position_embeddings", None)
+    if settings.model_config and positions is not None and positions < settings.seq_len:
+        raise WorkloadError(f"{where}: max_position_embeddings {positions} is shorter than --seq-len {settings.seq_len}")
+    params = count_parameters(config, where)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else settings.world_size
+    per_rank = params * (WEIGHT_BYTES + STATE_BYTES / world)
+    if resolve_device(settings) == "cuda":
+        have, ranks, what = torch.cuda.get_device_properties(0).total_memory, 1, "one GPU has {}"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_torchrun else world
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        what = "this host has {} of memory" + (f" for its {ranks} ranks" if ranks > 1 else "")
+    if per_rank * ranks > have:
+        need = f"{_size(per_rank)} a rank" + (f", {_size(per_rank * ranks)} in all" if ranks > 1 else "")
+        raise WorkloadError(
+            f"{where}: {params:,} parameters need at least {need} ({WEIGHT_BYTES} bytes a parameter on every rank, "
+            f"{STATE_BYTES} split over {world} rank(s)); {what.format(_size(have))}"
+        )
+    return params
+
+
+def _size(n: float) -> str:
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
 
 
 # ---------------------------------------------------------------------- one rank
@@ -409,8 +449,13 @@ class _progress:
 
     def __init__(self, total: int):
         try:
+            import threading
+
             from tqdm import tqdm
 
+            # a thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit,
+            # which would leave that lock's semaphore behind for the resource tracker to warn about
+            tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
         except ImportError:
             self._bar = None
@@ -441,7 +486,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool) -> None:
+def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool,
+             parent: int) -> None:
+    from .orphans import die_with_parent
+
+    die_with_parent(parent)  # a launcher killed outright (SIGKILL) takes its ranks with it
     device_kind = resolve_device(settings)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
@@ -486,7 +535,7 @@ def launch(settings: TrainSettings, out_path: str | None = None, show_progress: 
         path = out_path or os.path.join(tmp, "result.json")
         mp.start_processes(
             _spawned,
-            args=(settings, _free_port(), path, show_progress),
+            args=(settings, _free_port(), path, show_progress, os.getpid()),
             nprocs=settings.world_size,
             start_method="spawn",
         )

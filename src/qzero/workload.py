@@ -10,14 +10,26 @@ every arm and every world size sees the same global batch.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: ``qzero --help`` does not wait for it
+    import torch
 
 BYTE_VOCAB = 256
+#: A model config JSON is a few KiB; reading stops past this.
+MAX_CONFIG_BYTES = 1 << 20
+#: Sizes a model config must give as positive integers (where its model type has them).
+CONFIG_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "head_dim", "max_position_embeddings")
+#: Counting a config's parameters builds it on the meta device, a layer at a time: more layers
+#: than this are refused rather than counted (the deepest published LLMs have under 200).
+MAX_LAYERS = 4096
 
 
 @dataclass(frozen=True)
@@ -53,25 +65,31 @@ class WorkloadError(ValueError):
 
 
 def model_config(preset: str | None = None, config_path: str | None = None, max_positions: int = 4096):
-    """A ``transformers`` config from a preset name or a config JSON file."""
+    """A ``transformers`` config from a preset name or a config JSON file: a causal LM that
+    byte-level text can train (sizes positive integers, vocabulary of at least 256)."""
     from transformers import AutoConfig, Qwen3Config
 
     if config_path:
-        _check_file(config_path, "model config")
+        raw = read_regular(config_path, "model config", MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise WorkloadError(f"model config file {config_path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; "
+                                "a config JSON is a few KiB")
         try:
-            with open(config_path) as f:
-                d = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise WorkloadError(f"model config file {config_path} is not valid JSON ({e})") from None
+            d = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5000-digit integer
+            raise WorkloadError(f"model config file {config_path} is not valid JSON ({_bounded(e)})") from None
         if not isinstance(d, dict):
             raise WorkloadError(f"model config file {config_path} is not a JSON object (got {type(d).__name__})")
         if "auto_map" in d:  # it names code to fetch and run; only transformers' own classes are built
             raise WorkloadError(f"model config file {config_path} has 'auto_map' (remote code); qzero does not run it")
         model_type = d.pop("model_type", "qwen3")
+        _check_model_type(model_type, config_path)
         try:
-            return AutoConfig.for_model(model_type, **d)
-        except (ValueError, TypeError, KeyError) as e:
-            raise WorkloadError(f"model config {config_path}: {str(e).splitlines()[0]}") from None
+            config = AutoConfig.for_model(model_type, **d)
+        except Exception as e:  # transformers' own checks of a user's file: any of them is a bad config
+            raise WorkloadError(f"model config {config_path}: {_bounded(e)}") from None
+        _check_sizes(config, config_path)
+        return config
     if preset not in PRESETS:
         raise WorkloadError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -89,11 +107,70 @@ def model_config(preset: str | None = None, config_path: str | None = None, max_
     )
 
 
+def _check_model_type(model_type, path: str) -> None:
+    """A model type transformers knows and builds as a causal LM, or a short WorkloadError."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(str(model_type), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else " (e.g. 'qwen3', 'llama', 'gpt2')"
+        raise WorkloadError(f"model config {path}: unknown model_type {_short(model_type)}{hint}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise WorkloadError(f"model config {path}: model_type {model_type!r} is not a causal language model "
+                            "(transformers' AutoModelForCausalLM has no class for it); qzero trains next-token prediction")
+
+
+def _check_sizes(config, path: str) -> None:
+    for name in CONFIG_SIZES:
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise WorkloadError(f"model config {path}: {name} must be a positive integer, got {_short(value)}")
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and kv and heads % kv:
+        raise WorkloadError(f"model config {path}: num_attention_heads {heads} is not a multiple of "
+                            f"num_key_value_heads {kv}")
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab < BYTE_VOCAB:
+        raise WorkloadError(f"model config {path}: vocab_size {vocab} is below the {BYTE_VOCAB} byte values the "
+                            "training text is made of")
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and layers > MAX_LAYERS:
+        raise WorkloadError(f"model config {path}: num_hidden_layers {layers:,} is more than the {MAX_LAYERS:,} "
+                            "this workload builds")
+
+
+def count_parameters(config, where: str) -> int:
+    """Trainable parameters of the causal LM ``config`` describes, counted on the meta device
+    (nothing allocated). A config transformers cannot build is a WorkloadError naming ``where``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as e:  # whatever a user's config makes transformers raise, said in one line
+        raise WorkloadError(f"{where}: transformers cannot build a causal LM from it ({_bounded(e)})") from None
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _bounded(e: BaseException, limit: int = 200) -> str:
+    """An exception's first line, at most ``limit`` characters."""
+    text = (str(e).splitlines() or [type(e).__name__])[0] or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def build_model(config, dtype: torch.dtype, device: torch.device, seed: int, attention: str = "sdpa") -> torch.nn.Module:
     """A randomly initialised causal LM, the same on every rank for the same seed.
 
     ``attention``: the attention implementation (``sdpa``, or ``eager``, whose backward is
     deterministic where fused attention kernels are not)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -103,11 +180,12 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int, att
 
 
 def load_corpus(path: str | None = None, limit: int = 8_000_000) -> torch.Tensor:
-    """Byte tokens of ``path``, or of the standard library's ``*.py`` files in sorted order."""
+    """Byte tokens of ``path`` (its first ``limit`` bytes), or of the standard library's ``*.py``
+    files in sorted order."""
+    import torch
+
     if path:
-        _check_file(path, "data")
-        with open(path, "rb") as f:
-            data = bytearray(f.read(limit))
+        data = bytearray(read_regular(path, "data", limit))
     else:
         root = sysconfig.get_paths()["stdlib"]
         data = bytearray()
@@ -123,14 +201,30 @@ def load_corpus(path: str | None = None, limit: int = 8_000_000) -> torch.Tensor
     return torch.frombuffer(data, dtype=torch.uint8).to(torch.long)
 
 
-def _check_file(path: str, what: str) -> None:
-    """A readable regular file, or a WorkloadError that says what is wrong with ``path``."""
+def read_regular(path: str, what: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the regular file ``path``, or a WorkloadError that says what
+    is wrong with it. A pipe, FIFO or device is refused without reading from it (a FIFO is
+    opened without waiting for a writer): every rank reads the file for itself, and a pipe
+    would hand its bytes to the first reader only, or block forever, or never end."""
     if os.path.isdir(path):
         raise WorkloadError(f"{what} {path} is a directory; give a file")
     if not os.path.exists(path):
         raise WorkloadError(f"{what} file not found: {path}")
     if not os.access(path, os.R_OK):
         raise WorkloadError(f"{what} file {path} is not readable")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise WorkloadError(f"{what} file {path} cannot be opened ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a pipe" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+                    "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+            raise WorkloadError(f"{what} {path} is {kind}, not a regular file: every rank reads it for itself, so "
+                                "write it to a file first (e.g. command > file.txt)")
+        os.set_blocking(fd, True)
+        return f.read(limit)
 
 
 def check_corpus(corpus: torch.Tensor, seq_len: int) -> None:
@@ -140,6 +234,8 @@ def check_corpus(corpus: torch.Tensor, seq_len: int) -> None:
 
 def global_batch(corpus: torch.Tensor, step: int, sequences: int, seq_len: int, seed: int) -> torch.Tensor:
     """``sequences`` windows of ``seq_len + 1`` tokens for ``step`` (inputs and shifted targets)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (sequences,), generator=g)
     return torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()])

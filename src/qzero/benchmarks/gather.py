@@ -354,23 +354,43 @@ def timed(fn) -> float:
     return t.item()
 
 
+def multi_header(world: int, regime: str, group_size: int, dtype: str, bucket: int, env: dict) -> dict:
+    """A multi-GPU result before its sizes: the run's settings and ``env`` (:func:`versions`)."""
+    return {
+        "mode": "multi",
+        "world_size": world,
+        "regime": regime,
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "group_size": group_size,
+        "dtype": dtype,
+        "bucket_numel": bucket,
+        "launch": dataclasses.asdict(kernels.TUNING),
+        **env,
+        "sizes": [],
+    }
+
+
+def size_entry(numel: int, element_size: int, times: dict[str, list[float]]) -> dict:
+    """One flat size of a multi-GPU result: each arm's times (ms, one per round), median,
+    algorithm bandwidth (the flat buffer's bytes per second) and speed-ups against the
+    ``bf16`` arm and, where measured, the ``bf16 one NCCL call`` arm."""
+    med = {name: statistics.median(t) for name, t in times.items()}
+    total_bytes = numel * element_size
+    arms = {}
+    for name, ms in med.items():
+        arms[name] = {"median_ms": ms, "times_ms": list(times[name]), "algbw_GBps": total_bytes / ms / 1e6,
+                      "speedup_vs_bf16": med["bf16"] / ms}
+        if "bf16 one NCCL call" in med:
+            arms[name]["speedup_vs_one_call"] = med["bf16 one NCCL call"] / ms
+    return {"numel": numel, "arms": arms}
+
+
 def multi_gpu(args) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gs = args.group_size
     formats = args.formats.split(",")
-    out = {
-        "mode": "multi",
-        "world_size": world,
-        "regime": regime_label(args),
-        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-        "group_size": gs,
-        "dtype": args.dtype,
-        "bucket_numel": args.bucket,
-        "launch": dataclasses.asdict(kernels.TUNING),
-        **versions(),
-        "sizes": [],
-    }
+    out = multi_header(world, regime_label(args), gs, args.dtype, args.bucket, versions())
     for n in (parse_size(s) for s in args.sizes.split(",")):
         flat = random_flat(n, dtype, 5 + rank)
         ranges = exact_ranges_for(n)
@@ -398,19 +418,10 @@ def multi_gpu(args) -> dict:
         for _ in range(args.rounds):
             for name, fn in arms.items():
                 times[name].append(timed(fn))
-        med = {name: statistics.median(t) for name, t in times.items()}
-        total_bytes = n * flat.element_size()
-        entry = {"numel": n, "arms": {}}
-        for name, ms in med.items():
-            entry["arms"][name] = {
-                "median_ms": ms,
-                "times_ms": times[name],
-                "algbw_GBps": total_bytes / ms / 1e6,  # bf16 bytes of the whole flat buffer, per second
-                "speedup_vs_bf16": med["bf16"] / ms,
-                "speedup_vs_one_call": med["bf16 one NCCL call"] / ms,
-            }
+        entry = size_entry(n, flat.element_size(), times)
         if rank == 0:
-            print(f"[{size_label(n)}] " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)
+            print(f"[{size_label(n)}] " + ", ".join(f"{k} {a['median_ms']:.2f} ms" for k, a in entry["arms"].items()),
+                  flush=True)
         out["sizes"].append(entry)
         del flat
     return out

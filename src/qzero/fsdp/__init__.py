@@ -42,9 +42,10 @@ from torch import nn
 from ..comm import local_outcome
 from ..layout import is_small_param
 from ..quant import get_format
-from ._comms import (DeferredAgreement, agree_install, check_arguments, distributed, keep_report, mesh_group,
+from ._comms import (DeferredAgreement, agree_install, check_arguments, distributed, log_report, mesh_group,
                      stored_report)
-from .tensor import GatherFormat, QuantizedGatherTensor, carries
+from .guards import StrippedCheck, rewrap_assigned, watch_optimizers
+from .tensor import GatherFormat, GatherRecord, GatherState, QuantizedGatherTensor, carries
 
 __all__ = [
     "GatherReport",
@@ -60,25 +61,48 @@ __all__ = [
 ]
 
 _REPORT_ATTR = "_qzero_gather_report"
+_STRIPPED = "stripped: replaced by a plain tensor after quantize_weight_gathers, so FSDP2 gathers it plainly"
 
 from .group import GroupGatherReport, group_gather_report, quantize_group_gathers  # noqa: E402
 from .reduce import GroupReduceReport, group_reduce_report, quantize_group_reduces  # noqa: E402
 
 
 class GatherReport(NamedTuple):
-    """Which parameters (by name) FSDP2 will gather quantized, and which plainly, and why."""
+    """Which parameters (by name) FSDP2 gathered quantized at their last all-gather, which
+    plainly, and why ([Note: gather record] in :mod:`qzero.fsdp.tensor`). A parameter not
+    gathered yet is counted as its current wrapper and shape will send it, and named in
+    ``not_gathered``."""
 
     quantized: tuple[str, ...]
     plain: tuple[tuple[str, str], ...]  # (name, reason)
     world_size: int | None  # the shard group size the report assumed (None: not known yet)
+    not_gathered: tuple[str, ...] = ()  # quantized ones whose first gather has not run yet
 
     def summary(self) -> str:
         q, p = len(self.quantized), len(self.plain)
         text = f"qzero.fsdp: {q} parameter(s) gathered quantized, {p} plainly"
+        if self.not_gathered:
+            pending = len(self.not_gathered)
+            text += f" ({pending} of the quantized not gathered yet)" if pending < q else " (none gathered yet)"
+        else:
+            text += " at their last gather"
         uneven = [name for name, why in self.plain if why.startswith("uneven")]
         if uneven:
             text += f"; not evenly sharded over {self.world_size} rank(s), hence plain: {', '.join(uneven)}"
+        stripped = [name for name, why in self.plain if why.startswith("stripped")]
+        if stripped:
+            text += f"; stripped of the quantized gather: {', '.join(stripped)}"
         return text
+
+
+class _Conversion(NamedTuple):
+    """What :func:`quantize_weight_gathers` did to a model: one record per wrapped
+    parameter, the parameters it left plain and why, and the forward's check."""
+
+    records: tuple[GatherRecord, ...]
+    plain: tuple[tuple[str, str], ...]
+    world_size: int | None
+    check: StrippedCheck
 
 
 def quantize_weight_gathers(
@@ -129,29 +153,58 @@ def quantize_weight_gathers(
     world, reasons = planned
 
     spec = GatherFormat(group_size, fmt, deferred)
-    quantized, plain, wrapped = [], [], {}
+    records, plain, wrapped = [], [], {}
     for name, param in model.named_parameters():
         _, why = reasons[name]
         if why:
             plain.append((name, why))
             continue
-        quantized.append(name)
-        wrapped[id(param)] = nn.Parameter(QuantizedGatherTensor(param.data, spec), requires_grad=param.requires_grad)
-    hooked = set()
+        records.append(GatherRecord(name))
+        wrapped[id(param)] = nn.Parameter(QuantizedGatherTensor(param.data, spec, records[-1]),
+                                          requires_grad=param.requires_grad)
+    hooked, slots = set(), []
     for module in model.modules():  # every module holding a parameter, shared ones included
         for pname, param in list(module._parameters.items()):
             if param is not None and id(param) in wrapped:
-                module._parameters[pname] = wrapped[id(param)]
+                module._parameters[pname] = new = wrapped[id(param)]
+                slots.append((module, pname, new.record))
                 if id(module) not in hooked:
                     module._register_state_dict_hook(_unwrap_state_dict)
+                    module._register_load_state_dict_pre_hook(rewrap_assigned, with_module=True)
                     hooked.add(id(module))
-    keep_report(model, _REPORT_ATTR, GatherReport(tuple(quantized), tuple(plain), world))
+    check = StrippedCheck(model, slots)
+    model.register_forward_pre_hook(check)
+    watch_optimizers()
+    setattr(model, _REPORT_ATTR, _Conversion(tuple(records), tuple(plain), world, check))
+    log_report(gather_report(model))
     return model
 
 
 def gather_report(model: nn.Module) -> GatherReport:
-    """The :class:`GatherReport` that :func:`quantize_weight_gathers` made for ``model``."""
-    return stored_report(model, _REPORT_ATTR, "quantize_weight_gathers")
+    """What FSDP2 gathers quantized in ``model`` (converted by :func:`quantize_weight_gathers`):
+    read from the parameters as they are now and from their last all-gather, so a parameter
+    a framework replaced by a plain tensor counts as plain ("stripped")."""
+    conversion: _Conversion = stored_report(model, _REPORT_ATTR, "quantize_weight_gathers")
+    stripped = set(conversion.check.stripped())
+    quantized, plain, pending = [], list(conversion.plain), []
+    for record in conversion.records:
+        if record.name in stripped:
+            plain.append((record.name, _STRIPPED))
+        elif record.state is GatherState.PLAIN:
+            plain.append((record.name, _uneven_now(conversion.check.current(record), conversion.world_size)))
+        else:
+            quantized.append(record.name)
+            if record.state is GatherState.NOT_GATHERED:
+                pending.append(record.name)
+    return GatherReport(tuple(quantized), tuple(plain), conversion.world_size, tuple(pending))
+
+
+def _uneven_now(param, world: int | None) -> str:
+    """Why a wrapped parameter's last gather was plain: its shard was not an even one."""
+    rows = param.shape[0] if param.dim() else 0
+    mesh = getattr(param, "device_mesh", None)
+    world = mesh.size(-1) if mesh is not None else world
+    return f"uneven: {rows} rows do not shard evenly over {world} ranks"
 
 
 # ---------------------------------------------------------------------- checks

@@ -49,6 +49,11 @@ def check_arguments(model, group_size: int, small_param_numel: int, kernels: str
 def keep_report(model: nn.Module, attr: str, report):
     """Leave ``report`` on ``model`` (under ``attr``) and log its summary; return it."""
     setattr(model, attr, report)
+    return log_report(report)
+
+
+def log_report(report):
+    """Log ``report``'s summary; return it."""
     _log.info(report.summary())
     return report
 

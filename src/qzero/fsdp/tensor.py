@@ -23,12 +23,23 @@ cast to the compute dtype, exactly as FSDP2 itself would gather it.
 Everything else (the optimizer's in-place updates, ``copy_`` from a checkpoint,
 FSDP2's sharding at ``fully_shard``) acts on the wrapped fp32 tensor: ops are run on
 it, and the ones FSDP2 uses to carve the shard out (views, slices, ``new_zeros``,
-``copy_``, ``detach``...) return the wrapper again.
+``copy_``, ``detach``...) return the wrapper again. ``data_ptr()`` is the wrapped
+tensor's, so code that tells parameters apart by address (Accelerate's FSDP2
+``prepare`` re-points the optimizer that way) sees distinct parameters.
+
+[Note: gather record] Every wrapper made from one parameter (the shard FSDP2 carves
+out, its views, a re-wrapped tensor loaded with ``load_state_dict(assign=True)``)
+shares one :class:`GatherRecord`: the parameter's name, and how its last all-gather
+travelled (:class:`GatherState`), written by ``fsdp_pre_all_gather`` itself. Reports
+read what ran from it, never what was installed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import inspect
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -60,6 +71,20 @@ _KEEP_WRAPPED = {
     aten._pin_memory.default,
 }
 
+#: Set while torch's own pickling or copying runs (see QuantizedGatherTensor.data_ptr).
+_TORCH_VIEW = threading.local()
+
+
+@contextlib.contextmanager
+def _as_torch_sees_it():
+    before = getattr(_TORCH_VIEW, "active", False)
+    _TORCH_VIEW.active = True
+    try:
+        yield
+    finally:
+        _TORCH_VIEW.active = before
+
+
 #: Compute dtypes the Triton dequantizing kernel writes; others use the reference.
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -74,14 +99,37 @@ class GatherFormat(NamedTuple):
     agreement: Any = None
 
 
+class GatherState(enum.Enum):
+    """How a wrapped parameter's last all-gather travelled ([Note: gather record])."""
+
+    NOT_GATHERED = "not gathered yet"
+    QUANTIZED = "quantized"
+    PLAIN = "plain"  # the shard is not the even one a payload can stand for (see carries)
+
+
+class GatherRecord:
+    """One wrapped parameter's name and its last gather; shared by all its wrappers."""
+
+    __slots__ = ("name", "state", "quantized_gathers")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.state = GatherState.NOT_GATHERED
+        self.quantized_gathers = 0
+
+    def __repr__(self) -> str:
+        return f"GatherRecord({self.name!r}, {self.state.value}, {self.quantized_gathers} quantized)"
+
+
 class QuantizedGatherTensor(torch.Tensor):
     """An fp32 parameter (or its shard) that FSDP2 all-gathers group-quantized."""
 
     _tensor: torch.Tensor
     _format: GatherFormat
+    _record: GatherRecord | None
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, fmt: GatherFormat):
+    def __new__(cls, tensor: torch.Tensor, fmt: GatherFormat, record: GatherRecord | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -93,9 +141,10 @@ class QuantizedGatherTensor(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, fmt: GatherFormat):
+    def __init__(self, tensor: torch.Tensor, fmt: GatherFormat, record: GatherRecord | None = None):
         self._tensor = tensor
         self._format = fmt
+        self._record = record
 
     def __repr__(self) -> str:
         return f"QuantizedGatherTensor({self._format.fmt}, g{self._format.group_size}, {self._tensor!r})"
@@ -105,27 +154,50 @@ class QuantizedGatherTensor(torch.Tensor):
         """The wrapped fp32 tensor (shares its storage)."""
         return self._tensor
 
+    @property
+    def record(self) -> GatherRecord | None:
+        """The parameter's :class:`GatherRecord` ([Note: gather record])."""
+        return self._record
+
+    def data_ptr(self) -> int:
+        """The wrapped tensor's address (a wrapper subclass has no storage of its own, so
+        torch would answer 0 for every wrapped parameter alike). Inside torch's own
+        ``__reduce_ex__``/``__deepcopy__``, which tell a wrapper subclass by that 0, it is 0."""
+        if getattr(_TORCH_VIEW, "active", False):
+            return 0
+        return self._tensor.data_ptr()
+
+    def __reduce_ex__(self, protocol):
+        with _as_torch_sees_it():
+            return super().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        with _as_torch_sees_it():
+            return super().__deepcopy__(memo)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        fmt = None
+        first = None  # the results take the first wrapped argument's format and record (``self`` of copy_)
 
         def unwrap(t: QuantizedGatherTensor) -> torch.Tensor:
-            nonlocal fmt
-            fmt = t._format
+            nonlocal first
+            if first is None:
+                first = t
             return t._tensor
 
         args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP_WRAPPED:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, fmt), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, first._format, first._record), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], self._format
+        return ["_tensor"], (self._format, self._record)
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, fmt, outer_size, outer_stride):
-        return QuantizedGatherTensor(inner_tensors["_tensor"], fmt)
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        fmt, record = ctx
+        return QuantizedGatherTensor(inner_tensors["_tensor"], fmt, record)
 
     # ------------------------------------------------------------------ FSDP2 extension
 
@@ -148,7 +220,9 @@ class QuantizedGatherTensor(torch.Tensor):
             rows = -(-full[0] // world) if full else shard.shape[0]
             padded = shard.new_zeros((rows, *shard.shape[1:]), dtype=compute)
             padded[: shard.shape[0]].copy_(shard)
+            self._note(GatherState.PLAIN)
             return (padded,), None
+        self._note(GatherState.QUANTIZED)
         n = shard.numel()
         layout = quantized_payload_layout(n, self._format.group_size, self._format.fmt)
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=shard.device)
@@ -182,6 +256,12 @@ class QuantizedGatherTensor(torch.Tensor):
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
             self._dequantize(payloads, out.view(-1), n, layout)
         return None
+
+    def _note(self, state: GatherState) -> None:
+        record = self._record
+        if record is not None:
+            record.state = state
+            record.quantized_gathers += state is GatherState.QUANTIZED
 
     def _dequantize(self, payloads: torch.Tensor, dst: torch.Tensor, n: int, layout) -> None:
         """Every rank's payload into its rows of ``dst``, in one launch (rank ``r``'s lands

@@ -23,6 +23,11 @@ slices qzero's gather expects (parameters may straddle them), and every group is
 gathered over its own data-parallel process group (``real_dp_process_group``: MoE
 expert groups have their own). Small parameters (norms, biases) travel exactly.
 
+At ZeRO stage 1 with bf16 weights and fp32 gradient accumulation DeepSpeed builds its
+``BF16_Optimizer`` instead, which gathers its flat groups the same way through the
+``all_gather_dp_groups`` of its own module; that name is replaced too, and its calls are
+dispatched alike (:mod:`.deepspeed_layout` reads both optimizers' flat groups).
+
 With ``zero_quantized_weights`` off, nothing is patched and DeepSpeed runs as it would
 without qzero, bit for bit.
 """
@@ -30,7 +35,6 @@ without qzero, bit for bit.
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
 import weakref
 from typing import Any, NamedTuple
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
 from ..engine import CommContext, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
+from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class
 from .deepspeed_config import (  # noqa: F401  (re-exported: the adapter's settings and keys)
     DEFAULT_FORMAT,
     DEFAULT_GROUP_SIZE,
@@ -58,6 +63,7 @@ SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
 
 __all__ = [
     "SUPPORTED_DEEPSPEED",
+    "DeepSpeedGatherReport",
     "QuantizedGather",
     "QuantizedWeightsSettings",
     "disable",
@@ -86,12 +92,6 @@ def check_deepspeed_version(version: str | None = None) -> str:
     return version
 
 
-def _zero_optimizer_class():
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    return DeepSpeedZeroOptimizer
-
-
 def find_zero_optimizer(target: Any):
     """The DeepSpeed optimizer behind ``target``: an engine, the optimizer itself, or a
     wrapper holding it in ``.optimizer`` (as Accelerate does). Checked to be one qzero knows."""
@@ -107,8 +107,7 @@ def find_zero_optimizer(target: Any):
 
 
 def _check_optimizer_class(opt: Any) -> None:
-    known = _zero_optimizer_class()
-    if type(opt) is known:
+    if known_class(opt) is not None:
         if getattr(opt, "zenflow", False):
             raise ValueError("ZenFlow is not supported with qzero's quantized weights")
         return
@@ -120,17 +119,18 @@ def _check_optimizer_class(opt: Any) -> None:
             f"optimizer {name} is ZeRO stage 3: qzero does not patch it (DeepSpeed's own "
             f"{ENABLE_KEY} applies at stage 3)"
         )
+    known = " and ".join(cls for _, cls in KNOWN_OPTIMIZERS)
     raise ValueError(
         f"optimizer class {type(opt).__module__}.{name} is not supported: qzero replaces the post-step "
-        f"weight gather of DeepSpeed's {known.__name__} (ZeRO stage 1 or 2 with bf16/fp16) only"
+        f"weight gather of DeepSpeed's {known} (ZeRO stage 1 or 2 with bf16/fp16) only"
     )
 
 
-def _check_optimizer_state(opt) -> None:
+def _check_optimizer_state(layout: FlatGroups) -> None:
     # CPU optimizer offload needs nothing of its own: DeepSpeed's CPU update copies each rank's
     # bf16/fp16 partition back into the device's flat group (on the current stream) before it
     # calls the gather, exactly where the update without offload writes it.
-    for i, flat in enumerate(opt.bit16_groups_flat):
+    for i, flat in enumerate(layout.flats):
         if flat.dtype not in QUANTIZABLE_DTYPES:
             raise ValueError(
                 f"parameter group {i} has a {flat.dtype} flat buffer: qzero quantizes bf16/fp16 flat groups only "
@@ -185,16 +185,15 @@ class GroupGather(NamedTuple):
     plan: GatherPlan
 
 
-def _plan_group(opt, index: int, settings: QuantizedWeightsSettings) -> tuple[GroupGather, dict[str, int]]:
-    flat = opt.bit16_groups_flat[index]
-    group = opt.real_dp_process_group[index]
+def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettings) -> tuple[GroupGather, dict[str, int]]:
+    flat = layout.flats[index]
+    group = layout.process_groups[index]
     world = dist.get_world_size(group)
-    _check_partitions(flat, opt.parallel_partitioned_bit16_groups[index], world, index)
-    offsets = [int(o) for o in opt.round_robin_bit16_offsets[index]]
-    numels = [int(m.numel()) for m in opt.round_robin_bit16_meta[index]]
+    _check_partitions(flat, layout.partitions[index], world, index)
+    offsets, numels = layout.offsets[index], layout.numels[index]
     _check_param_spans(offsets, numels, flat.numel(), index)
     exact = exact_ranges_of(offsets, numels, settings.small_param_numel)
-    bucket = settings.bucket_numel if settings.bucket_numel is not None else int(opt.allgather_bucket_size)
+    bucket = settings.bucket_numel if settings.bucket_numel is not None else layout.allgather_bucket_size
     plan = plan_gather(
         flat.numel(),
         world,
@@ -216,12 +215,31 @@ def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSett
 # --------------------------------------------------------------------------- the replacement gather
 
 
+class DeepSpeedGatherReport(NamedTuple):
+    """What the adapter's last gather moved (counted as it ran, never from the settings):
+    elements of the flat groups it quantized and sent exactly, and per-rank bytes."""
+
+    calls: int
+    quantized_elements: int
+    exact_elements: int
+    bytes_sent: int
+    plain_bytes: int
+
+    def summary(self) -> str:
+        if not self.calls:
+            return "qzero DeepSpeed adapter: no gather has run through qzero yet"
+        ratio = self.bytes_sent / self.plain_bytes if self.plain_bytes else 1.0
+        return (f"qzero DeepSpeed adapter: {self.calls} gather(s); the last sent {self.quantized_elements} elements "
+                f"quantized and {self.exact_elements} exactly, {self.bytes_sent} bytes per rank ({ratio:.2f} of plain)")
+
+
 class QuantizedGather:
-    """Replaces one ``DeepSpeedZeroOptimizer``'s post-step gather; records what it moved.
+    """Replaces one DeepSpeed ZeRO-1/2 optimizer's post-step gather; records what it moved.
 
     ``calls`` counts gathers run; ``last_stats`` has one :class:`~qzero.GatherStats` per
     gathered flat group (per-rank bytes of the last gather); ``bytes_sent`` and
-    ``plain_bytes`` are per-rank totals over all calls. Under gather-ahead, ``wiring`` holds
+    ``plain_bytes`` are per-rank totals over all calls; :meth:`report` says what the last
+    gather carried quantized. Under gather-ahead, ``wiring`` holds
     the hooks that make reads of the weights wait (:mod:`.deepspeed_ahead`);
     :meth:`wait_for_weights` finishes a running gather by hand.
     """
@@ -231,29 +249,31 @@ class QuantizedGather:
         flat group's process group (the agreement) instead of planning."""
         self.settings = settings
         self.wiring = None
-        self.groups_flat = optimizer.bit16_groups_flat  # the very list DeepSpeed passes to its gather
+        layout = flat_groups(optimizer)
+        self.groups_flat = layout.flats  # the very list DeepSpeed passes to its gather
         self.groups: list[GroupGather | None] = []
         self.calls = 0
         self.bytes_sent = 0
         self.plain_bytes = 0
         self.last_stats: tuple[GatherStats, ...] = ()
+        self._last_elements = (0, 0)  # (quantized, exact) elements of the last gather
         for index in range(len(self.groups_flat)):
-            self.groups.append(self._plan_agreed(optimizer, index, error))
+            self.groups.append(self._plan_agreed(layout, index, error))
         if error is not None:
             raise error  # no flat group has peers to tell
         # The streams and kernels of the gathers (DeepSpeed's flat groups share one device).
         self.context = CommContext(self.groups_flat[0].device) if self.groups_flat else None
         _warn_if_no_saving(self.plans)
 
-    def _plan_agreed(self, opt, index: int, error: Exception | None = None) -> GroupGather | None:
+    def _plan_agreed(self, layout: FlatGroups, index: int, error: Exception | None = None) -> GroupGather | None:
         """Plan group ``index`` and make every rank of its process group agree on the plan."""
-        group = opt.real_dp_process_group[index]
+        group = layout.process_groups[index]
         world = dist.get_world_size(group)
         if world == 1:
             return None  # nothing to gather, as in DeepSpeed
         planned = fields = None
         if error is None:
-            result, error = local_outcome(lambda: _plan_group(opt, index, self.settings))
+            result, error = local_outcome(lambda: _plan_group(layout, index, self.settings))
             planned, fields = result if result is not None else (None, None)
         agree_or_raise(group, world, self.groups_flat[index].device, error, fields, "qzero DeepSpeed adapter")
         return planned
@@ -265,6 +285,11 @@ class QuantizedGather:
     def owns(self, groups_flat) -> bool:
         return groups_flat is self.groups_flat
 
+    def report(self) -> DeepSpeedGatherReport:
+        """What the last gather carried (see :class:`DeepSpeedGatherReport`)."""
+        return DeepSpeedGatherReport(self.calls, *self._last_elements, sum(s.bytes_sent for s in self.last_stats),
+                            sum(s.plain_bytes for s in self.last_stats))
+
     def wait_for_weights(self) -> None:
         """Finish a gather still running under gather-ahead (a no-op otherwise)."""
         if self.wiring is not None:
@@ -274,11 +299,14 @@ class QuantizedGather:
         self.wait_for_weights()
         # Only the gather at the end of the optimizer step runs ahead (not the one after a load).
         ahead = self.wiring is not None and self.wiring.stepping
-        stats = []
+        stats, quantized, exact = [], 0, 0
         for g, flat, group in zip(self.groups, groups_flat, dp_process_group):
             if g is None:
                 continue
             self._check_call(g, flat, group)
+            small = sum(b - a for a, b in g.plan.exact_ranges)
+            exact += small
+            quantized += g.plan.numel - small
             handle = start_gather(flat, g.plan, g.process_group, self.context, ahead=ahead)
             if ahead:
                 self.wiring.ahead.start(g.index, handle)
@@ -289,6 +317,7 @@ class QuantizedGather:
         self.bytes_sent += sum(s.bytes_sent for s in stats)
         self.plain_bytes += sum(s.plain_bytes for s in stats)
         self.last_stats = tuple(stats)
+        self._last_elements = (quantized, exact)
 
     @staticmethod
     def _check_call(g: GroupGather, flat: torch.Tensor, group) -> None:
@@ -326,36 +355,44 @@ _REGISTRY: weakref.WeakValueDictionary[int, QuantizedGather] = weakref.WeakValue
 _ORIGINAL: dict[str, Any] = {}
 
 
-def _stage12_module():
-    from deepspeed.runtime.zero import stage_1_and_2
+def _gather_modules():
+    """The DeepSpeed modules whose ``all_gather_dp_groups`` the known optimizers call."""
+    import importlib
 
-    return stage_1_and_2
+    return [importlib.import_module(module) for module, _ in KNOWN_OPTIMIZERS]
 
 
-def _dispatching_gather(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
-    """Stands in for DeepSpeed's ``all_gather_dp_groups`` inside its ZeRO-1/2 module."""
-    gather = _REGISTRY.get(id(groups_flat))
-    if gather is not None and gather.owns(groups_flat):
-        return gather(groups_flat, dp_process_group)
-    return _ORIGINAL["all_gather_dp_groups"](groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
+def _dispatching_for(module_name: str):
+    """The stand-in for ``all_gather_dp_groups`` inside DeepSpeed's module ``module_name``."""
+
+    def _dispatching_gather(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
+        gather = _REGISTRY.get(id(groups_flat))
+        if gather is not None and gather.owns(groups_flat):
+            return gather(groups_flat, dp_process_group)
+        return _ORIGINAL[module_name](groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
+
+    _dispatching_gather.qzero_dispatcher = True
+    return _dispatching_gather
 
 
 def _install() -> None:
-    module = _stage12_module()
-    if module.all_gather_dp_groups is not _dispatching_gather:
-        _ORIGINAL["all_gather_dp_groups"] = module.all_gather_dp_groups
-        module.all_gather_dp_groups = _dispatching_gather
+    for module in _gather_modules():
+        if not getattr(module.all_gather_dp_groups, "qzero_dispatcher", False):
+            _ORIGINAL[module.__name__] = module.all_gather_dp_groups
+            module.all_gather_dp_groups = _dispatching_for(module.__name__)
 
 
 def _uninstall_if_unused() -> None:
-    module = _stage12_module()
-    if not _REGISTRY and module.all_gather_dp_groups is _dispatching_gather:
-        module.all_gather_dp_groups = _ORIGINAL.pop("all_gather_dp_groups")
+    if _REGISTRY:
+        return
+    for module in _gather_modules():
+        if getattr(module.all_gather_dp_groups, "qzero_dispatcher", False):
+            module.all_gather_dp_groups = _ORIGINAL.pop(module.__name__)
 
 
 def is_patched() -> bool:
-    """Whether DeepSpeed's ZeRO-1/2 gather currently goes through qzero's dispatcher."""
-    return _stage12_module().all_gather_dp_groups is _dispatching_gather
+    """Whether DeepSpeed's ZeRO-1/2 gathers currently go through qzero's dispatcher."""
+    return all(getattr(m.all_gather_dp_groups, "qzero_dispatcher", False) for m in _gather_modules())
 
 
 # --------------------------------------------------------------------------- public API
@@ -388,7 +425,7 @@ def enable(
     def prepare():  # every other check is agreed on ([Note: agreement]): one rank's error raises on all
         settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel, overlap_param_gather)
         check_deepspeed_version()
-        _check_optimizer_state(opt)
+        _check_optimizer_state(flat_groups(opt))
         engine = target if isinstance(target, torch.nn.Module) and isinstance(target._modules.get("module"),
                                                                               torch.nn.Module) else None
         trained = engine._modules["module"] if model is None and engine is not None else model
@@ -452,11 +489,11 @@ def initialize(*args, **kwargs):
     """
     import deepspeed
 
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
-    call = bound.arguments
+    call = _by_name(args, kwargs)
     config, source = _find_config(call)
     if config is None:  # DeepSpeed will complain about the missing config itself
-        return deepspeed.initialize(*bound.args, **bound.kwargs)
+        return deepspeed.initialize(**call)
+
     def prepare():
         prepared = prepare_config(_load_config(config))
         if prepared.quantize:
@@ -482,6 +519,28 @@ def initialize(*args, **kwargs):
         enable(engine, group_size=s.group_size, fmt=s.fmt, small_param_numel=s.small_param_numel,
                overlap_param_gather=s.overlap_param_gather)
     return result
+
+
+#: ``deepspeed.initialize``'s parameters in order (DeepSpeed 0.19). Arguments are bound to
+#: these names, not to ``inspect.signature(deepspeed.initialize)``: whatever wrapped that
+#: function (a profiler, a test harness) may show ``(*args, **kwargs)`` instead.
+INITIALIZE_PARAMETERS = ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                         "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                         "config_params")
+
+
+def _by_name(args: tuple, kwargs: dict) -> dict:
+    """``initialize``'s arguments as keywords of :data:`INITIALIZE_PARAMETERS` (others kept
+    as given, for DeepSpeed to judge). Raises ``TypeError`` as a call would."""
+    if len(args) > len(INITIALIZE_PARAMETERS):
+        raise TypeError(f"initialize() takes at most {len(INITIALIZE_PARAMETERS)} positional arguments "
+                        f"({len(args)} given)")
+    call = dict(zip(INITIALIZE_PARAMETERS, args))
+    twice = sorted(set(call) & set(kwargs))
+    if twice:
+        raise TypeError(f"initialize() got multiple values for argument {twice[0]!r}")
+    call.update(kwargs)
+    return call
 
 
 def _agree_on_config(prepared, error: Exception | None) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..overlap import GatherAhead
+from .deepspeed_layout import flat_groups
 
 #: Optimizer methods that finish a running gather before they run.
 OPTIMIZER_WAITS = ("step", "backward_prologue", "load_state_dict", "state_dict")
@@ -38,11 +39,10 @@ def param_ranges(opt) -> list[tuple[torch.nn.Parameter, int, int, int]]:
     """``(param, group, start, stop)`` for every parameter of DeepSpeed's flat groups: its
     recorded offset, checked against where the parameter's storage really is."""
     ranges = []
-    for i, flat in enumerate(opt.bit16_groups_flat):
+    layout = flat_groups(opt)
+    for i, flat in enumerate(layout.flats):
         base, size = flat.data_ptr(), flat.element_size()
-        for p, meta, offset in zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_meta[i],
-                                   opt.round_robin_bit16_offsets[i]):
-            n, offset = int(meta.numel()), int(offset)
+        for p, n, offset in zip(layout.params[i], layout.numels[i], layout.offsets[i]):
             if n == 0:
                 continue
             if p.data_ptr() != base + offset * size or p.numel() != n:
@@ -73,7 +73,7 @@ class AheadWiring:
 
     def __init__(self, gather, opt, model: torch.nn.Module, engine: torch.nn.Module | None):
         self.gather = gather
-        self.ahead = GatherAhead.from_ranges(model, model_ranges(opt, model), len(opt.bit16_groups_flat))
+        self.ahead = GatherAhead.from_ranges(model, model_ranges(opt, model), len(flat_groups(opt).flats))
         self.stepping = False
         wait = self.wait
         self._hooks = [

@@ -16,10 +16,16 @@ unknown keys, so qzero's other settings are the callback's arguments
 (``offload_optimizer: {"device": "cpu"}``) works as with ``initialize``. By default the
 callback follows ``zero_quantized_weights`` in the Trainer's DeepSpeed config; at ZeRO
 stage 3 it leaves DeepSpeed's own quantized weights alone.
+
+After every optimizer step the callback checks that the step's weight gather ran through
+qzero (a step DeepSpeed skipped for an fp16 overflow gathers nothing): a gather that went
+elsewhere raises instead of training on with the plain gather unnoticed.
+``callback.report()`` says what the last gather carried quantized.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers import TrainerCallback
@@ -27,6 +33,8 @@ from transformers import TrainerCallback
 from . import deepspeed as qds
 
 __all__ = ["QZeroCallback"]
+
+_log = logging.getLogger("qzero.hf")
 
 
 class QZeroCallback(TrainerCallback):
@@ -55,6 +63,8 @@ class QZeroCallback(TrainerCallback):
                                                      overlap_param_gather)
         self.enabled = enabled
         self.gather: qds.QuantizedGather | None = None
+        self._optimizer = None  # DeepSpeed's optimizer, for its overflow flag
+        self._calls = 0  # gathers counted at the end of the previous step
 
     def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
         if not self._wanted(args):
@@ -75,6 +85,29 @@ class QZeroCallback(TrainerCallback):
             overlap_param_gather=s.overlap_param_gather,
             model=model,  # the module DeepSpeed trains: gather-ahead hooks its modules
         )
+        self._optimizer = qds.find_zero_optimizer(optimizer)
+        self._calls = self.gather.calls
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.gather is None:
+            return
+        calls, before = self.gather.calls, self._calls
+        self._calls = calls
+        if calls == before and not getattr(self._optimizer, "overflow", False):
+            raise RuntimeError(
+                f"qzero: optimizer step {state.global_step} ran without qzero's weight gather (still {calls} "
+                "gather(s)): DeepSpeed's post-step gather no longer goes through qzero's adapter, so the weights "
+                "travelled plainly; was qzero.integrations.deepspeed.disable() called, or DeepSpeed's "
+                "all_gather_dp_groups replaced after the callback enabled it?"
+            )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.gather is not None:
+            _log.info(self.gather.report().summary())
+
+    def report(self) -> qds.DeepSpeedGatherReport | None:
+        """What the last gather carried (None when the callback did not enable the adapter)."""
+        return None if self.gather is None else self.gather.report()
 
     def _wanted(self, args) -> bool:
         zero = _zero_section(args)

@@ -40,7 +40,9 @@ def sliceable(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> 
         getattr(optim_module, "_global_optimizer_pre_hooks", {}),
         getattr(optim_module, "_global_optimizer_post_hooks", {}),
     )
-    if any(hooks) or any(g.get("differentiable") for g in optimizer.param_groups):
+    if any(not getattr(h, "qzero_read_only", False) for hs in hooks for h in hs.values()):
+        return False  # a hook would run once per slice: only checks that change nothing may
+    if any(g.get("differentiable") for g in optimizer.param_groups):
         return False
     groups = optimizer.param_groups
     if len(groups) != len(masters) or any(len(g["params"]) != 1 or g["params"][0] is not m for g, m in zip(groups, masters)):

@@ -152,7 +152,29 @@ class ZeroOptimizer:
         return self.scaler.scale
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` (scaled for fp16); stage 2 reduces gradients as they appear."""
+        """Backward of ``loss`` (scaled for fp16); stage 2 reduces gradients as they appear.
+
+        ``loss`` must be a floating-point tensor of one element that requires grad; anything
+        else raises ``TypeError``/``ValueError`` naming what is wrong, before any work (a local
+        check of the tensor's type, shape and flags: ranks running the same code raise alike)."""
+        if not isinstance(loss, torch.Tensor):
+            if loss is None:
+                hint = (" (a Hugging Face model's output has loss=None when it is called without labels: pass "
+                        "labels=..., or compute the loss from its logits)")
+            elif isinstance(getattr(loss, "loss", None), torch.Tensor):
+                hint = " (a model output: pass its .loss)"
+            else:
+                hint = ""
+            raise TypeError(f"ZeroOptimizer.backward(loss): loss must be a torch.Tensor, got "
+                            f"{type(loss).__name__}{hint}")
+        if not loss.is_floating_point():
+            raise TypeError(f"ZeroOptimizer.backward(loss): loss must be a floating-point tensor, got dtype {loss.dtype}")
+        if loss.numel() != 1:
+            raise ValueError(f"ZeroOptimizer.backward(loss): loss must be a scalar (one element), got shape "
+                             f"{tuple(loss.shape)}; reduce it first (loss.mean() or loss.sum())")
+        if not loss.requires_grad:
+            raise ValueError("ZeroOptimizer.backward(loss): loss does not require grad (was it computed under "
+                             "torch.no_grad() or torch.inference_mode(), detached, or from frozen parameters only?)")
         self._finish_gathers()
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:

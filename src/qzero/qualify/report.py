@@ -16,14 +16,15 @@ GPU_HINT = (
 def verdict(r: dict) -> str:
     """One line: the speed finding (or why there is none), the bytes on the wire, the gates."""
     lo, hi = r["speedup_ci95"]
-    speed = f"candidate {r['speedup']:.3f}x the baseline's speed (95% CI {lo:.3f}-{hi:.3f})"
+    speed = f"candidate {r['speedup']:.3f}x the baseline's speed (95% CI {lo:.3f}-{hi:.3f}{_ci_scope(r)})"
     noise = r.get("noise") or {}
+    noisy = (f"TOO NOISY TO DECIDE: arms of one setting differ by {noise['within_setting']:.0%}, more than "
+             f"the {noise['between_settings']:.0%} between the settings; ") if noise.get("too_noisy") else ""
     if r.get("device") == "cpu":
         speed = ("NOTHING TO SAVE ON CPU LOOPBACK: the link costs next to nothing here, so step times show "
-                 "compute and noise only; " + speed)
-    elif noise.get("too_noisy"):
-        speed = (f"TOO NOISY TO DECIDE: arms of one setting differ by {noise['within_setting']:.0%}, more than "
-                 f"the {noise['between_settings']:.0%} between the settings; " + speed)
+                 "compute and noise only; " + noisy + speed)
+    elif noisy:
+        speed = noisy + speed
     elif lo > 1:
         speed = "FASTER: " + speed
     elif hi < 1:
@@ -36,6 +37,14 @@ def verdict(r: dict) -> str:
     failed = [k for k, ok in r["gates"].items() if not ok]
     gates = "all gates pass" if not failed else "GATES FAILED: " + ", ".join(failed)
     return f"{speed}; {gates}"
+
+
+def _ci_scope(r: dict) -> str:
+    """What the interval spans, in two words (:func:`qzero.qualify.stats.interval_covers`)."""
+    roles = [a["role"] for a in r.get("arms", [])]
+    if not roles:
+        return ""
+    return " over arms and steps" if min(roles.count("baseline"), roles.count("candidate")) >= 2 else " over steps"
 
 
 def _mib(n: int) -> str:
@@ -69,7 +78,8 @@ def markdown(r: dict, plotted: bool = True) -> str:
         "",
         f"Speedup (median baseline step / median candidate step): **{r['speedup']:.3f}×**, "
         f"95% bootstrap interval {lo:.3f}–{hi:.3f}; medians {1e3 * r['baseline_median_s']:.1f} ms (baseline) and "
-        f"{1e3 * r['candidate_median_s']:.1f} ms (candidate).",
+        f"{1e3 * r['candidate_median_s']:.1f} ms (candidate). The interval covers "
+        f"{r.get('speedup_ci95_covers', 'step-to-step noise (steps of all arms resampled together)')}.",
         "",
         *_noise_lines(r),
         "| arm | role | median step | final loss | peak allocated | peak reserved | weights gathered/rank/step "
@@ -117,7 +127,8 @@ def markdown(r: dict, plotted: bool = True) -> str:
         "",
         "## Plots",
         "",
-        *(["![loss curves](loss.png)", "", "![step times](step_times.png)"] if plotted else
+        *(["![bytes per rank per step](bytes.png)", "", "![loss curves](loss.png)", "",
+           "![step times](step_times.png)"] if plotted else
           ["Skipped: matplotlib is not installed (`pip install 'qzero[cli]'` adds it); the figures are in "
            "`report.json`."]),
         "",
@@ -191,43 +202,103 @@ def _ok(flag: bool) -> str:
     return "pass" if flag else "**FAIL**"
 
 
+#: One marker per arm, so that arms whose curves coincide (arms of one setting do, exactly)
+#: still show each of them.
+MARKERS = "osD^v<>ph*"
+
+
 def plots(r: dict, out_dir: str) -> list[str]:
+    """bytes.png, loss.png and step_times.png in ``out_dir``; their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
+    for name, figure in (("bytes.png", bytes_figure), ("loss.png", loss_figure), ("step_times.png", step_figure)):
+        fig = figure(r, plt)
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _arm_style(r: dict, i: int, n_points: int) -> dict:
+    """Line style of arm ``i``: solid for the baseline, dashed for the candidate; its own
+    marker, placed at steps staggered from the other arms', and a line thinner than the
+    arms' before it, so that coinciding curves each stay visible."""
+    arms = r["arms"]
+    every = max(1, n_points // 8)
+    return dict(linestyle="-" if arms[i]["role"] == "baseline" else "--", marker=MARKERS[i % len(MARKERS)],
+                markevery=(i * every // len(arms) % every, every), linewidth=max(0.8, 2.6 - 0.6 * i),
+                markersize=max(3.0, 7.0 - i), alpha=0.85)
+
+
+def _same_as(r: dict, i: int, key: str) -> str:
+    """`` = B1`` when arm ``i``'s ``key`` curve equals an earlier arm's, else empty."""
+    for earlier in r["arms"][:i]:
+        if earlier[key] == r["arms"][i][key]:
+            return f" = {earlier['arm']}"
+    return ""
+
+
+def loss_figure(r: dict, plt):
+    """Loss per arm, and each arm's difference from the first baseline arm with the gate's
+    limits (``±max_loss_diff``) drawn."""
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     base = next(a for a in r["arms"] if a["role"] == "baseline")
-    for a in r["arms"]:
-        style = "-" if a["role"] == "baseline" else "--"
+    gate = r["thresholds"]["max_loss_diff"]
+    for i, a in enumerate(r["arms"]):
         steps = range(1, len(a["losses"]) + 1)
-        ax.plot(steps, a["losses"], style, label=f"{a['arm']} ({a['role']})", alpha=0.8)
-        dx.plot(steps, [x - y for x, y in zip(a["losses"], base["losses"])], style, alpha=0.8)
+        style = _arm_style(r, i, len(a["losses"]))
+        ax.plot(steps, a["losses"], label=f"{a['arm']} ({a['role']}){_same_as(r, i, 'losses')}", **style)
+        dx.plot(steps, [x - y for x, y in zip(a["losses"], base["losses"])], **style)
     ax.set_ylabel("training loss")
-    ax.set_title(f"loss per arm; max |difference| {r['max_loss_diff']:.4f}")
+    ax.set_title(f"loss per arm; max |difference| {r['max_loss_diff']:.4f} (gate: at most {gate})")
     ax.legend()
     dx.axhline(0.0, color="grey", lw=0.5)
+    for sign in (1, -1):
+        dx.axhline(sign * gate, color="tab:red", linestyle=":", lw=1.2, label=f"gate ±{gate}" if sign > 0 else None)
+    dx.legend(loc="upper left")
     dx.set_xlabel("step")
     dx.set_ylabel(f"loss - {base['arm']}")
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "loss.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def step_figure(r: dict, plt):
+    """Measured step times per arm (box: quartiles, line: median)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     data = [[1e3 * t for t in a["step_times"]] for a in r["arms"]]
     ax.boxplot(data, showfliers=True)
     ax.set_xticks(range(1, len(data) + 1), [f"{a['arm']}\n{a['role']}" for a in r["arms"]])
     ax.set_ylabel("step time (ms)")
-    lo, hi = r["speedup_ci95"]
-    ax.set_title(f"measured step times; speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f})")
+    ax.set_title("measured step times per arm (warm-up and last step excluded)")
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "step_times.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return fig
+
+
+def bytes_figure(r: dict, plt):
+    """Bytes each rank sends per step, by arm: the weight gather (and what the plain gather
+    would send) and the gradient reduction. The one figure a CPU run carries over to GPUs."""
+    arms = r["arms"]
+    bars = [("weights gathered", "bytes_sent_per_step"), ("weights, plain gather", "plain_bytes_per_step"),
+            ("gradients sent", "grad_bytes_sent_per_step")]
+    bars = [(label, key) for label, key in bars if all(a.get(key) is not None for a in arms)]
+    top = max((a[key] for a in arms for _, key in bars), default=1) or 1
+    unit, size = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= s), ("B", 1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(bars))
+    for j, (label, key) in enumerate(bars):
+        xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(arms))]
+        ax.bar(xs, [a[key] / size for a in arms], width, label=label, hatch=["", "//", ".."][j])
+    ax.set_xticks(range(len(arms)), [f"{a['arm']}\n{a['role']}" for a in arms])
+    ax.set_ylabel(f"{unit} per rank per step")
+    ax.set_title("bytes each rank sends per step, by arm")
+    ax.set_ylim(0, 1.3 * top / size)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncol=len(bars))
+    fig.tight_layout()
+    return fig
 
 
 def write(r: dict, out_dir: str) -> bool:

@@ -4,8 +4,10 @@ Two settings (the common ones, each with its arm's own on top) run as arms in th
 (``BCCB`` by default: baseline, candidate, candidate, baseline), each arm in a
 fresh process with the same seed and data. Arms of one setting must reproduce
 each other exactly. The speedup is the ratio of the median measured step times
-(warm-up excluded), with a bootstrap 95% interval; the gates check accuracy,
-replica identity and memory (:class:`Thresholds`).
+(warm-up excluded), with a 95% interval from a two-level bootstrap (arms, then
+steps within arms: :func:`qzero.qualify.stats.bootstrap_ci_arms`), so that it
+shows the spread between runs of one setting and not only between the steps of
+one run; the gates check accuracy, replica identity and memory (:class:`Thresholds`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ class Thresholds:
     """On the CPU the memory figure is the process's peak RSS, which moves by a few MiB
     between identical runs; the baseline comparison allows this much on top of 1%."""
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"threshold {f.name} must be a finite number >= 0, got {v!r}")
+
 
 class ArmFailed(RuntimeError):
     pass
@@ -45,7 +53,9 @@ class ArmFailed(RuntimeError):
 def run_arm(settings: TrainSettings, out_path: str, log_path: str, env: dict[str, str] | None = None) -> dict:
     """Run one arm in a fresh Python process (which starts its own ranks); ``env`` adds
     environment variables for that process only."""
-    cmd = [sys.executable, "-m", "qzero.cli", "_arm", json.dumps(dataclasses.asdict(settings)), out_path]
+    # --parent: the arm (and with it its ranks) dies with this process, even when it is SIGKILLed
+    cmd = [sys.executable, "-m", "qzero.cli", "_arm", json.dumps(dataclasses.asdict(settings)), out_path,
+           "--parent", str(os.getpid())]
     extra, env = env or {}, dict(os.environ)
     env.update(extra)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -98,6 +108,13 @@ def qualify(
     return report
 
 
+def differing(baseline: TrainSettings, candidate: TrainSettings) -> dict[str, tuple]:
+    """The settings the arms differ in, by name (ZeroConfig's fields by theirs), as
+    (baseline, candidate) pairs; empty when the arms are the same run."""
+    b_set, c_set = flat_settings(baseline), flat_settings(candidate)
+    return {k: (b_set[k], c_set[k]) for k in sorted(b_set) if b_set[k] != c_set[k]}
+
+
 def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, candidate: TrainSettings, order: str,
             t: Thresholds) -> dict:
     """Statistics and gates from finished arms (pure: testable on synthetic arms)."""
@@ -108,7 +125,7 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, cand
     b_times = [x for a in b for x in a["step_times"]]
     c_times = [x for a in c for x in a["step_times"]]
     ratio = stats.speedup(b_times, c_times)
-    ci = stats.bootstrap_ci(b_times, c_times)
+    ci = stats.bootstrap_ci_arms([a["step_times"] for a in b], [a["step_times"] for a in c])
     agreement = stats.param_agreement(c[0]["sample"], b[0]["sample"], t.atol, t.rtol)
     loss_diff = stats.max_loss_diff(b[0]["losses"], c[0]["losses"])
     device = resolve_device(base)
@@ -135,11 +152,10 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, cand
     between = abs(b_median - c_median) / min(b_median, c_median)
     b_bytes = stats.statistics.median(a["bytes_sent_per_step"] for a in b)
     c_bytes = stats.statistics.median(a["bytes_sent_per_step"] for a in c)
-    b_set, c_set = flat_settings(baseline), flat_settings(candidate)  # ZeroConfig's fields by their names
-    differing = {k: (b_set[k], c_set[k]) for k in sorted(b_set) if b_set[k] != c_set[k]}
     return {
         "speedup": ratio,
         "speedup_ci95": list(ci),
+        "speedup_ci95_covers": stats.interval_covers(len(b), len(c)),
         "baseline_median_s": b_median,
         "candidate_median_s": c_median,
         # arms of one setting that differ by more than the settings do: the run cannot decide
@@ -155,7 +171,7 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, cand
         "passed": all(gates.values()),
         "thresholds": dataclasses.asdict(t),
         "order": order,
-        "differing_settings": {k: list(v) for k, v in differing.items()},
+        "differing_settings": {k: list(v) for k, v in differing(baseline, candidate).items()},
         "settings": dataclasses.asdict(base),
         "scope": {
             "model": base.model_config or base.preset,
