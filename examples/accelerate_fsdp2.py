@@ -3,6 +3,7 @@
     accelerate launch --num_processes 2 examples/accelerate_fsdp2.py             # one GPU per rank
     accelerate launch --num_processes 2 examples/accelerate_fsdp2.py --no-quant  # plain, to compare
     accelerate launch --num_processes 2 examples/accelerate_fsdp2.py --cpu-ram-efficient-loading
+    torchrun --nproc_per_node=2 examples/accelerate_fsdp2.py --cpu-fsdp2      # CPU, see below
 
 The script gives Accelerate its FSDP2 plugin itself, so no ``accelerate config`` is needed.
 The one qzero line is ``quantize_weight_gathers(model)`` on the fp32 model *before*
@@ -12,8 +13,8 @@ default device mesh is all ranks, the data-parallel mesh qzero assumes; with a
 ``ParallelismConfig`` pass ``mesh=`` the FSDP sub-mesh (docs/accelerate.md). The model is
 a tiny Qwen3 built from a config (nothing downloaded); the text is this Python's
 standard-library sources, as bytes. On a machine without GPUs Accelerate does not choose
-FSDP; the CPU test of this script (tests/test_frameworks_accelerate.py) reaches the
-same FSDP2 path by setting Accelerate's state by hand.
+FSDP; ``--cpu-fsdp2`` reaches the same FSDP2 path there by setting Accelerate's state by
+hand (``fsdp2_accelerator``), which is how this script is tested on CPU.
 """
 
 import argparse
@@ -39,6 +40,24 @@ def fsdp2_plugin(cpu_ram_efficient_loading: bool = False) -> FullyShardedDataPar
         mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         cpu_ram_efficient_loading=cpu_ram_efficient_loading,
     )
+
+
+def fsdp2_accelerator(cpu_ram_efficient_loading: bool = False, cpu_by_hand: bool = False) -> Accelerator:
+    """An Accelerator with the FSDP2 plugin. ``cpu_by_hand``: on CPU, where Accelerate never
+    chooses FSDP, set its state to FSDP2 by hand (what it sets itself on GPUs). A fresh
+    state each call: Accelerate's FSDP2 ``prepare`` of a second model in one Accelerator
+    hands back the first."""
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    plugin = fsdp2_plugin(cpu_ram_efficient_loading)
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=cpu_by_hand)
+    if cpu_by_hand:
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+    return accelerator
 
 
 def train(accelerator: Accelerator, *, quantize: bool = True, steps: int = 10, corpus=None) -> dict:
@@ -69,14 +88,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cpu-ram-efficient-loading", action="store_true")
+    parser.add_argument("--cpu-fsdp2", action="store_true", help="CPU: set Accelerate's state to FSDP2 by hand")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    accelerator = Accelerator(fsdp_plugin=fsdp2_plugin(args.cpu_ram_efficient_loading))
+    accelerator = fsdp2_accelerator(args.cpu_ram_efficient_loading, cpu_by_hand=args.cpu_fsdp2)
     if not accelerator.is_fsdp2:
-        raise SystemExit("Accelerate did not choose FSDP2 here (it needs GPUs); see the docstring")
+        raise SystemExit("Accelerate did not choose FSDP2 here (it needs GPUs); try --cpu-fsdp2")
     out = train(accelerator, quantize=args.quant, steps=args.steps)
     if accelerator.is_main_process:
-        print("losses:", " ".join(f"{x:.4f}" for x in out["losses"]))
+        for step, loss in enumerate(out["losses"]):
+            print(f"step {step:3d}  loss {loss:.4f}")
         if out["report"] is not None:
             print(out["report"].summary())
 

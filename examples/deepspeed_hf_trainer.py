@@ -84,7 +84,8 @@ def main():
     with tempfile.TemporaryDirectory() as out:
         run = train(out, quantize=args.quant, zero1_fp32_accum=args.zero1_fp32_accum, steps=args.steps, cpu=args.cpu)
     if run["trainer"].is_world_process_zero():
-        print("losses:", " ".join(f"{x:.4f}" for x in run["losses"]))
+        for step, loss in enumerate(run["losses"]):
+            print(f"step {step:3d}  loss {loss:.4f}")
         report = run["callback"].report()
         if report is not None:
             print(report.summary())

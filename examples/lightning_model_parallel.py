@@ -87,7 +87,8 @@ def main():
     quantize = None if not args.quant else "group" if args.per_group else "parameter"
     module = train(quantize=quantize, steps=args.steps, devices=args.devices)
     if module.global_rank == 0:
-        print("losses (rank 0):", " ".join(f"{x:.4f}" for x in module.losses))
+        for step, loss in enumerate(module.losses):
+            print(f"step {step:3d}  loss {loss:.4f}")
         if module.report is not None:
             print(module.report.summary())
 

@@ -128,7 +128,8 @@ def main():
     quantize = None if not args.quant else "group" if args.per_group else "parameter"
     out = train(quantize=quantize, steps=args.steps, device_type="cuda" if cuda else "cpu")
     if dist.get_rank() == 0:
-        print("losses (rank 0):", " ".join(f"{x:.4f}" for x in out["losses"]))
+        for step, loss in enumerate(out["losses"]):
+            print(f"step {step:3d}  loss {loss:.4f}")
         if out["report"] is not None:
             print(out["report"].summary())
     dist.destroy_process_group()

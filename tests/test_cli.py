@@ -103,7 +103,7 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--repeats", "0"], "^qzero: error: --repeats must be at least 1, got 0$"),
         (["qualify", "--tolerance", "-1"], "--tolerance must be a finite number >= 0, got -1.0"),
         (["qualify", "--max-loss-diff", "nan"], "--max-loss-diff must be a finite number >= 0, got nan"),
-        (["qualify", "--candidate", "quantised=true"], "unknown setting 'quantised'; did you mean quantized"),
+        (["qualify", "--candidate", "quantised=true"], "unknown setting 'quantised' .not a workload setting, ZeroConfig field or short name.; did you mean quantized"),
         (["qualify", "--candidate", "quantized"], "expected KEY=VALUE"),
         (["qualify", "--baseline", "quantized=true", "--candidate", "quantized=true"], "no difference configured"),
         (["qualify", "--candidate", "fmt=int4"], "--candidate zero_quantized_weights_format=...: does nothing while this arm.s zero_quantized_weights is false"),

@@ -53,21 +53,22 @@ def step_record(opt, before: list[torch.Tensor]) -> dict:
     return out
 
 
+def backward(opt, model, rank, world, step, micro=0, overflow=False) -> float:
+    """One micro-batch's backward (rank 1's loss made Inf with ``overflow``); the mean loss over ranks."""
+    tokens, targets = batch(step, micro)
+    loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
+    opt.backward(loss * torch.inf if overflow and rank == 1 else loss)
+    mean = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
 def delta_run(rank, world, cfg_kwargs, steps, micro=1, dtype=torch.bfloat16, overflow_step=None):
     model = make_model(dtype, seed=rank)  # replicas start different: rank 0's weights must win
     opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(**cfg_kwargs))
     records, losses = [], []
     for step in range(steps):
-        step_loss = 0.0
-        for m in range(micro):
-            tokens, targets = batch(step, m)
-            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
-            if step == overflow_step and rank == 1:
-                loss = loss * torch.inf
-            opt.backward(loss)
-            t = loss.detach().float().reshape(1).clone()
-            dist.all_reduce(t)
-            step_loss += t.item() / world
+        step_loss = sum(backward(opt, model, rank, world, step, m, step == overflow_step) for m in range(micro))
         before = [g.flat.clone() for g in opt.groups]
         took = opt.step()
         opt.wait_for_weights()
@@ -307,12 +308,7 @@ def checkpoint_run(rank, world, path, mode, order="contiguous", delta=True):
 
     def train(steps, offset):
         for step in range(offset, offset + steps):
-            tokens, targets = batch(step, 0)
-            loss = model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
-            opt.backward(loss)
-            t = loss.detach().reshape(1).clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
+            losses.append(backward(opt, model, rank, world, step))
             opt.step()
             opt.zero_grad()
             payloads.append(opt.last_gather[0].payload)
@@ -360,3 +356,29 @@ def test_reshard_resumes_from_an_exact_resync(tmp_path):
     run_distributed(checkpoint_run, 2, plain_path, "save", "contiguous", False)
     for r in run_distributed(checkpoint_run, 2, plain_path, "load", "contiguous"):
         assert r[3] is True and r[2] == ["int4 delta"] * 3
+
+
+def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
+    """bench/emulated_matrix.py wraps the engine's pack_chunk (to clear side channels); a delta
+    gather calls it with its DeltaInputs, which must reach the real pack."""
+    import os
+    import sys
+
+    from qzero.chunks import DeltaInputs
+    from qzero.layout import plan_gather
+    from qzero.quant import reference
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import emulated_matrix
+    finally:
+        sys.path.remove(bench)
+    seen = []
+    pack = emulated_matrix._clearing_side_channel(lambda *args: seen.append(args) or "slot")
+    plan = plan_gather(64, 1, fmt="int4", group_size=8, bucket_numel=64, exact_ranges=[(0, 4)], delta=True)
+    buf = torch.ones(plan.chunks[0].payload_bytes, dtype=torch.uint8)
+    inputs = DeltaInputs(torch.zeros(64), reference.refusal_flag("cpu"))
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    assert pack(flat, plan, plan.chunks[0], 0, buf, reference, inputs) == "slot"
+    assert seen[0][-1] is inputs

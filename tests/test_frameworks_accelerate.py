@@ -24,24 +24,6 @@ from frameworks import assert_report_is_what_travels, assert_trains_like_plain, 
 STEPS = 10
 
 
-def fsdp2_accelerator(example, cpu_ram_efficient_loading: bool):
-    """A fresh Accelerator with the example's FSDP2 plugin, its state set to FSDP by hand
-    (what Accelerate sets on GPUs; see the module docstring). One per run: Accelerate's
-    FSDP2 ``prepare`` of a second model in one Accelerator hands back the first."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DistributedType
-
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    plugin = example.fsdp2_plugin(cpu_ram_efficient_loading)
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    assert accelerator.is_fsdp2
-    return accelerator
-
-
 def worker(rank, world):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -54,7 +36,7 @@ def worker(rank, world):
     initial = dict(build_model(model_config(example.PRESET), torch.float32, torch.device("cpu"), 0).named_parameters())
     out = {}
     for arm, quantize, low_ram in (("plain", False, False), ("quantized", True, False), ("low_ram", True, True)):
-        run = example.train(fsdp2_accelerator(example, low_ram), quantize=quantize, steps=STEPS, corpus=corpus)
+        run = example.train(example.fsdp2_accelerator(low_ram, cpu_by_hand=True), quantize=quantize, steps=STEPS, corpus=corpus)
         model = run["model"]
         wrapped = {n: wrapped_in(p) for n, p in model.named_parameters() if wrapped_in(p) is not None}
         out[arm] = dict(

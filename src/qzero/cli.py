@@ -188,7 +188,7 @@ def _did_you_mean(key: str) -> str:
     names = [*WORKLOAD_FIELDS, *ZERO_FIELDS, *ZERO_ALIASES]
     close = difflib.get_close_matches(key.strip().replace("-", "_"), names, n=3)
     if close:
-        return f"; did you mean {' or '.join(close)}?"
+        return f" (not a workload setting, ZeroConfig field or short name); did you mean {' or '.join(close)}?"
     return ("; KEY is a workload setting (e.g. engine, world_size), a ZeroConfig field (e.g. stage) or a short "
             f"name ({', '.join(ZERO_ALIASES)}): qzero qualify --help")
 

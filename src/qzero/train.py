@@ -388,13 +388,15 @@ def sample_index(total: int, size: int = SAMPLE_SIZE) -> torch.Tensor:
     return torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
 
 
-def _summary(settings, engine, losses, norms, times, skipped, device, gathered) -> dict:
+def _summary(settings, engine, losses, norms, times, skipped, device, gathered=None) -> dict:
     """``gathered``: ``(sent, plain)`` weight-gather bytes per rank of every measured step; their
-    means are the per-step figures (a delta arm's exact resyncs send more than its other steps)."""
+    means are the per-step figures (a delta arm's exact resyncs send more than its other steps).
+    None: the last step's."""
     params = [p for p in engine.model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
     sample = engine.sample(sample_index(total))
     flats = engine.flats()
+    gathered = gathered or [engine.gathered_bytes()]
     sent, plain = (_mean([step[i] for step in gathered]) for i in (0, 1))
     grad_sent, grad_plain = engine.reduced_bytes()
     peak_alloc, peak_reserved, total_mem = _memory(device)
