@@ -126,13 +126,53 @@ def _clearing_side_channel(pack_chunk):
     on the stream of the pack (microseconds)."""
 
     def pack(flat, plan, chunk, rank, buf, kernels, *args, **kwargs):
-        lay = chunk.payload
-        if plan.quantized and lay.exact_numel:
+        lay = chunk.payload  # None where each rank has its own layout: see _decoding_as_rank0
+        if plan.quantized and lay is not None and lay.exact_numel:
             at = rank * chunk.payload_bytes + lay.exact_offset
             buf[at : at + lay.exact_numel * plan.elem_size].zero_()
         return pack_chunk(flat, plan, chunk, rank, buf, kernels, *args, **kwargs)
 
     return pack
+
+
+def _decoding_as_rank0(unpack_chunk):
+    """``qzero.chunks.unpack_chunk`` for ``qzero.engine`` in an emulated world: where the ranks'
+    payloads of a chunk have layouts of their own (some rank has an exact group: ``PER_RANK``,
+    ``[Note: exact groups]`` in qzero/layout.py), every slot, a copy of rank 0's, is decoded with
+    rank 0's layout, group runs and side elements into its own rank's slice (decoded with another
+    rank's layout, rank 0's bytes would be read as scales where they are codes: NaN, say). The
+    same kernels and launches as on a real world; the tables are built once per chunk."""
+    import torch
+
+    from qzero.chunks import exact_index
+    from qzero.layout import GroupRuns, PayloadKind
+
+    def rank0_everywhere(plan, chunk, device):
+        key = ("emulated: rank 0's payload everywhere", chunk.index, device)
+        if key not in plan._cache:
+            w, pb, es, p = plan.world_size, chunk.payload_bytes, plan.elem_size, plan.partition_numel
+            layout = plan.payload_of(chunk, 0)
+            runs = GroupRuns(chunk.numel, plan.group_size, (chunk.runs[0],) * w, (layout,) * w, pb)
+            idx = exact_index(plan, chunk, 0, torch.device("cpu"))
+            idx = torch.empty(0, dtype=torch.int64) if idx is None else idx
+            side = torch.arange(idx.numel())
+            src = torch.cat([(r * pb + layout.exact_offset) // es + side for r in range(w)])
+            dst = torch.cat([r * p + chunk.offset + idx for r in range(w)])
+            plan._cache[key] = runs, (src.to(device), dst.to(device))
+        return plan._cache[key]
+
+    def unpack(flat, plan, chunk, rank, buf, kernels, delta=None):
+        if chunk.kind is not PayloadKind.PER_RANK:
+            return unpack_chunk(flat, plan, chunk, rank, buf, kernels, delta)
+        runs, exact = rank0_everywhere(plan, chunk, flat.device)
+        args = (buf, flat, plan.partition_numel, chunk.offset, chunk.numel, plan.world_size, None, plan.group_size,
+                plan.fmt, exact)
+        if plan.delta:
+            kernels.unpack_delta_payloads(*args, delta.refused, runs)
+        else:
+            kernels.unpack_payloads(*args, runs)
+
+    return unpack
 
 
 def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
@@ -154,6 +194,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     from qzero.workload import build_model, load_corpus, model_config
 
     qzero.engine.pack_chunk = _clearing_side_channel(qzero.engine.pack_chunk)
+    qzero.engine.unpack_chunk = _decoding_as_rank0(qzero.engine.unpack_chunk)
 
     s = TrainSettings(**given)
     kind = resolve_device(s)

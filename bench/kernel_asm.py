@@ -110,17 +110,18 @@ def main() -> None:
     gs_pad = qt._next_pow2(a.group_size)
     common = {"IS_BF16": True, "SOFT": False, "GS": a.group_size, "GS_PAD": gs_pad, "G": max(1, block // gs_pad)}
     pack_sig = {"src_ptr": "*i16", "values_ptr": "*u8", "scales_ptr": "*fp32", "side_ptr": "*i16", "idx_ptr": "*i64",
-                "blk_ptr": "*i64", "n": "i64"}
-    unpack_sig = {"values_ptr": "*u8", "scales_ptr": "*fp32", "dst_ptr": "*i16", "n": "i64"}
+                "blk_ptr": "*i64", "runs_ptr": "*fp32", "n": "i64", "n_runs": "i32", "run_steps": "i32"}
+    unpack_sig = {"values_ptr": "*u8", "scales_ptr": "*fp32", "dst_ptr": "*i16", "runs_ptr": "*fp32", "n": "i64",
+                  "n_runs": "i32", "run_steps": "i32"}
     for fmt, code in qt._FMT_CODES.items():
         f = qt.get_format(fmt)
         pack_const = {**common, "PAIRS": True, "FMT": code, "QMAX": float(f.qmax), "FLOOR": FLT_MIN,
-                      "HAS_EXACT": False, "STEPS": 12}
+                      "HAS_EXACT": False, "STEPS": 12, "RUNS": False}
         sig = {**pack_sig, **{k: "constexpr" for k in pack_const}}
         per_thread = block // (warps * 32)
         mix(compile_kernel(qt._pack_kernel, sig, pack_const, a.arch, warps, **pack_options), a.out, f"pack_{fmt}",
             per_thread)
-        unpack_const = {**common, "FMT": code}
+        unpack_const = {**common, "FMT": code, "RUNS": False}
         sig = {**unpack_sig, **{k: "constexpr" for k in unpack_const}}
         mix(compile_kernel(qt._unpack_kernel, sig, unpack_const, a.arch, warps), a.out, f"unpack_{fmt}", per_thread)
 

@@ -85,6 +85,7 @@ def main():
     if rank == 0:
         mode = ("INT8 g64 per FSDP module" if args.per_group else "INT8 g64") if args.quant else "plain"
         print(f"{args.steps} steps, {mode} gather: {time.perf_counter() - start:.1f} s")
+    dist.barrier()  # every rank done before any leaves: a rank that exits first can abort another's exit
     dist.destroy_process_group()
 
 

@@ -69,6 +69,7 @@ def main():
             s = opt.last_gather[0]
             print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t0):6.1f} ms  "
                   f"gather {s.bytes_sent / 1e6:.2f} MB/rank ({s.ratio:.2f} of plain)", flush=True)
+    dist.barrier()  # every rank done before any leaves: a rank that exits first can abort another's exit
     dist.destroy_process_group()
 
 

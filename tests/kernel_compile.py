@@ -48,33 +48,37 @@ def build(fn, sig: dict, const: dict, **options) -> str:
 
 def main(quick: bool) -> dict:
     results = {}
-    # Weight pack: every source type and format; exact elements only from 16-bit sources.
-    for src, fmt, exact in itertools.product(SRC, FMTS, (False, True)):
-        if src == "fp32" and exact:
+    # Weight pack: every source type and format; exact elements (and group runs, which
+    # come with them) only from 16-bit sources.
+    for src, fmt, exact, runs in itertools.product(SRC, FMTS, (False, True), (False, True)):
+        if (src == "fp32" and exact) or (runs and not exact):
             continue
         if quick and src == "fp16" and fmt != "fp8":
             continue
         code, qmax = FMTS[fmt]
         pairs = src != "fp32"
         sig = dict(src_ptr=SRC[src], values_ptr="*u8", scales_ptr="*fp32", side_ptr="*i16" if exact else "*fp32",
-                   idx_ptr="*i64" if exact else "*fp32", blk_ptr="*i64" if exact else "*fp32", n="i64")
+                   idx_ptr="*i64" if exact else "*fp32", blk_ptr="*i64" if exact else "*fp32",
+                   runs_ptr="*i64" if runs else "*fp32", n="i64", n_runs="i32", run_steps="i32")
         const = dict(IS_BF16=src == "bf16", SOFT=False, PAIRS=pairs, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64,
-                     GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11)
-        results[f"pack {src} {fmt} exact={exact}"] = build(qt._pack_kernel, sig, const, **qt.PACK_OPTIONS)
-    # Weight unpack: 16-bit destinations, every format.
-    for dst, fmt in itertools.product(("bf16", "fp16"), FMTS):
+                     GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11, RUNS=runs)
+        results[f"pack {src} {fmt} exact={exact} runs={runs}"] = build(qt._pack_kernel, sig, const, **qt.PACK_OPTIONS)
+    # Weight unpack: 16-bit destinations, every format, with and without group runs.
+    for dst, fmt, runs in itertools.product(("bf16", "fp16"), FMTS, (False, True)):
         if quick and dst == "fp16" and fmt != "fp8":
             continue
         code, _ = FMTS[fmt]
-        sig = dict(values_ptr="*u8", scales_ptr="*fp32", dst_ptr="*i16", n="i64")
-        const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
-        results[f"unpack {dst} {fmt}"] = build(qt._unpack_kernel, sig, const)
+        sig = dict(values_ptr="*u8", scales_ptr="*fp32", dst_ptr="*i16", runs_ptr="*i64" if runs else "*fp32", n="i64",
+                   n_runs="i32", run_steps="i32")
+        const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, RUNS=runs)
+        results[f"unpack {dst} {fmt} runs={runs}"] = build(qt._unpack_kernel, sig, const)
         # every source rank's payload of a chunk in one launch (2-D grid); offsets of 32 and 64 bits
         for wide in (False, True):
             ints = "i64" if wide else "i32"
             sig = dict(buf_ptr="*u8", flat_ptr="*i16", n="i32", offset=ints, partition=ints, payload_bytes="i32",
-                       scales_offset="i32")
-            results[f"unpack all ranks {dst} {fmt} {ints}"] = build(qt._unpack_ranks_kernel, sig, const)
+                       scales_offset="i32", runs_ptr="*i64" if runs else "*u8", row_len="i32", n_runs="i32",
+                       run_steps="i32")
+            results[f"unpack all ranks {dst} {fmt} {ints} runs={runs}"] = build(qt._unpack_ranks_kernel, sig, const)
     # Delta payloads: pack from an fp32 target and a 16-bit replica, with and without exact
     # elements; the in-place unpack of every rank's payload (no fp contraction in either).
     for dst, fmt in itertools.product(("bf16", "fp16"), ("int4", "int8")):
@@ -82,21 +86,25 @@ def main(quick: bool) -> dict:
         for exact in (False, True):
             if quick and dst == "fp16" and exact:
                 continue
-            sig = dict(target_ptr="*fp32", replica_ptr="*i16", values_ptr="*u8", scales_ptr="*fp32",
-                       side_ptr="*i16" if exact else "*fp32", idx_ptr="*i64" if exact else "*fp32",
-                       blk_ptr="*i64" if exact else "*fp32", n="i64")
-            for gs in (64, 136):  # a power of two, and a group size that is not
-                const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=gs,
-                             GS_PAD=qt._next_pow2(gs), G=16 if gs == 64 else 8, HAS_EXACT=exact, STEPS=11)
-                results[f"delta pack {dst} {fmt} g{gs} exact={exact}"] = build(qt._pack_delta_kernel, sig, const,
-                                                                               **qt.PACK_OPTIONS)
-        for wide in (False, True):
+            for runs in (False, True) if exact else (False,):
+                sig = dict(target_ptr="*fp32", replica_ptr="*i16", values_ptr="*u8", scales_ptr="*fp32",
+                           side_ptr="*i16" if exact else "*fp32", idx_ptr="*i64" if exact else "*fp32",
+                           blk_ptr="*i64" if exact else "*fp32", runs_ptr="*i64" if runs else "*fp32", n="i64",
+                           n_runs="i32", run_steps="i32")
+                for gs in (64, 136):  # a power of two, and a group size that is not
+                    const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=gs,
+                                 GS_PAD=qt._next_pow2(gs), G=16 if gs == 64 else 8, HAS_EXACT=exact, STEPS=11,
+                                 RUNS=runs)
+                    results[f"delta pack {dst} {fmt} g{gs} exact={exact} runs={runs}"] = build(
+                        qt._pack_delta_kernel, sig, const, **qt.PACK_OPTIONS)
+        for wide, runs in itertools.product((False, True), (False, True)):
             ints = "i64" if wide else "i32"
             sig = dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset=ints, partition=ints,
-                       payload_bytes="i32", scales_offset="i32")
-            const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16)
-            results[f"delta unpack all ranks {dst} {fmt} {ints}"] = build(qt._unpack_delta_ranks_kernel, sig, const,
-                                                                          **qt.PACK_OPTIONS)
+                       payload_bytes="i32", scales_offset="i32", runs_ptr="*i64" if runs else "*u8", row_len="i32",
+                       n_runs="i32", run_steps="i32")
+            const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, RUNS=runs)
+            results[f"delta unpack all ranks {dst} {fmt} {ints} runs={runs}"] = build(
+                qt._unpack_delta_ranks_kernel, sig, const, **qt.PACK_OPTIONS)
     # the scatter of every rank's exact elements
     sig = dict(src_ptr="*i16", dst_ptr="*i16", src_idx_ptr="*i64", dst_idx_ptr="*i64", count="i32")
     results["exact scatter"] = build(qt._copy_indexed_kernel, sig, dict(BLOCK=qt.COPY_BLOCK))

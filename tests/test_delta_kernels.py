@@ -19,7 +19,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
 
 import fp64_model  # noqa: E402
-from qzero.chunks import exact_scatter, slot  # noqa: E402
+from simulate import kernel_inputs, side_mask  # noqa: E402
 from qzero.layout import plan_gather  # noqa: E402
 from qzero.quant import reference  # noqa: E402
 
@@ -59,10 +59,12 @@ def payload_layout(n: int, fmt: str, gs: int, exact: torch.Tensor | None):
 
 
 def pack(kind, m, r, fmt, gs, exact, gen):
+    """One payload of the whole of ``m``, with the layout, side elements and group runs the
+    plan gives it (the exact groups' elements are side elements too: [Note: exact groups])."""
     plan = payload_layout(m.numel(), fmt, gs, exact)
-    layout = plan.chunks[0].payload
-    out = torch.randint(0, 256, (layout.nbytes + 32,), dtype=torch.uint8, generator=gen).to(m.device)
-    kind.pack_delta_payload(m, r, out, layout, gs, fmt, exact)
+    k = kernel_inputs(plan, plan.chunks[0], m.device)
+    out = torch.randint(0, 256, (k.payload_bytes + 32,), dtype=torch.uint8, generator=gen).to(m.device)
+    kind.pack_delta_payload(m, r, out, k.layouts[0], gs, fmt, k.sides[0], k.runs[0])
     return out, plan
 
 
@@ -70,9 +72,16 @@ def apply(kind, payload, r, plan, fmt, gs):
     n = r.numel()
     flat = r.clone()
     refused = reference.refusal_flag(r.device)
-    kind.unpack_delta_payloads(payload, flat, n, 0, n, 1, plan.chunks[0].payload, gs, fmt,
-                               exact_scatter(plan, plan.chunks[0], r.device), refused)
+    k = kernel_inputs(plan, plan.chunks[0], r.device)
+    kind.unpack_delta_payloads(payload, flat, n, 0, n, 1, k.layouts[0], gs, fmt, k.scatter, refused, k.all_runs)
     return flat, int(refused.item())
+
+
+def side_elements(n: int, fmt: str, gs: int, exact: torch.Tensor, elem_size: int = 2) -> np.ndarray:
+    """The elements that arrive as ``t``'s bits: the exact ones, and the groups cheaper sent
+    verbatim than coded (the rule of [Note: exact groups], restated in ``simulate.side_mask``)."""
+    ranges = [(int(i), int(i) + 1) for i in exact]
+    return np.flatnonzero(side_mask(n, 1, gs, ranges, fmt, elem_size))
 
 
 # --------------------------------------------------------------------------- the reference is the spec
@@ -91,7 +100,7 @@ def test_reference_step_matches_fp64_model(fmt, gs, dtype):
     exact = fp64_model.random_exact(rng, n)
     payload, plan = pack(reference, m, r, fmt, gs, exact, gen)
     got, refused = apply(reference, payload, r, plan, fmt, gs)
-    want, scales = fp64_model.delta_step_fp64(m, r, gs, fmt, exact.numpy())
+    want, scales = fp64_model.delta_step_fp64(m, r, gs, fmt, side_elements(n, fmt, gs, exact))
     assert refused == reference.NOT_REFUSED
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     t = m.to(dtype)
@@ -160,16 +169,16 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     plan = plan_gather(world * n, world, fmt=fmt, group_size=gs, exact_ranges=ranges,
                        bucket_numel=world * (-(-n // gs) * gs), delta=True)
     chunk = plan.chunks[0]
-    from qzero.chunks import exact_index
-
+    k = kernel_inputs(plan, chunk, m.device)
+    pb = k.payload_bytes
     bufs = []
-    poison = torch.randint(0, 256, (world * chunk.payload_bytes,), dtype=torch.uint8, generator=gen).to(m.device)
+    poison = torch.randint(0, 256, (world * pb,), dtype=torch.uint8, generator=gen).to(m.device)
     for kind in (reference, tk):
         buf = poison.clone()
         for rank in range(world):
-            idx = exact_index(plan, chunk, rank, m.device)
             kind.pack_delta_payload(m[rank * n : (rank + 1) * n], r[rank * n : (rank + 1) * n],
-                                    slot(plan, chunk, rank, buf), chunk.payload, gs, fmt, idx)
+                                    buf[rank * pb : (rank + 1) * pb], k.layouts[rank], gs, fmt, k.sides[rank],
+                                    k.runs[rank])
         bufs.append(buf)
     bad = (bufs[0] != bufs[1]).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} payload bytes differ, first at {bad[:8].tolist()}"
@@ -177,8 +186,8 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     for kind in (reference, tk):
         flat = r.clone()
         refused = reference.refusal_flag(m.device)
-        kind.unpack_delta_payloads(bufs[0], flat, n, 0, n, world, chunk.payload, gs, fmt,
-                                   exact_scatter(plan, chunk, m.device), refused)
+        kind.unpack_delta_payloads(bufs[0], flat, n, 0, n, world, k.layouts[0], gs, fmt, k.scatter, refused,
+                                   k.all_runs)
         outs.append((flat, int(refused.item())))
     (a, fa), (b, fb) = outs
     bad = (a.view(torch.int16) != b.view(torch.int16)).nonzero().flatten()
@@ -295,12 +304,14 @@ def ptx(fn, sig, const):
 
 pack = ptx(qt._pack_delta_kernel,
            dict(target_ptr="*fp32", replica_ptr="*i16", values_ptr="*u8", scales_ptr="*fp32", side_ptr="*fp32",
-                idx_ptr="*fp32", blk_ptr="*fp32", n="i64"),
-           dict(IS_BF16=True, SOFT=False, FMT=2, QMAX=7.0, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16, HAS_EXACT=False, STEPS=11))
+                idx_ptr="*fp32", blk_ptr="*fp32", runs_ptr="*fp32", n="i64", n_runs="i32", run_steps="i32"),
+           dict(IS_BF16=True, SOFT=False, FMT=2, QMAX=7.0, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16, HAS_EXACT=False, STEPS=11,
+                RUNS=False))
 unpack = ptx(qt._unpack_delta_ranks_kernel,
              dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset="i32", partition="i32",
-                  payload_bytes="i32", scales_offset="i32"),
-             dict(IS_BF16=True, SOFT=False, FMT=2, GS=64, GS_PAD=64, G=16))
+                  payload_bytes="i32", scales_offset="i32", runs_ptr="*u8", row_len="i32", n_runs="i32",
+                  run_steps="i32"),
+             dict(IS_BF16=True, SOFT=False, FMT=2, GS=64, GS_PAD=64, G=16, RUNS=False))
 print(json.dumps({"pack": pack, "unpack": unpack}))
 """
 

@@ -4,8 +4,10 @@ import math
 import random
 
 import pytest
+from simulate import exact_group
 
-from qzero.layout import padded_flat_numel, plan_flat_layout, plan_gather
+from qzero.layout import PayloadKind, padded_flat_numel, plan_flat_layout, plan_gather
+from qzero.quant.formats import get_format
 
 QWEN3_4B_SHAPES = (
     [(151936, 2560)]
@@ -21,30 +23,67 @@ QWEN3_4B_SHAPES = (
 )
 
 
-def brute_force_exact_max(plan, chunk):
-    """Most exact elements any rank has in ``chunk``, counted element by element."""
-    best = 0
+def brute_force_sides(plan, chunk):
+    """Per rank, the side elements of ``chunk`` (slice offsets), element by element: its exact
+    elements and every element of a group that the rule sends verbatim; and whether that rank
+    codes at least one group."""
     exact = set()
     for a, b in plan.exact_ranges:
         exact.update(range(a, b))
+    sides, codes = [], []
     for r in range(plan.world_size):
         lo = r * plan.partition_numel + chunk.offset
-        best = max(best, sum(1 for i in range(lo, lo + chunk.numel) if i in exact))
-    return best
+        side, coded = set(), False
+        for g0 in range(0, chunk.numel, plan.group_size):
+            g1 = min(g0 + plan.group_size, chunk.numel)
+            e = {i for i in range(g0, g1) if lo + i in exact}
+            if exact_group(g1 - g0, len(e), plan.fmt, plan.elem_size):
+                side.update(range(g0, g1))
+            else:
+                side |= e
+                coded = True
+        sides.append(side)
+        codes.append(coded)
+    return sides, codes
 
 
-def check_plan_invariants(plan):
+def check_plan_invariants(plan, brute=False):
     p = plan.partition_numel
     assert plan.world_size * plan.chunk_numel <= plan.bucket_numel, "bucket rule"
     assert plan.max_recv_numel <= plan.bucket_numel
     assert plan.chunk_numel % plan.group_size == 0 and plan.chunk_numel >= plan.group_size
+    f = get_format(plan.fmt)
+    es = plan.elem_size
     pos = 0
     for i, c in enumerate(plan.chunks):
         assert c.index == i and c.offset == pos and 0 < c.numel <= plan.chunk_numel
         assert c.offset % plan.group_size == 0, "groups never cross chunks"
-        pl = c.payload
-        assert pl.exact_numel <= c.numel, "side channel bounded by the chunk"
-        assert pl.scales_offset % 16 == 0 and pl.exact_offset % 16 == 0 and pl.nbytes % 16 == 0
+        if c.numel % plan.group_size == 0:
+            assert c.payload_bytes <= c.numel * es, "never more than the plain slice"
+        sides = [sum(b - a for a, b in plan.side_ranges(c, r)) for r in range(plan.world_size)]
+        if c.kind is PayloadKind.PLAIN:
+            assert c.payload_bytes == c.numel * es and sides == [c.numel] * plan.world_size
+        else:
+            assert c.payload_bytes % 16 == 0
+            for r in range(plan.world_size):
+                pl = plan.payload_of(c, r)
+                runs = plan.group_runs(c, r)
+                coded = c.numel if runs is None else runs.coded_numel()
+                groups = -(-c.numel // plan.group_size) if runs is None else runs.coded_groups()
+                assert pl.values_offset == 0 and pl.scales_offset >= f.value_bytes(coded)
+                assert pl.scales_offset % 4 == 0 and pl.exact_offset % es == 0
+                assert pl.exact_offset >= pl.scales_offset + 4 * groups
+                assert pl.nbytes == c.payload_bytes >= pl.exact_offset + pl.exact_numel * es
+                assert sides[r] <= pl.exact_numel <= c.numel, "side channel bounded by the chunk"
+                if c.kind is PayloadKind.PER_RANK:
+                    assert pl.exact_numel == sides[r]
+            if c.kind is PayloadKind.SHARED:
+                assert c.payload.exact_numel == max(sides)
+        if brute:
+            want, codes = brute_force_sides(plan, c)
+            got = [{a + k for a, b in plan.side_ranges(c, r) for k in range(b - a)} for r in range(plan.world_size)]
+            assert got == want
+            assert (c.kind is PayloadKind.PLAIN) == (not any(codes))
         pos += c.numel
     assert pos == p
 
@@ -90,9 +129,7 @@ def test_random_plans_obey_bounds_and_side_channel_sizes(seed):
     cuts = sorted(rng.sample(range(numel + 1), min(numel + 1, 2 * rng.randrange(0, 6))))
     ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2) if cuts[i] < cuts[i + 1]]
     plan = plan_gather(numel, world, bucket_numel=bucket, group_size=group, exact_ranges=ranges)
-    check_plan_invariants(plan)
-    for c in plan.chunks:
-        assert c.payload.exact_numel == brute_force_exact_max(plan, c)
+    check_plan_invariants(plan, brute=True)
 
 
 @pytest.mark.parametrize("world", [4, 8, 64, 1024])

@@ -23,6 +23,7 @@ from simulate import bits, expected_gather, poisoned_copy, simulate_gather
 
 from qzero.layout import (
     PAYLOAD_ALIGN,
+    PayloadKind,
     owners,
     plan_flat_layout,
     plan_gather,
@@ -121,26 +122,41 @@ def check_gather_plan(plan, *, brute=False):
         prev = b
     counter = ExactCounter(plan.exact_ranges)
     mask = exact_mask(plan) if brute and plan.quantized else None
+    es = plan.elem_size
     for c in plan.chunks:
-        pl = c.payload
-        if not plan.quantized:
-            assert pl.nbytes == c.numel * plan.elem_size and pl.exact_numel == 0
+        if not plan.quantized or c.kind is PayloadKind.PLAIN:
+            assert c.kind is PayloadKind.PLAIN
+            assert c.payload_bytes == c.payload.nbytes == c.numel * es and c.payload.exact_numel == 0
             continue
         f = get_format(plan.fmt)
-        groups = -(-c.numel // plan.group_size)
-        assert pl.values_offset == 0
-        for off in (pl.values_offset, pl.scales_offset, pl.exact_offset, pl.nbytes):
-            assert off % PAYLOAD_ALIGN == 0, "payload sections are 16-byte aligned"
-        assert pl.scales_offset >= f.value_bytes(c.numel)
-        assert pl.exact_offset >= pl.scales_offset + groups * SCALE_BYTES
-        assert pl.nbytes >= pl.exact_offset + pl.exact_numel * plan.elem_size
-        assert pl.nbytes < pl.exact_offset + pl.exact_numel * plan.elem_size + PAYLOAD_ALIGN
-        # the side channel: the worst rank's exact elements in this chunk, never above the chunk
-        want = max(counter.count(r * p + c.offset, r * p + c.offset + c.numel) for r in range(w))
-        assert pl.exact_numel == want
-        assert pl.exact_numel <= c.numel
-        if brute:
-            assert pl.exact_numel == brute_exact_max(plan, c, mask)
+        # never more bytes than the plain slice when it is whole groups (see [Note: exact groups])
+        if c.numel % plan.group_size == 0:
+            assert c.payload_bytes <= c.numel * es
+        assert c.payload_bytes % PAYLOAD_ALIGN == 0, "every rank's payload starts 16-byte aligned"
+        ends = []
+        for r in range(w) if w <= 16 else (0, w - 1):
+            pl = plan.payload_of(c, r)
+            runs = plan.group_runs(c, r)
+            coded = c.numel if runs is None else runs.coded_numel()
+            groups = -(-coded // plan.group_size)
+            assert pl.values_offset == 0 and pl.nbytes == c.payload_bytes
+            assert pl.scales_offset == -(-f.value_bytes(coded) // SCALE_BYTES) * SCALE_BYTES, "no padding inside"
+            assert pl.exact_offset == -(-(pl.scales_offset + groups * SCALE_BYTES) // es) * es
+            ends.append(pl.exact_offset + pl.exact_numel * es)
+            side = sum(b - a for a, b in plan.side_ranges(c, r))
+            lo = r * p + c.offset
+            if c.kind is PayloadKind.SHARED:
+                assert runs is None and side == counter.count(lo, lo + c.numel)
+            else:
+                assert pl.exact_numel == side >= counter.count(lo, lo + c.numel)
+            assert pl.exact_numel <= c.numel
+        assert c.payload_bytes - max(ends) < PAYLOAD_ALIGN or w > 16
+        if c.kind is PayloadKind.SHARED:
+            # the side channel: the worst rank's exact elements in this chunk, never above the chunk
+            want = max(counter.count(r * p + c.offset, r * p + c.offset + c.numel) for r in range(w))
+            assert c.payload.exact_numel == want
+            if brute:
+                assert c.payload.exact_numel == brute_exact_max(plan, c, mask)
         # the local exact ranges the kernels use are the clipped global ones
         for r in range(w) if w <= 16 else (0, w - 1):
             lo = r * p + c.offset
@@ -408,7 +424,8 @@ def test_simulated_plain_gather_is_exact(case):
 @settings(max_examples=150, **FAST)
 @given(gather_cases())
 def test_simulated_gather_matches_reference_quantizer_per_partition(case):
-    """The chunked payload path equals quantize/dequantize of each whole partition."""
+    """The chunked payload path equals quantize/dequantize of each whole partition, with the
+    side elements (exact elements and exact groups) the plan names exact."""
     from qzero.quant.reference import dequantize, quantize
 
     w, g, numel, ranges, fmt, dtype, buckets, profile, seed = case
@@ -420,9 +437,8 @@ def test_simulated_gather_matches_reference_quantizer_per_partition(case):
     want = torch.empty_like(truth)
     for r in range(w):
         part = truth[r * p : (r + 1) * p]
-        local = [(max(a, r * p) - r * p, min(b, (r + 1) * p) - r * p) for a, b in ranges
-                 if max(a, r * p) < min(b, (r + 1) * p)]
-        idx = torch.cat([torch.arange(a, b) for a, b in local]) if local else None
+        local = [(c.offset + a, c.offset + b) for c in plan.chunks for a, b in plan.side_ranges(c, r)]
+        idx = torch.unique(torch.cat([torch.arange(a, b) for a, b in local])) if local else None
         v, s = quantize(part, g, fmt, idx)
         deq = dequantize(v, s, p, g, fmt, dtype)
         if idx is not None:

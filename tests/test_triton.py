@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -24,7 +25,8 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 
 import fp64_model  # noqa: E402
 from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
-from qzero.layout import plan_gather  # noqa: E402
+from qzero.layout import PayloadKind, plan_gather  # noqa: E402
+from simulate import kernel_inputs  # noqa: E402
 from qzero.quant import reference  # noqa: E402
 from qzero.quant import triton as kernels  # noqa: E402
 
@@ -65,9 +67,23 @@ def random_exact(n: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
     return torch.tensor(sorted(picks), dtype=torch.int64, device=device)
 
 
-def layout_for(n: int, fmt: str, group_size: int, exact: torch.Tensor | None):
+class Payload(NamedTuple):
+    """What a one-chunk plan says of a slice of ``n`` elements: its payload layout, its group
+    runs (None: every group coded) and its side elements (the exact ones, and the rest of
+    its exact groups), as the gather passes them to the kernels."""
+
+    layout: object
+    runs: object
+    side: torch.Tensor | None
+    nbytes: int
+
+
+def layout_for(n: int, fmt: str, group_size: int, exact: torch.Tensor | None) -> Payload:
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
-    return plan_gather(n, 1, fmt=fmt, group_size=group_size, exact_ranges=ranges, bucket_numel=-(-n // group_size) * group_size).chunks[0].payload
+    plan = plan_gather(n, 1, fmt=fmt, group_size=group_size, exact_ranges=ranges,
+                       bucket_numel=-(-n // group_size) * group_size)
+    k = kernel_inputs(plan, plan.chunks[0], "cpu" if exact is None else exact.device)
+    return Payload(k.layouts[0], k.runs[0], k.sides[0], k.payload_bytes)
 
 
 def poison(nbytes: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
@@ -77,25 +93,25 @@ def poison(nbytes: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
 def check_pack(x, fmt, group_size, exact, gen):
     """Kernel and reference write the same bytes over two different poisons, so the
     kernel writes exactly the bytes the reference writes and nothing else."""
-    layout = layout_for(x.numel(), fmt, group_size, exact)
+    p = layout_for(x.numel(), fmt, group_size, exact)
     for _ in range(2):
-        want = poison(layout.nbytes + 64, gen, x.device)
+        want = poison(p.nbytes + 64, gen, x.device)
         got = want.clone()
-        reference.pack_payload(x, want, layout, group_size, fmt, exact)
-        kernels.pack_payload(x, got, layout, group_size, fmt, exact)
+        reference.pack_payload(x, want, p.layout, group_size, fmt, p.side, p.runs)
+        kernels.pack_payload(x, got, p.layout, group_size, fmt, p.side, p.runs)
         bad = (got != want).nonzero().flatten()
-        assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:8].tolist()} ({layout})"
-    return want, layout
+        assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:8].tolist()} ({p.layout})"
+    return want, p
 
 
-def check_unpack(payload, layout, n, dtype, fmt, group_size, exact, gen):
+def check_unpack(payload, p, n, dtype, fmt, group_size, gen):
     """Destination is a slice of a poisoned buffer: every element written, guards untouched."""
     guard = 5
     base = poison((n + 2 * guard) * 2, gen, payload.device).view(dtype)
     want = base.clone()
     got = base.clone()
-    reference.unpack_payload(payload, want[guard : guard + n], layout, group_size, fmt, exact)
-    kernels.unpack_payload(payload, got[guard : guard + n], layout, group_size, fmt, exact)
+    reference.unpack_payload(payload, want[guard : guard + n], p.layout, group_size, fmt, p.side, p.runs)
+    kernels.unpack_payload(payload, got[guard : guard + n], p.layout, group_size, fmt, p.side, p.runs)
     w, g = want.view(torch.int16), got.view(torch.int16)
     bad = (w != g).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} elements differ, first at {bad[:8].tolist()}"
@@ -114,10 +130,10 @@ def test_roundtrip_matches_reference(fmt, group_size, dtype, tile):
     x = weights(n, dtype, gen)
     exact = random_exact(n, gen)
     payload, layout = check_pack(x, fmt, group_size, exact, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, exact, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
     # and without any exact elements
     payload, layout = check_pack(x, fmt, group_size, None, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, None, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
 
 
 @cpu_only
@@ -128,7 +144,7 @@ def test_odd_tails(fmt, n, tile):
     x = weights(n, torch.bfloat16, gen)
     exact = torch.tensor([n - 1]) if n > 1 else None
     payload, layout = check_pack(x, fmt, 64, exact, gen)
-    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, exact, gen)
+    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, gen)
 
 
 @cpu_only
@@ -145,7 +161,7 @@ def test_exact_ranges_at_edges(fmt, ranges, tile):
     x[ranges[0][0]] = 6e4  # a huge exact value must not widen its group's scale
     exact = torch.cat([torch.arange(a, b) for a, b in ranges])
     payload, layout = check_pack(x, fmt, 64, exact, gen)
-    check_unpack(payload, layout, n, torch.float16, fmt, 64, exact, gen)
+    check_unpack(payload, layout, n, torch.float16, fmt, 64, gen)
 
 
 @cpu_only
@@ -162,9 +178,9 @@ def test_every_code_dequantizes_like_the_reference(fmt):
     payload[:n] = codes
     groups = -(-n // 8)
     scales = torch.pow(2.0, torch.randint(-140, 100, (groups,), generator=gen).float()).clamp_min(2.0**-126)
-    payload[layout.scales_offset : layout.scales_offset + 4 * groups].view(torch.float32).copy_(scales)
+    payload[layout.layout.scales_offset : layout.layout.scales_offset + 4 * groups].view(torch.float32).copy_(scales)
     for dtype in DTYPES:
-        check_unpack(payload, layout, n, dtype, fmt, 8, None, gen)
+        check_unpack(payload, layout, n, dtype, fmt, 8, gen)
 
 
 @cpu_only
@@ -176,7 +192,7 @@ def test_int4_unaligned_source(n):
     assert x.data_ptr() % 4 == 2
     exact = torch.tensor([0, 5, 6, 7, n - 1])
     payload, layout = check_pack(x, "int4", 64, exact, gen)
-    check_unpack(payload, layout, n, torch.bfloat16, "int4", 64, exact, gen)
+    check_unpack(payload, layout, n, torch.bfloat16, "int4", 64, gen)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -189,9 +205,9 @@ def test_fp32_source_matches_reference(fmt, n, tile):
     assert not torch.equal(x, x.bfloat16().float())
     x = x.to("cuda" if CUDA else "cpu")  # compiled kernels launch on the GPU
     payload, layout = check_pack(x, fmt, 64, None, gen)
-    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, None, gen)
+    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, gen)
     with pytest.raises(ValueError, match="fp32 source cannot have exact"):
-        kernels.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])), 64, fmt,
+        kernels.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])).layout, 64, fmt,
                              torch.tensor([0], device=x.device))
 
 
@@ -202,7 +218,7 @@ def test_subnormal_bf16_inputs():
     x = (torch.randn(256, generator=gen) * 1e-39).bfloat16()
     for fmt in FORMATS:
         payload, layout = check_pack(x, fmt, 64, None, gen)
-        check_unpack(payload, layout, 256, torch.bfloat16, fmt, 64, None, gen)
+        check_unpack(payload, layout, 256, torch.bfloat16, fmt, 64, gen)
 
 
 @cpu_only
@@ -228,9 +244,11 @@ def test_pack_multiplies_by_the_reciprocal(fmt, dtype, tile):
     want, layout = check_pack(x, fmt, gs, exact, torch.Generator().manual_seed(seed))
     codes, scales = fp64_model.quantize_fp64(x, gs, fmt, exact.numpy())
     model = fp64_model.value_bytes(codes, fmt)
-    values = want[layout.values_offset : layout.values_offset + model.size].numpy()
+    assert layout.runs is None, f"seed {seed}: the mined groups must all be coded"
+    values = want[layout.layout.values_offset : layout.layout.values_offset + model.size].numpy()
     assert np.array_equal(values, model), f"seed {seed}: reference differs from the float64 model"
-    got_scales = want[layout.scales_offset : layout.scales_offset + 4 * scales.size].view(torch.float32).numpy()
+    got_scales = want[layout.layout.scales_offset : layout.layout.scales_offset + 4 * scales.size].view(
+        torch.float32).numpy()
     assert np.array_equal(got_scales.view(np.uint32), scales.view(np.uint32)), f"seed {seed}"
     divided, _ = fp64_model.quantize_fp64(x, gs, fmt, exact.numpy(), divide=True)
     assert np.count_nonzero(divided != codes), f"seed {seed}"
@@ -287,7 +305,7 @@ def test_gather_through_kernels(monkeypatch):
 
 
 def test_kernel_argument_checks():
-    layout = layout_for(64, "int8", 64, None)
+    layout = layout_for(64, "int8", 64, None).layout
     out = torch.zeros(layout.nbytes, dtype=torch.uint8)
     with pytest.raises(TypeError, match="bf16 or fp16"):
         kernels.pack_payload(torch.zeros(64, dtype=torch.float64), out, layout, 64, "int8", None)
@@ -326,9 +344,9 @@ def test_gpu_large_matches_reference(fmt, group_size, soft, dtype, monkeypatch):
     x[100:356] = (torch.randn(256, generator=gen) * 1e-39).to(dtype).cuda()  # subnormal fp32 values
     exact = random_exact(n, gen, "cuda")
     payload, layout = check_pack(x, fmt, group_size, exact, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, exact, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
     payload, layout = check_pack(x, fmt, group_size, None, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, None, gen)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
 
 
 @gpu_only
@@ -372,7 +390,7 @@ def test_gpu_soft_e4m3_matches_hardware(monkeypatch):
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].cuda()
     n = codes.numel()
-    layout = layout_for(n, "fp8", 8, None)
+    layout = layout_for(n, "fp8", 8, None).layout
     payload = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
     payload[:n] = codes
     payload[layout.scales_offset : layout.scales_offset + 4 * (-(-n // 8))].view(torch.float32).fill_(1.0)
@@ -435,6 +453,8 @@ def check_all_ranks_unpack(fmt, dtype, device, per_rank):
     plan = plan_gather(numel, world, fmt=fmt, group_size=gs, exact_ranges=exact,
                        bucket_numel=world * (per_rank // 3 // gs * gs))
     assert len(plan.chunks) >= 3
+    # rank 0's first chunk has exact groups (its own group runs), the last ones do not
+    assert plan.chunks[0].kind is PayloadKind.PER_RANK and plan.chunks[-2].kind is PayloadKind.SHARED
     gen = torch.Generator().manual_seed(11)
     truth = weights(numel, dtype, gen, device)
     p = plan.partition_numel
@@ -443,17 +463,20 @@ def check_all_ranks_unpack(fmt, dtype, device, per_rank):
         buf = torch.zeros(world * chunk.payload_bytes, dtype=torch.uint8, device=device)
         for r in range(world):
             src = truth[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-            reference.pack_payload(src, slot(plan, chunk, r, buf), chunk.payload, gs, fmt, exact_index(plan, chunk, r, dev))
+            reference.pack_payload(src, slot(plan, chunk, r, buf), plan.payload_of(chunk, r), gs, fmt,
+                                   exact_index(plan, chunk, r, dev), plan.group_runs(chunk, r))
         poisoned = poison(numel * 2, gen, device).view(dtype)
         want = poisoned.clone()
         for r in range(world):
             dst = want[r * p + chunk.offset : r * p + chunk.offset + chunk.numel]
-            reference.unpack_payload(slot(plan, chunk, r, buf), dst, chunk.payload, gs, fmt, exact_index(plan, chunk, r, dev))
+            reference.unpack_payload(slot(plan, chunk, r, buf), dst, plan.payload_of(chunk, r), gs, fmt,
+                                     exact_index(plan, chunk, r, dev), plan.group_runs(chunk, r))
         pair = exact_scatter(plan, chunk, dev)
         assert pair[0].numel() == sum(exact_index(plan, chunk, r, dev).numel() for r in range(world))
         for impl in (reference, kernels):
             got = poisoned.clone()
-            impl.unpack_payloads(buf, got, p, chunk.offset, chunk.numel, world, chunk.payload, gs, fmt, pair)
+            impl.unpack_payloads(buf, got, p, chunk.offset, chunk.numel, world, chunk.payload, gs, fmt, pair,
+                                 plan.group_runs(chunk))
             bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
             assert bad.numel() == 0, f"{impl.__name__} chunk {chunk.index}: {bad.numel()} differ, first {bad[:8].tolist()}"
 

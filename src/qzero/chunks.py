@@ -2,7 +2,8 @@
 
 These are the only functions that touch payload bytes; :mod:`qzero.engine` schedules
 them and nothing else does. The vocabulary (partition, chunk, payload, exact range) is
-defined in the note at the top of :mod:`qzero.layout`.
+defined in ``docs/design.md``; what a payload holds (coded and exact groups, side
+elements, the payload kinds) in ``[Note: exact groups]`` in :mod:`qzero.layout`.
 
 ``all_gather_into`` is looked up through this module by every caller, so a test can
 replace it in one place (to inject delays around every collective launch and wait).
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .layout import ChunkPlan, GatherPlan
+from .layout import ChunkPlan, GatherPlan, PayloadKind
 
 # torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,14 +94,18 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
     p = plan.partition_numel
     mine = slot(plan, chunk, rank, buf)
     src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
+    if chunk.kind is PayloadKind.PLAIN:
+        # the slice as it is (a delta plan: the rounded target, what its exact elements carry)
+        out = mine[: chunk.numel * plan.elem_size].view(flat.dtype)
+        out.copy_(src if not plan.delta else delta.target[chunk.offset : chunk.offset + chunk.numel])
+        return mine
+    layout, runs = plan.payload_of(chunk, rank), plan.group_runs(chunk, rank)
+    index = exact_index(plan, chunk, rank, flat.device)
     if plan.delta:
         target = delta.target[chunk.offset : chunk.offset + chunk.numel]
-        kernels.pack_delta_payload(target, src, mine, chunk.payload, plan.group_size, plan.fmt,
-                                   exact_index(plan, chunk, rank, flat.device))
-    elif plan.quantized:
-        kernels.pack_payload(src, mine, chunk.payload, plan.group_size, plan.fmt, exact_index(plan, chunk, rank, flat.device))
+        kernels.pack_delta_payload(target, src, mine, layout, plan.group_size, plan.fmt, index, runs)
     else:
-        mine.view(flat.dtype).copy_(src)
+        kernels.pack_payload(src, mine, layout, plan.group_size, plan.fmt, index, runs)
     return mine
 
 
@@ -111,29 +116,31 @@ def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: i
     pass over all ranks' payloads (a delta payload's is added into the replica in place),
     then one scatter of all their exact elements."""
     p, w = plan.partition_numel, plan.world_size
-    if not plan.quantized:
+    if chunk.kind is PayloadKind.PLAIN:
         # one strided copy for every rank's slice (this rank's own slot holds its own bits)
         src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
         flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
         return
-    exact = exact_scatter(plan, chunk, flat.device)
+    exact, runs = exact_scatter(plan, chunk, flat.device), plan.group_runs(chunk)
     if plan.delta:
         kernels.unpack_delta_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size,
-                                      plan.fmt, exact, delta.refused)
+                                      plan.fmt, exact, delta.refused, runs)
     else:
         kernels.unpack_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size, plan.fmt,
-                                exact)
+                                exact, runs)
 
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
-    """Indices (relative to ``rank``'s slice of ``chunk``) of its exact elements; cached on the plan,
-    so that they are copied to the device once, never inside a running gather."""
-    if not plan.exact_ranges:
+    """Indices (relative to ``rank``'s slice of ``chunk``) of its side elements (its exact
+    elements and the rest of its exact groups); cached on the plan, so that they are copied to
+    the device once, never inside a running gather. None where there are none, and for a
+    ``PLAIN`` chunk (sent as it is)."""
+    if not plan.exact_ranges or chunk.kind is PayloadKind.PLAIN:
         return None
     key = ("exact_index", chunk.index, rank, device)
     idx = plan._cache.get(key)
     if idx is None:
-        ranges = plan.exact_local_ranges(chunk, rank)
+        ranges = plan.side_ranges(chunk, rank)
         if ranges:
             idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
         else:
@@ -143,10 +150,10 @@ def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.dev
 
 
 def exact_scatter(plan: GatherPlan, chunk: ChunkPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(src, dst)``: every rank's exact elements of ``chunk``, as positions in the receive
+    """``(src, dst)``: every rank's side elements of ``chunk``, as positions in the receive
     buffer (its side channels, rank by rank) and in the flat buffer, in units of one
     element (``plan.elem_size`` bytes); cached on the plan like :func:`exact_index`."""
-    if not plan.exact_ranges:
+    if not plan.exact_ranges or chunk.kind is PayloadKind.PLAIN:
         return None
     key = ("exact_scatter", chunk.index, device)
     pair = plan._cache.get(key)
@@ -154,8 +161,8 @@ def exact_scatter(plan: GatherPlan, chunk: ChunkPlan, device: torch.device) -> t
         es, pb, p = plan.elem_size, chunk.payload_bytes, plan.partition_numel
         src, dst = [], []
         for r in range(plan.world_size):
-            side = (r * pb + chunk.payload.exact_offset) // es
-            local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.exact_local_ranges(chunk, r)]
+            side = (r * pb + plan.payload_of(chunk, r).exact_offset) // es
+            local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.side_ranges(chunk, r)]
             if local:
                 local = torch.cat(local)
                 src.append(side + torch.arange(local.numel(), dtype=torch.int64))

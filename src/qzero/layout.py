@@ -12,17 +12,58 @@ checked on a laptop. Two plans are built:
 The bucket rule is a requirement, not a tuning knob: what one chunk gathers across
 all ranks is bounded, ``world_size * chunk_numel <= bucket_numel``. The terms (flat
 buffer, partition, chunk, payload, exact range, window) are defined in ``docs/design.md``.
+
+[Note: exact groups]
+
+A rank's slice of a chunk is quantized in groups of ``group_size`` consecutive elements,
+counted from its partition's start (chunks start on group boundaries, so a group never
+depends on the chunking; only a partition's last group may be short). Nothing travels
+twice and nothing travels in a form larger than itself:
+
+* A group with exact elements is **coded** (values and a scale sent, its exact elements
+  zeroed before the scale and sent verbatim in the side channel) only if that costs at
+  least ``SCALE_BYTES`` less than sending all its elements verbatim
+  (:func:`codes_pay`). Otherwise it is an **exact group**: it sends no values and no
+  scale, and *all* its elements travel in the side channel, the few that belong to no
+  exact range included (they arrive bit-exact, which is never less accurate). A group
+  wholly inside exact ranges is always an exact group. Groups without exact elements are
+  always coded.
+* A rank's **side elements** are its exact elements and the other elements of its exact
+  groups; its **group runs** (:func:`slice_runs`) cut its slice into maximal runs of coded
+  and of exact groups, ``(lo, hi, first)``, ``first`` being the index of the run's first
+  group among the payload's coded groups, or ``-1`` for a run of exact groups.
+* A payload is, with no padding inside: the coded groups' values back to back in slice
+  order (coded group ``k`` starts at value ``k * group_size``), their fp32 scales in the
+  same order (from the next multiple of 4 bytes), then the side elements in slice order
+  in the flat buffer's dtype (:func:`compact_layout`). Every rank's payload occupies the
+  same slot of ``payload_bytes`` (the largest payload, rounded up to ``PAYLOAD_ALIGN``).
+
+How a chunk's payloads are laid out is its :class:`PayloadKind`: ``SHARED`` when every
+rank codes every group (one layout for all, the side channel sized for the rank with the
+most exact elements), ``PER_RANK`` when some rank has an exact group (each rank its own
+layout and runs; only then do the kernels take group runs), ``PLAIN`` when no rank codes
+any group (the payload is the slice itself, as in a plain gather: every element of it
+is a side element anyway).
+
+So every coded group saves at least ``SCALE_BYTES`` over its plain bytes, which pays for
+the padding before the scales, and a payload is never larger than the plain slice when
+the slice is a whole number of groups: ``payload_bytes <= numel * elem_size`` for every
+chunk of a flat layout (:func:`plan_flat_layout`), whatever the model. Codes of coded
+groups are those the reference quantizer gives for the whole slice with its side elements
+zeroed; dropping the exact groups moves no other group's codes.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from .quant.formats import SCALE_BYTES, check_group_size, get_format
+from .quant.formats import SCALE_BYTES, QuantFormat, check_group_size, get_format
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 DEFAULT_SMALL_PARAM_NUMEL = 65_536
@@ -71,9 +112,9 @@ def is_small_param(numel: int, threshold: int) -> bool:
 # --------------------------------------------------------------------------- gather plan
 
 
-@dataclass(frozen=True)
-class PayloadLayout:
-    """Byte offsets of one rank's payload for one chunk. The same on every rank."""
+class PayloadLayout(NamedTuple):
+    """Byte offsets of one rank's payload for one chunk (``exact_*``: its side channel);
+    ``nbytes``: its slot in the receive buffer, what every rank sends for the chunk."""
 
     values_offset: int
     scales_offset: int
@@ -82,18 +123,34 @@ class PayloadLayout:
     nbytes: int
 
 
+class PayloadKind(enum.Enum):
+    """How a chunk's payloads are laid out (see [Note: exact groups])."""
+
+    PLAIN = "plain"  # the slice itself: a plain gather, or no rank codes any group of the chunk
+    SHARED = "shared"  # every rank codes every group: one layout for every rank
+    PER_RANK = "per_rank"  # some rank has an exact group: a layout and group runs per rank
+
+
+Run = tuple[int, int, int]
+"""``(lo, hi, first)``: a run of groups of a slice (see [Note: exact groups])."""
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
-    """One round of the gather: ``[offset, offset + numel)`` of every partition."""
+    """One round of the gather: ``[offset, offset + numel)`` of every partition.
+
+    ``payload_bytes``: every rank's slot in the receive buffer. ``payload``: every rank's
+    layout (``PLAIN``, ``SHARED``), or None (``PER_RANK``: rank ``r``'s is ``layouts[r]``,
+    its group runs ``runs[r]``; :meth:`GatherPlan.payload_of`)."""
 
     index: int
     offset: int
     numel: int
-    payload: PayloadLayout
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.payload.nbytes
+    payload_bytes: int
+    kind: PayloadKind
+    payload: PayloadLayout | None
+    layouts: tuple[PayloadLayout, ...] = ()
+    runs: tuple[tuple[Run, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +217,66 @@ class GatherPlan:
         lo = rank * self.partition_numel + chunk.offset
         return _clip_ranges(self.exact_ranges, lo, lo + chunk.numel)
 
+    def payload_of(self, chunk: ChunkPlan, rank: int) -> PayloadLayout:
+        """``rank``'s payload layout of ``chunk``."""
+        return chunk.payload if chunk.payload is not None else chunk.layouts[rank]
+
+    def side_ranges(self, chunk: ChunkPlan, rank: int) -> list[Range]:
+        """``rank``'s side elements of ``chunk`` (its exact elements and the rest of its exact
+        groups; a ``PLAIN`` chunk of a quantized plan: all), as ranges relative to its slice,
+        in order: what arrives bit-exact."""
+        if chunk.kind is PayloadKind.PLAIN:
+            return [(0, chunk.numel)] if self.quantized else []
+        local = self.exact_local_ranges(chunk, rank)
+        if chunk.kind is PayloadKind.SHARED:
+            return local
+        groups = [(lo, hi) for lo, hi, first in chunk.runs[rank] if first < 0]
+        return merge_adjacent(sorted(local + groups))
+
+    def group_runs(self, chunk: ChunkPlan, rank: int | None = None) -> GroupRuns | None:
+        """What the kernels need of a ``PER_RANK`` chunk: the group runs and layouts of every
+        rank's payload (``rank=None``: rows in rank order, for the unpack) or of ``rank``'s
+        alone (one row, for its pack; None when that rank codes every group). None for the
+        other kinds. Cached on the plan."""
+        if chunk.kind is not PayloadKind.PER_RANK:
+            return None
+        key = ("group_runs", chunk.index, rank)
+        if key not in self._cache:
+            if rank is None:
+                runs = GroupRuns(chunk.numel, self.group_size, chunk.runs, chunk.layouts, chunk.payload_bytes)
+            elif any(first < 0 for _, _, first in chunk.runs[rank]):
+                runs = GroupRuns(chunk.numel, self.group_size, (chunk.runs[rank],), (chunk.layouts[rank],),
+                                 chunk.payload_bytes)
+            else:
+                runs = None
+            self._cache[key] = runs
+        return self._cache[key]
+
+
+@dataclass(frozen=True, eq=False)
+class GroupRuns:
+    """The group runs (``rows[i]``: runs ``(lo, hi, first)`` covering ``[0, numel)`` in order)
+    and layouts of one or more payloads of one ``PER_RANK`` chunk, each ``payload_bytes``
+    apart in a receive buffer (see [Note: exact groups]). ``_cache`` holds what kernels derive
+    from them (device tables); it lives as long as the plan that caches this object."""
+
+    numel: int
+    group_size: int
+    rows: tuple[tuple[Run, ...], ...]
+    layouts: tuple[PayloadLayout, ...]
+    payload_bytes: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def coded_groups(self, row: int = 0) -> int:
+        return sum(-(-(hi - lo) // self.group_size) for lo, hi, first in self.rows[row] if first >= 0)
+
+    def row(self, r: int) -> GroupRuns:
+        """Payload ``r`` alone (one row)."""
+        return GroupRuns(self.numel, self.group_size, (self.rows[r],), (self.layouts[r],), self.payload_bytes)
+
+    def coded_numel(self, row: int = 0) -> int:
+        return sum(hi - lo for lo, hi, first in self.rows[row] if first >= 0)
+
 
 def _clip_ranges(ranges: Sequence[Range], lo: int, hi: int) -> list[Range]:
     """The parts of sorted, disjoint ``ranges`` inside ``[lo, hi)``, shifted by ``-lo``."""
@@ -195,21 +312,116 @@ def check_exact_ranges(exact_ranges, numel: int) -> tuple[Range, ...]:
     return tuple(out)
 
 
-def _exact_counts(exact_ranges: Sequence[Range], partition: int, chunk: int, n_chunks: int) -> list[int]:
-    """For every chunk, the most exact elements any single rank has in it."""
-    counts: dict[tuple[int, int], int] = {}
-    for a, b in exact_ranges:
+def codes_pay(numel: int, exact: int, fmt: QuantFormat, elem_size: int) -> bool:
+    """Whether a group of ``numel`` elements, ``exact`` of them exact, is coded: its values, its
+    scale and its exact elements must cost at least ``SCALE_BYTES`` less than all its elements
+    sent verbatim (that margin pays for the padding before the scales section). A group
+    without exact elements is always coded."""
+    if exact == 0:
+        return True
+    return fmt.value_bytes(numel) + 2 * SCALE_BYTES + exact * elem_size <= numel * elem_size
+
+
+def slice_runs(exact_local: Sequence[Range], numel: int, group_size: int, fmt: QuantFormat,
+               elem_size: int) -> tuple[tuple[Run, ...], int]:
+    """The group runs of a slice of ``numel`` elements whose exact elements are the sorted,
+    disjoint ``exact_local`` ranges, and its number of side elements (see [Note: exact groups]).
+    Runs of the same kind never touch; a slice without exact groups is one coded run."""
+    exact_groups: list[Range] = []  # sorted, disjoint group spans
+    partial: dict[int, int] = {}  # group -> exact elements, for groups not wholly exact
+    side = 0
+    for a, b in merge_adjacent(exact_local):
+        side += b - a
+        g0, g1 = exact_group_span(a, b, numel, group_size)
+        if g0 < g1:
+            exact_groups.append((g0, g1))
+        for lo, hi in ((a, min(b, g0 * group_size)), (max(a, g1 * group_size, g0 * group_size), b)):
+            if lo < hi:  # the partly exact groups at either end of the range
+                g = lo // group_size
+                partial[g] = partial.get(g, 0) + hi - lo
+    for g, e in partial.items():
+        n = min(group_size, numel - g * group_size)
+        if not codes_pay(n, e, fmt, elem_size):
+            exact_groups.append((g, g + 1))
+            side += n - e
+    runs: list[Run] = []
+    pos = coded = 0
+    for g0, g1 in merge_adjacent(sorted(exact_groups)):
+        lo, hi = g0 * group_size, min(g1 * group_size, numel)
+        if lo > pos:
+            runs.append((pos, lo, coded))
+            coded += (lo - pos) // group_size
+        runs.append((lo, hi, -1))
+        pos = hi
+    if pos < numel or not runs:
+        runs.append((pos, numel, coded))
+    return tuple(runs), side
+
+
+def exact_group_span(a: int, b: int, numel: int, group_size: int) -> tuple[int, int]:
+    """``(g0, g1)``: the groups of a slice of ``numel`` elements that lie wholly inside its
+    ``[a, b)`` (the last, short group counts as whole); ``g0 == g1`` when there are none."""
+    g0 = -(-a // group_size)
+    g1 = -(-numel // group_size) if b >= numel else b // group_size
+    return g0, max(g0, g1)
+
+
+def compact_layout(value_bytes: int, groups: int, exact_numel: int, elem_size: int) -> PayloadLayout:
+    """A payload without padding inside (see [Note: exact groups]): values, then the scales
+    from the next multiple of ``SCALE_BYTES``, then the side channel; ``nbytes`` is its end
+    (the plan rounds it up to the chunk's slot)."""
+    scales = round_up(value_bytes, SCALE_BYTES)
+    side = round_up(scales + groups * SCALE_BYTES, elem_size)
+    return PayloadLayout(0, scales, side, exact_numel, side + exact_numel * elem_size)
+
+
+def _slice_pieces(exact_ranges: Sequence[Range], partition: int, chunk: int) -> dict[tuple[int, int], list[Range]]:
+    """``(rank, chunk) -> exact ranges inside that slice, relative to it``, for the slices that have any."""
+    pieces: dict[tuple[int, int], list[Range]] = {}
+    for a, b in merge_adjacent(exact_ranges):  # touching ranges may together cover a group
         pos = a
         while pos < b:
             rank, off = divmod(pos, partition)
             c = off // chunk
-            stop = min(b, rank * partition + min((c + 1) * chunk, partition))
-            counts[(rank, c)] = counts.get((rank, c), 0) + stop - pos
+            lo = rank * partition + c * chunk
+            stop = min(b, lo + min(chunk, partition - c * chunk))
+            pieces.setdefault((rank, c), []).append((pos - lo, stop - lo))
             pos = stop
-    best = [0] * n_chunks
-    for (_, c), k in counts.items():
-        best[c] = max(best[c], k)
-    return best
+    return pieces
+
+
+def _quantized_chunk(c: int, offset: int, n: int, world: int, f: QuantFormat, group_size: int, elem_size: int,
+                     pieces: dict[tuple[int, int], list[Range]]) -> ChunkPlan:
+    """One chunk of a quantized plan, its kind and layouts decided (see [Note: exact groups])."""
+    groups = -(-n // group_size)
+    whole = ((0, n, 0),)
+    runs, layouts, sides = [], [], []
+    for r in range(world):
+        local = pieces.get((r, c))
+        row, side = slice_runs(local, n, group_size, f, elem_size) if local else (whole, 0)
+        runs.append(row)
+        sides.append(side)
+    if all(len(row) == 1 and row[0][2] == 0 for row in runs):  # every rank codes every group
+        layout = _in_slot(compact_layout(f.value_bytes(n), groups, max(sides), elem_size))
+        return ChunkPlan(c, offset, n, layout.nbytes, PayloadKind.SHARED, layout)
+    if all(first < 0 for row in runs for _, _, first in row):  # no rank codes any group
+        return ChunkPlan(c, offset, n, n * elem_size, PayloadKind.PLAIN, PayloadLayout(0, 0, 0, 0, n * elem_size))
+    distinct: dict = {}  # most ranks share a layout (those without exact elements here, at least)
+    for row, side in zip(runs, sides):
+        if (row, side) not in distinct:
+            coded = sum(hi - lo for lo, hi, first in row if first >= 0)
+            coded_groups = sum(-(-(hi - lo) // group_size) for lo, hi, first in row if first >= 0)
+            distinct[row, side] = compact_layout(f.value_bytes(coded), coded_groups, side, elem_size)
+        layouts.append(distinct[row, side])
+    slot = round_up(max(lay.nbytes for lay in distinct.values()), PAYLOAD_ALIGN)
+    in_slot = {key: lay._replace(nbytes=slot) for key, lay in distinct.items()}
+    layouts = [in_slot[row, side] for row, side in zip(runs, sides)]
+    return ChunkPlan(c, offset, n, slot, PayloadKind.PER_RANK, None, tuple(layouts), tuple(runs))
+
+
+def _in_slot(layout: PayloadLayout) -> PayloadLayout:
+    """``layout`` with ``nbytes`` rounded up to a whole slot (``PAYLOAD_ALIGN``)."""
+    return layout._replace(nbytes=round_up(layout.nbytes, PAYLOAD_ALIGN))
 
 
 def plan_gather(
@@ -252,16 +464,15 @@ def plan_gather(
     partition = numel // world_size
     chunk = chunk_numel_per_rank(partition, world_size, bucket_numel, unit)
     n_chunks = -(-partition // chunk) if partition else 0
-    exact_counts = _exact_counts(exact, partition, chunk, n_chunks) if exact else [0] * n_chunks
+    pieces = _slice_pieces(exact, partition, chunk) if exact else {}
     chunks = []
     for c in range(n_chunks):
         offset = c * chunk
         n = min(chunk, partition - offset)
         if fmt is None:
-            layout = PayloadLayout(0, 0, 0, 0, n * elem_size)
+            chunks.append(ChunkPlan(c, offset, n, n * elem_size, PayloadKind.PLAIN, PayloadLayout(0, 0, 0, 0, n * elem_size)))
         else:
-            layout = _payload_layout(n, f.value_bytes(n), -(-n // group_size), exact_counts[c], elem_size)
-        chunks.append(ChunkPlan(c, offset, n, layout))
+            chunks.append(_quantized_chunk(c, offset, n, world_size, f, group_size, elem_size, pieces))
     return GatherPlan(
         numel=numel,
         world_size=world_size,
@@ -454,12 +665,13 @@ def interleaved_starts(sizes: Sequence[int], world_size: int, alignment: int) ->
 
 
 def merge_adjacent(ranges: Sequence[Range]) -> list[Range]:
-    """Sorted ranges with touching neighbours joined: ``[(0, 4), (4, 6), (8, 9)]`` gives
-    ``[(0, 6), (8, 9)]``."""
+    """Ranges sorted by start with touching (or overlapping) neighbours joined:
+    ``[(0, 4), (4, 6), (8, 9)]`` gives ``[(0, 6), (8, 9)]``; the result is their union as
+    sorted ranges of which no two touch."""
     out: list[Range] = []
     for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
         else:
             out.append((a, b))
     return out

@@ -139,14 +139,16 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
     from qzero.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
+    layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
     src = random_flat(n, dtype, 2)
     payload = torch.empty(chunk.payload_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     reps = reps_for(n) if impl is kernels else 3
-    t_pack = median_ms(lambda: impl.pack_payload(src, payload, chunk.payload, gs, fmt, idx), reps=reps, warmup=2)
-    t_unpack = median_ms(lambda: impl.unpack_payload(payload, dst, chunk.payload, gs, fmt, idx), reps=reps, warmup=2)
+    t_pack = median_ms(lambda: impl.pack_payload(src, payload, layout, gs, fmt, idx, runs), reps=reps, warmup=2)
+    t_unpack = median_ms(lambda: impl.unpack_payload(payload, dst, layout, gs, fmt, idx, runs), reps=reps, warmup=2)
     f = get_format(fmt)
-    moved = f.value_bytes(n) + 4 * -(-n // gs) + len(idx if idx is not None else []) * 2
+    coded = n if runs is None else runs.coded_numel()
+    moved = f.value_bytes(coded) + 4 * -(-coded // gs) + len(idx if idx is not None else []) * 2
     elem = src.element_size()
     pack_bytes = n * elem + moved  # read the slice, write the payload
     unpack_bytes = moved + n * elem  # read the payload, write the slice
@@ -169,14 +171,15 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     from qzero.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
+    layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
     src = random_flat(n, dtype, 3) * torch.logspace(-3, 3, n, device="cuda").to(dtype)
     a = torch.randint(0, 256, (chunk.payload_bytes,), dtype=torch.uint8, device="cuda")
     b = a.clone()
-    reference.pack_payload(src, a, chunk.payload, gs, fmt, idx)
-    kernels.pack_payload(src, b, chunk.payload, gs, fmt, idx)
+    reference.pack_payload(src, a, layout, gs, fmt, idx, runs)
+    kernels.pack_payload(src, b, layout, gs, fmt, idx, runs)
     da, db = torch.full_like(src, 7.0), torch.full_like(src, -3.0)
-    reference.unpack_payload(a, da, chunk.payload, gs, fmt, idx)
-    kernels.unpack_payload(a, db, chunk.payload, gs, fmt, idx)
+    reference.unpack_payload(a, da, layout, gs, fmt, idx, runs)
+    kernels.unpack_payload(a, db, layout, gs, fmt, idx, runs)
     return bool(torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
 
 

@@ -21,6 +21,14 @@ The arithmetic, step by step, for one group of ``group_size`` consecutive elemen
 
 A partition's last group may be short; it is treated as if zero-padded.
 
+Payloads (:func:`pack_payload`): the values and scales of a slice, then its exact
+elements verbatim (the side channel). Where the plan says that some groups of the slice
+are *exact groups* (group runs, see ``[Note: exact groups]`` in :mod:`qzero.layout`),
+those groups send no values and no scales (all their elements are in the side channel):
+the payload's values and scales are those of the coded groups only, in slice order,
+which are exactly the codes that quantizing the whole slice gives them. The same holds
+for delta payloads (below): the exact groups' elements carry ``t``'s bits.
+
 [Note: delta payload]
 
 With ``zero_quantized_weights_delta`` a payload carries the *difference* between the new
@@ -143,9 +151,14 @@ def quantize_delta(
     d, t = delta_difference(target.flatten(), replica.flatten())
     if exact_index is not None and exact_index.numel():
         d = d.index_fill(0, exact_index, 0.0)
+    return (*_quantize_difference(d, group_size, f), t)
+
+
+def _quantize_difference(d: torch.Tensor, group_size: int, f: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 of [Note: delta payload] on fp32 ``d`` (exact elements already zeroed)."""
     groups = num_groups(d.numel(), group_size)
     finite = torch.nn.functional.pad(torch.isfinite(d), (0, groups * group_size - d.numel()), value=True)
-    return (*_quantize32(d, group_size, f, finite.view(groups, group_size).all(dim=1)), t)
+    return _quantize32(d, group_size, f, finite.view(groups, group_size).all(dim=1))
 
 
 def apply_delta(
@@ -221,6 +234,19 @@ def _unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- payload
 
 
+def coded_parts(runs, row: int = 0) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of the coded runs of payload ``row`` of :class:`qzero.layout.GroupRuns`, in order."""
+    return [(lo, hi) for lo, hi, first in runs.rows[row] if first >= 0]
+
+
+def _coded(x: torch.Tensor, runs, row: int = 0) -> torch.Tensor:
+    """The elements of ``x`` (one slice) in its coded groups, back to back (all of ``x`` without runs)."""
+    if runs is None:
+        return x
+    parts = [x[lo:hi] for lo, hi in coded_parts(runs, row)]
+    return torch.cat(parts) if parts else x[:0]
+
+
 def pack_payload(
     src: torch.Tensor,
     out: torch.Tensor,
@@ -228,14 +254,22 @@ def pack_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
     """Write one rank's chunk payload into the byte buffer ``out``.
 
     ``layout`` is a :class:`qzero.layout.PayloadLayout`; ``src`` is the rank's
-    slice of the chunk (bf16/fp16). Exact elements are copied aside verbatim into
-    the side channel, in index order.
+    slice of the chunk (bf16/fp16). Exact elements (``exact_index``, sorted: the slice's
+    side elements) are copied aside verbatim into the side channel, in index order.
+    ``runs`` (:class:`qzero.layout.GroupRuns`, one row) names the exact groups, whose values
+    and scales are left out; None: every group is coded.
     """
-    values, scales = quantize(src, group_size, fmt, exact_index)
+    x32 = src.to(torch.float32).flatten()
+    if exact_index is not None and exact_index.numel():
+        x32 = x32.index_fill(0, exact_index, 0.0)
+    # The coded groups alone: whole groups but possibly the slice's last, so they are
+    # quantized exactly as inside the whole slice.
+    values, scales = _quantize32(_coded(x32, runs), group_size, get_format(fmt))
     _write_payload(out, layout, values, scales, src, exact_index)
 
 
@@ -256,12 +290,20 @@ def pack_delta_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
     """Write one rank's delta payload of a chunk into ``out`` ([Note: delta payload]): the
     difference between its fp32 master slice ``target`` and its replica slice ``replica``
-    (bf16/fp16, the bits every rank holds), quantized; the side channel holds the rounded
-    target of the exact elements. Temporaries are the chunk's size."""
-    values, scales, t = quantize_delta(target, replica, group_size, fmt, exact_index)
+    (bf16/fp16, the bits every rank holds), quantized (``runs``: its coded groups only, as in
+    :func:`pack_payload`); the side channel holds the rounded target of the exact elements.
+    Temporaries are the chunk's size."""
+    if runs is None:
+        values, scales, t = quantize_delta(target, replica, group_size, fmt, exact_index)
+    else:
+        d, t = delta_difference(target.flatten(), replica.flatten())
+        if exact_index is not None and exact_index.numel():
+            d = d.index_fill(0, exact_index, 0.0)
+        values, scales = _quantize_difference(_coded(d, runs), group_size, get_format(fmt))
     _write_payload(out, layout, values, scales, t, exact_index)
 
 
@@ -272,17 +314,31 @@ def unpack_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
-    """Dequantize one source rank's payload into ``dst`` and restore its exact elements."""
-    n = dst.numel()
+    """Dequantize one source rank's payload into ``dst`` and restore its exact elements
+    (``runs`` as in :func:`pack_payload`: the exact groups' elements all come from the side channel)."""
+    n = dst.numel() if runs is None else runs.coded_numel()
     f = get_format(fmt)
     values = payload[layout.values_offset : layout.values_offset + f.value_bytes(n)]
     groups = num_groups(n, group_size)
     scales = payload[layout.scales_offset : layout.scales_offset + groups * SCALE_BYTES].view(torch.float32)
-    dst.copy_(dequantize(values, scales, n, group_size, fmt, dst.dtype))
+    _put_coded(dst, dequantize(values, scales, n, group_size, fmt, dst.dtype), runs)
     if exact_index is not None and exact_index.numel():
         side = payload[layout.exact_offset : layout.exact_offset + exact_index.numel() * dst.element_size()]
         dst.index_copy_(0, exact_index, side.view(dst.dtype))
+
+
+def _put_coded(dst: torch.Tensor, coded: torch.Tensor, runs, row: int = 0) -> None:
+    """Write the values of the coded groups (back to back) into their places in ``dst`` (one
+    slice); without runs ``coded`` is the whole slice."""
+    if runs is None:
+        dst.copy_(coded)
+        return
+    pos = 0
+    for lo, hi in coded_parts(runs, row):
+        dst[lo:hi].copy_(coded[pos : pos + hi - lo])
+        pos += hi - lo
 
 
 def unpack_payloads(
@@ -296,16 +352,26 @@ def unpack_payloads(
     group_size: int,
     fmt: str,
     exact: tuple[torch.Tensor, torch.Tensor] | None,
+    runs=None,
 ) -> None:
     """Every source rank's payload of one chunk at once: rank ``r``'s, at byte
     ``r * layout.nbytes`` of ``buf``, into ``flat[r * partition_numel + offset :][:numel]``.
 
     The same result as :func:`unpack_payload` rank by rank (the same ``value * scale`` per
     element, rank by rank as rows of one tensor). ``exact`` is ``(src, dst)``: every rank's
-    exact elements as positions in ``buf`` and in ``flat``, in units of ``flat``'s element
-    (:func:`raw_bits`)."""
+    side elements as positions in ``buf`` and in ``flat``, in units of ``flat``'s element
+    (:func:`raw_bits`). ``runs`` (:class:`qzero.layout.GroupRuns`, a row per rank): each
+    rank's payload has its own layout and group runs, ``runs.payload_bytes`` apart
+    (``layout`` is then unused); None: every rank's is ``layout``, every group coded."""
     n, w = numel, world
     if n == 0:
+        return
+    if runs is not None:
+        pb = runs.payload_bytes
+        for r in range(w):
+            unpack_payload(buf[r * pb : (r + 1) * pb], flat[r * partition_numel + offset :][:n], runs.layouts[r],
+                           group_size, fmt, None, runs.row(r))
+        _scatter_exact(buf[: w * pb], flat, exact)
         return
     values, scales = _sections(buf, layout, n, w, group_size, fmt)
     q = _codes(values, n, get_format(fmt))
@@ -328,14 +394,35 @@ def unpack_delta_payloads(
     fmt: str,
     exact: tuple[torch.Tensor, torch.Tensor] | None,
     refused: torch.Tensor,
+    runs=None,
 ) -> None:
     """Every source rank's delta payload of one chunk, added into the replica ``flat`` in
     place (step 3 of [Note: delta payload]), then every rank's exact elements put back, as
-    :func:`unpack_payloads` does. ``refused`` (:func:`refusal_flag`) takes the smallest flat
-    index of a group whose scale is not finite (such groups are left unchanged); it is never
-    read here, so there is no host synchronisation."""
+    :func:`unpack_payloads` does (``runs`` as there). ``refused`` (:func:`refusal_flag`) takes
+    the smallest flat index of a group whose scale is not finite (such groups are left
+    unchanged); it is never read here, so there is no host synchronisation."""
     n, w = numel, world
     if n == 0:
+        return
+    if runs is not None:
+        pb = runs.payload_bytes
+        for r in range(w):
+            lay, row = runs.layouts[r], runs.row(r)
+            c = row.coded_numel()
+            if c == 0:
+                continue
+            replica = flat[r * partition_numel + offset :][:n]
+            f = get_format(fmt)
+            values = buf[r * pb + lay.values_offset :][: f.value_bytes(c)].view(1, -1)
+            scales = buf[r * pb + lay.scales_offset :][: num_groups(c, group_size) * SCALE_BYTES].view(torch.float32)
+            coded = _coded(replica, row).view(1, c)
+            bad = _add_codes(coded, _codes(values, c, f), scales.view(1, -1), group_size)[0]
+            _put_coded(replica, coded[0], row)
+            starts = torch.tensor([r * partition_numel + offset + lo + k * group_size for lo, hi in coded_parts(row)
+                                   for k in range(-(-(hi - lo) // group_size))], dtype=torch.int64, device=flat.device)
+            first = torch.where(bad, starts, torch.full_like(starts, NOT_REFUSED)).amin().view(1)
+            torch.minimum(refused.view(-1)[:1], first, out=refused.view(-1)[:1])
+        _scatter_exact(buf[: w * pb], flat, exact)
         return
     values, scales = _sections(buf, layout, n, w, group_size, fmt)
     q = _codes(values, n, get_format(fmt))

@@ -26,6 +26,16 @@ Work split: each program owns ``G`` whole groups, laid out as a ``[G, GS_PAD]``
 tile (``GS_PAD`` is the group size rounded up to a power of two; the extra columns
 are masked off), so a group's absmax is a row reduction inside one program.
 
+Group runs (a ``PER_RANK`` chunk, see ``[Note: exact groups]`` in :mod:`qzero.layout`):
+the payload holds the coded groups only. The slice is then cut into tiles that never
+cross a run (:func:`_runs_table`: one row of ``(first program, lo, hi, first coded
+group)`` per run), and each program finds its run by a binary search over the few runs
+(:func:`_run_tile`). A tile of coded groups reads and writes its values and scales at its
+first coded group; a tile of exact groups still copies its side elements, and writes no
+values and no scales (its unpack does nothing: the exact-element scatter writes all of
+it). Without runs every tile is coded and tile ``i`` is groups ``[i G, (i + 1) G)``, as
+before; the arithmetic per tile is the same either way, so the bytes are the reference's.
+
 In the pack, exact elements are found without any per-element mask buffer.
 ``exact_index`` is sorted and unique, so one ``searchsorted`` gives, for every
 program, the slice of ``exact_index`` that falls in its tile (memory: one int64 per
@@ -302,6 +312,27 @@ if triton is not None:
         return pid, base, rem, g
 
     @triton.jit
+    def _run_tile(row_ptr, n_runs, steps, pid, G: tl.constexpr, GS: tl.constexpr):
+        """With group runs: this program's tile ``(base, rem, vg)``: its first element in the
+        slice, its elements, and the payload index of its first coded group (-1: exact
+        groups). ``row_ptr`` is one row of :func:`_runs_table`; the run is the last whose
+        first program is at most ``pid`` (binary lifting over ``steps`` bits)."""
+        k = pid * 0
+        for s in range(steps):
+            cand = k + (1 << (steps - 1 - s))
+            ok = cand < n_runs
+            start = tl.load(row_ptr + 1 + 4 * cand, mask=ok, other=0)
+            k = tl.where(ok & (start <= pid), cand, k)
+        run = row_ptr + 1 + 4 * k
+        t = pid - tl.load(run)
+        base = tl.load(run + 1) + t * (G * GS)
+        rem = tl.minimum(tl.maximum(tl.load(run + 2) - base, 0), G * GS).to(tl.int32)
+        first = tl.load(run + 3)
+        vg = tl.where(first >= 0, first + t * G, -1)
+        return base, rem, vg
+
+
+    @triton.jit
     def _pack_kernel(
         src_ptr,  # int16 view of the bf16/fp16 slice, or the fp32 slice itself
         values_ptr,  # uint8
@@ -309,7 +340,10 @@ if triton is not None:
         side_ptr,  # int16 view of the side channel
         idx_ptr,  # int64, sorted exact indices
         blk_ptr,  # int64, per program: first index of idx inside its tile; one extra at the end
+        runs_ptr,  # int64, one row of _runs_table (RUNS only)
         n,
+        n_runs,
+        run_steps,
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
         PAIRS: tl.constexpr,
@@ -321,19 +355,26 @@ if triton is not None:
         G: tl.constexpr,
         HAS_EXACT: tl.constexpr,
         STEPS: tl.constexpr,
+        RUNS: tl.constexpr,
     ):
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
+        vg = pid * G  # the payload index of the tile's first group
+        if RUNS:
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
+        # Elements whose values are stored: a tile of exact groups copies its side elements and
+        # stores nothing else.
+        coded = tl.where(vg >= 0, rem, 0)
         if FMT == 2:
             if GS == GS_PAD:
-                if rem == G * GS:
-                    _pack_int4_full(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, g,
+                if coded == G * GS:
+                    _pack_int4_full(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, vg, g,
                                     IS_BF16, QMAX, FLOOR, GS, G, HAS_EXACT, STEPS)
                 else:
-                    _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, rem, g,
-                                      IS_BF16, PAIRS, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS)
+                    _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, vg, rem,
+                                      coded, g, IS_BF16, PAIRS, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS)
             else:
-                _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, rem, g,
-                                  IS_BF16, PAIRS, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS)
+                _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, vg, rem,
+                                  coded, g, IS_BF16, PAIRS, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS)
         else:
             j = tl.arange(0, GS_PAD)
             offs = g[:, None] * GS + j[None, :]
@@ -346,11 +387,11 @@ if triton is not None:
                 v = _e4m3_bits(_times_reciprocal(x, inv, QMAX), SOFT)
             else:
                 v = _quantized_int(x, inv).to(tl.int8).to(tl.uint8, bitcast=True)
-            tl.store(values_ptr + base + offs, v, mask=valid)
-            tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
+            tl.store(values_ptr + vg * GS + offs, v, mask=valid & (offs < coded))
+            tl.store(scales_ptr + vg + g, scale, mask=g * GS < coded)
 
     @triton.jit
-    def _pack_int4_full(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, g,
+    def _pack_int4_full(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, vg, g,
                         IS_BF16: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, GS: tl.constexpr,
                         G: tl.constexpr, HAS_EXACT: tl.constexpr, STEPS: tl.constexpr):
         """INT4 pack of a whole tile (every program but the last, power-of-two groups): the tile
@@ -365,11 +406,11 @@ if triton is not None:
         qe, qo = tl.split(tl.reshape(q, [G, GS // 2, 2]))
         byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
         jb = tl.arange(0, GS // 2)
-        tl.store(values_ptr + pid * (G * GS // 2) + g[:, None] * (GS // 2) + jb[None, :], byte)
-        tl.store(scales_ptr + pid * G + g, scale)
+        tl.store(values_ptr + vg * (GS // 2) + g[:, None] * (GS // 2) + jb[None, :], byte)
+        tl.store(scales_ptr + vg + g, scale)
 
     @triton.jit
-    def _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, rem, g,
+    def _pack_int4_masked(src_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, vg, rem, coded, g,
                           IS_BF16: tl.constexpr, PAIRS: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
                           GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr, HAS_EXACT: tl.constexpr,
                           STEPS: tl.constexpr):
@@ -399,27 +440,39 @@ if triton is not None:
         qe = _quantized_int(xe, inv)
         qo = _quantized_int(xo, inv)
         byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
-        tl.store(values_ptr + base // 2 + pair, byte, mask=valid_e)
-        tl.store(scales_ptr + pid * G + g, scale, mask=g * GS < rem)
+        tl.store(values_ptr + vg * (GS // 2) + pair, byte, mask=valid_e & (even < coded))
+        tl.store(scales_ptr + vg + g, scale, mask=g * GS < coded)
 
     @triton.jit
-    def _unpack_tile(values_ptr, scales_ptr, dst_ptr, n, IS_BF16: tl.constexpr, SOFT: tl.constexpr,
+    def _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16: tl.constexpr, SOFT: tl.constexpr,
                      FMT: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr):
-        """Dequantize this program's groups of one payload into ``dst``."""
-        base, offs, valid, q, scale, g, rem = _decode_tile(values_ptr, scales_ptr, n, SOFT, FMT, GS, GS_PAD, G)
+        """Dequantize one tile of one payload into ``dst``: ``rem`` elements from ``base``,
+        coded groups from the payload's ``vg``-th (``rem == 0``: nothing)."""
+        offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
         out = _narrow(q * scale[:, None], IS_BF16, SOFT)
         tl.store(dst_ptr + base + offs, out, mask=valid)
 
     @triton.jit
-    def _decode_tile(values_ptr, scales_ptr, n, SOFT: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
+    def _tile_of(row_ptr, n, n_runs, run_steps, pid, G: tl.constexpr, GS: tl.constexpr, RUNS: tl.constexpr):
+        """``(base, rem, vg)`` of program ``pid``'s tile for an unpack (``rem`` 0 for exact groups)."""
+        base = pid * (G * GS)
+        rem = tl.minimum(n - base, G * GS).to(tl.int32)
+        vg = pid * G
+        if RUNS:
+            base, rem, vg = _run_tile(row_ptr, n_runs, run_steps, pid, G, GS)
+            rem = tl.where(vg >= 0, rem, 0)
+        return base, rem, vg
+
+    @triton.jit
+    def _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
                      GS_PAD: tl.constexpr, G: tl.constexpr):
-        """This program's groups of one payload: the codes as fp32 (``[G, GS_PAD]``) and the
-        scales (those of groups past the payload's end read as 1)."""
-        pid, base, rem, g = _tile(n, G, GS, GS_PAD)
+        """One tile of one payload (``rem`` elements, coded groups from the ``vg``-th): the codes
+        as fp32 (``[G, GS_PAD]``) and the scales (those of groups past the tile's end read as 1)."""
+        g = tl.arange(0, G)
         j = tl.arange(0, GS_PAD)
         offs = g[:, None] * GS + j[None, :]
         valid = (j[None, :] < GS) & (offs < rem)
-        scale = tl.load(scales_ptr + pid * G + g, mask=g * GS < rem, other=1.0)
+        scale = tl.load(scales_ptr + vg + g, mask=g * GS < rem, other=1.0)
 
         if FMT == 2:
             jb = tl.arange(0, GS_PAD // 2)
@@ -427,21 +480,21 @@ if triton is not None:
             bmask = (jb[None, :] < GS // 2) & (2 * boffs < rem)
             if GS == GS_PAD:
                 if rem == G * GS:  # a whole tile: unmasked, so the bytes load as vectors
-                    b = tl.load(values_ptr + pid * (G * GS // 2) + boffs).to(tl.int32)
+                    b = tl.load(values_ptr + vg * (GS // 2) + boffs).to(tl.int32)
                 else:
-                    b = tl.load(values_ptr + base // 2 + boffs, mask=bmask, other=0).to(tl.int32)
+                    b = tl.load(values_ptr + vg * (GS // 2) + boffs, mask=bmask, other=0).to(tl.int32)
             else:
-                b = tl.load(values_ptr + base // 2 + boffs, mask=bmask, other=0).to(tl.int32)
+                b = tl.load(values_ptr + vg * (GS // 2) + boffs, mask=bmask, other=0).to(tl.int32)
             lo_q = (b << 28) >> 28  # arithmetic shifts sign-extend each nibble
             hi_q = (b << 24) >> 28
             q = tl.reshape(tl.join(lo_q, hi_q), [G, GS_PAD]).to(tl.float32)
         elif FMT == 1:
-            v = tl.load(values_ptr + base + offs, mask=valid, other=0)
+            v = tl.load(values_ptr + vg * GS + offs, mask=valid, other=0)
             q = _e4m3_value(v, SOFT)
         else:
-            v = tl.load(values_ptr + base + offs, mask=valid, other=0)
+            v = tl.load(values_ptr + vg * GS + offs, mask=valid, other=0)
             q = v.to(tl.int8, bitcast=True).to(tl.float32)
-        return base, offs, valid, q, scale, g, rem
+        return offs, valid, q, scale, g
 
     @triton.jit
     def _pack_delta_kernel(
@@ -452,7 +505,10 @@ if triton is not None:
         side_ptr,  # int16 view of the side channel
         idx_ptr,  # int64, sorted exact indices
         blk_ptr,  # int64, per program: first index of idx inside its tile; one extra at the end
+        runs_ptr,  # int64, one row of _runs_table (RUNS only)
         n,
+        n_runs,
+        run_steps,
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
         FMT: tl.constexpr,
@@ -463,11 +519,17 @@ if triton is not None:
         G: tl.constexpr,
         HAS_EXACT: tl.constexpr,
         STEPS: tl.constexpr,
+        RUNS: tl.constexpr,
     ):
         """One rank's delta payload ([Note: delta payload]): ``d = fp32(RN(target)) - fp32(replica)``
         in registers (one read of each), quantized as a weight is; a group with a non-finite
-        ``d`` gets scale NaN and values 0; exact elements send ``RN(target)``'s bits aside."""
+        ``d`` gets scale NaN and values 0; exact elements send ``RN(target)``'s bits aside.
+        With group runs, a tile of exact groups stores its side elements only (as the weight pack)."""
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
+        vg = pid * G
+        if RUNS:
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
+        coded = tl.where(vg >= 0, rem, 0)  # elements whose values are stored
         j = tl.arange(0, GS_PAD)
         offs = g[:, None] * GS + j[None, :]
         valid = (j[None, :] < GS) & (offs < rem)
@@ -484,10 +546,10 @@ if triton is not None:
             byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
             jb = tl.arange(0, GS_PAD // 2)
             pair = g[:, None] * (GS // 2) + jb[None, :]
-            tl.store(values_ptr + base // 2 + pair, byte, mask=(jb[None, :] < GS // 2) & (2 * pair < rem))
+            tl.store(values_ptr + vg * (GS // 2) + pair, byte, mask=(jb[None, :] < GS // 2) & (2 * pair < coded))
         else:
-            tl.store(values_ptr + base + offs, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=valid)
-        tl.store(scales_ptr + pid * G + g, tl.where(ok, scale, float("nan")), mask=g * GS < rem)
+            tl.store(values_ptr + vg * GS + offs, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=valid & (offs < coded))
+        tl.store(scales_ptr + vg + g, tl.where(ok, scale, float("nan")), mask=g * GS < coded)
 
     @triton.jit
     def _unpack_delta_ranks_kernel(
@@ -499,22 +561,33 @@ if triton is not None:
         partition,  # elements of a partition
         payload_bytes,
         scales_offset,
+        runs_ptr,  # int64, _runs_table: one row per rank (RUNS only)
+        row_len,
+        n_runs,
+        run_steps,
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
         FMT: tl.constexpr,
         GS: tl.constexpr,
         GS_PAD: tl.constexpr,
         G: tl.constexpr,
+        RUNS: tl.constexpr,
     ):
         """Every source rank's delta payload of one chunk added into the replica in place:
         ``r <- RN(fp32(r) + q * scale)`` (compiled without fp contraction, like the pack, so
         the product and the sum round on their own); groups whose scale is not finite keep
-        their bits and lower the refusal flag to their flat index."""
+        their bits and lower the refusal flag to their flat index. With group runs, rank r's
+        runs and scales offset are row r of the table (tiles of exact groups do nothing)."""
+        pid = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1).to(tl.int64)
+        row_ptr = runs_ptr + r * row_len
         values_ptr = buf_ptr + r * payload_bytes
+        if RUNS:
+            scales_offset = tl.load(row_ptr)
         scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
         dst_ptr = flat_ptr + (r * partition + offset)
-        base, offs, valid, q, scale, g, rem = _decode_tile(values_ptr, scales_ptr, n, SOFT, FMT, GS, GS_PAD, G)
+        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
+        offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
         ok = tl.abs(scale) < float("inf")
         old = tl.load(dst_ptr + base + offs, mask=valid, other=0)
         new = _narrow(_widen(old, IS_BF16) + q * scale[:, None], IS_BF16, SOFT)
@@ -529,15 +602,21 @@ if triton is not None:
         values_ptr,  # uint8
         scales_ptr,  # fp32
         dst_ptr,  # int16 view of the bf16/fp16 destination
+        runs_ptr,  # int64, one row of _runs_table (RUNS only)
         n,
+        n_runs,
+        run_steps,
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
         FMT: tl.constexpr,
         GS: tl.constexpr,
         GS_PAD: tl.constexpr,
         G: tl.constexpr,
+        RUNS: tl.constexpr,
     ):
-        _unpack_tile(values_ptr, scales_ptr, dst_ptr, n, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
+        pid = tl.program_id(0).to(tl.int64)
+        base, rem, vg = _tile_of(runs_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
+        _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
 
     @triton.jit
     def _unpack_ranks_kernel(
@@ -548,20 +627,31 @@ if triton is not None:
         partition,  # elements of a partition
         payload_bytes,
         scales_offset,
+        runs_ptr,  # int64, _runs_table: one row per rank (RUNS only)
+        row_len,
+        n_runs,
+        run_steps,
         IS_BF16: tl.constexpr,
         SOFT: tl.constexpr,
         FMT: tl.constexpr,
         GS: tl.constexpr,
         GS_PAD: tl.constexpr,
         G: tl.constexpr,
+        RUNS: tl.constexpr,
     ):
         """Every source rank's payload of one chunk in one launch: program (i, r) dequantizes
-        the i-th tile of rank r's payload into ``flat[r * partition + offset:]``."""
+        the i-th tile of rank r's payload into ``flat[r * partition + offset:]``. With group
+        runs, rank r's runs and scales offset are row r of the table."""
+        pid = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1).to(tl.int64)
+        row_ptr = runs_ptr + r * row_len
         values_ptr = buf_ptr + r * payload_bytes
+        if RUNS:
+            scales_offset = tl.load(row_ptr)
         scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
         dst_ptr = flat_ptr + (r * partition + offset)
-        _unpack_tile(values_ptr, scales_ptr, dst_ptr, n, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
+        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
+        _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
 
     @triton.jit
     def _copy_indexed_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, count, BLOCK: tl.constexpr):
@@ -676,42 +766,94 @@ def _check(t: torch.Tensor, what: str) -> None:
 
 
 def _payload_sections(buf: torch.Tensor, layout, n: int, group_size: int, fmt, exact_count: int,
-                      elem_size: int = 2):
+                      elem_size: int = 2, runs=None):
     """Pointers to the values (uint8), scales (fp32) and side channel (int16) of the payload
-    ``buf``, after checking that it holds them (no views are made)."""
+    ``buf`` of a slice of ``n`` elements (``runs``: its coded groups only), after checking
+    that ``buf`` and the layout's sections hold them (no views are made)."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError("a payload must be a contiguous 1-D uint8 tensor")
     if buf.numel() < layout.nbytes:
         raise ValueError(f"payload buffer has {buf.numel()} bytes, the layout needs {layout.nbytes}")
     if exact_count > layout.exact_numel:
         raise ValueError(f"{exact_count} exact elements do not fit a side channel of {layout.exact_numel}")
-    return (_At(buf, layout.values_offset, fmt.value_bytes(n), torch.uint8),
-            _At(buf, layout.scales_offset, num_groups(n, group_size) * SCALE_BYTES, torch.float32),
+    coded, groups = (n, num_groups(n, group_size)) if runs is None else (runs.coded_numel(), runs.coded_groups())
+    value_bytes, scale_bytes = fmt.value_bytes(coded), groups * SCALE_BYTES
+    if (layout.values_offset + value_bytes > layout.scales_offset or layout.scales_offset + scale_bytes
+            > layout.exact_offset or layout.exact_offset + exact_count * elem_size > layout.nbytes):
+        raise ValueError(f"{coded} coded elements in {groups} groups and {exact_count} exact elements do not fit "
+                         f"the payload layout {layout} (are the group runs missing?)")
+    return (_At(buf, layout.values_offset, value_bytes, torch.uint8),
+            _At(buf, layout.scales_offset, scale_bytes, torch.float32),
             _At(buf, layout.exact_offset, exact_count * elem_size, torch.int16))
 
 
-#: ``id(exact_index) -> (weakref to it, launch shape, device, version, idx, blk)``: the per-program
-#: tables of an index the caller keeps (the gather plans cache theirs), built once
+#: ``id(exact_index) -> (weakref to it, launch shape, device, version, runs, idx, blk)``: the
+#: per-program tables of an index the caller keeps (the gather plans cache theirs), built once
 #: instead of two launches and an allocation per chunk.
 _TABLES: dict = {}
 
 
-def _exact_tables(exact_index: torch.Tensor | None, shape: _Launch, device: torch.device):
-    """``(idx, blk)``: the index, and for every program where its tile starts in it."""
+def _tile_starts(row, span: int) -> list[int]:
+    """Where each tile of one row of group runs starts (tiles of ``span`` elements that never
+    cross a run), and the slice's end."""
+    starts = [a for lo, hi, _ in row for a in range(lo, hi, span)]
+    return starts + [row[-1][1]]
+
+
+def _exact_tables(exact_index: torch.Tensor | None, shape: _Launch, device: torch.device, runs=None):
+    """``(idx, blk)``: the index, and for every program where its tile starts in it (the
+    tiles of :func:`_runs_table` when ``runs`` is given, one row)."""
     if exact_index is None or exact_index.numel() == 0:
         return None, None
     hit = _TABLES.get(id(exact_index))
     fresh = not exact_index.is_inference()
-    if fresh and hit is not None and hit[0]() is exact_index and hit[1:4] == (shape, device, exact_index._version):
-        return hit[4], hit[5]
+    if (fresh and hit is not None and hit[0]() is exact_index and hit[1:4] == (shape, device, exact_index._version)
+            and hit[4] is runs):
+        return hit[5], hit[6]
     idx = exact_index.to(device=device, dtype=torch.int64)
-    starts = torch.arange(shape.programs + 1, device=device, dtype=torch.int64) * shape.span
+    if runs is None:
+        starts = torch.arange(shape.programs + 1, device=device, dtype=torch.int64) * shape.span
+    else:
+        starts = torch.tensor(_tile_starts(runs.rows[0], shape.span), dtype=torch.int64).to(device)
     blk = torch.searchsorted(idx, starts)
     if fresh:
         if len(_TABLES) > 4096:  # entries of freed indices: drop them all, rebuild on demand
             _TABLES.clear()
-        _TABLES[id(exact_index)] = (weakref.ref(exact_index), shape, device, exact_index._version, idx, blk)
+        _TABLES[id(exact_index)] = (weakref.ref(exact_index), shape, device, exact_index._version, runs, idx, blk)
     return idx, blk
+
+
+class _RunsTable(NamedTuple):
+    """Group runs as the kernels read them: one row per payload, ``row_len`` int64 each:
+    the payload's scales offset, then per run ``(first program, lo, hi, first coded group)``
+    (rows padded to ``n_runs`` runs that no program finds); ``programs``: the most tiles a row has."""
+
+    table: torch.Tensor
+    row_len: int
+    n_runs: int
+    steps: int
+    programs: int
+
+
+def _runs_table(runs, shape: _Launch, device: torch.device) -> _RunsTable:
+    """The :class:`_RunsTable` of ``runs`` (:class:`qzero.layout.GroupRuns`) for tiles of
+    ``shape``; cached on ``runs``."""
+    key = ("triton", shape, device)
+    hit = runs._cache.get(key)
+    if hit is None:
+        n_runs = max(len(row) for row in runs.rows)
+        flat, programs = [], 0
+        for row, layout in zip(runs.rows, runs.layouts):
+            flat.append(layout.scales_offset)
+            p = 0
+            for lo, hi, first in row:
+                flat += [p, lo, hi, first]
+                p += -(-(hi - lo) // shape.span)
+            flat += [2**62, 0, 0, -1] * (n_runs - len(row))
+            programs = max(programs, p)
+        table = torch.tensor(flat, dtype=torch.int64).to(device)
+        hit = runs._cache[key] = _RunsTable(table, 1 + 4 * n_runs, n_runs, (n_runs - 1).bit_length(), programs)
+    return hit
 
 
 def pack_payload(
@@ -721,6 +863,7 @@ def pack_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
     """Kernel twin of :func:`qzero.quant.reference.pack_payload`: same arguments, same bytes.
 
@@ -737,21 +880,23 @@ def pack_payload(
     elif src.dim() != 1 or not src.is_contiguous():
         raise ValueError("source must be a contiguous 1-D tensor")
     n = src.numel()
-    values, scales, side = _payload_sections(out, layout, n, group_size, f, count)
+    values, scales, side = _payload_sections(out, layout, n, group_size, f, count, runs=runs)
     if n == 0:
         return
     has_exact = count > 0
     shape = _launch_shape(n, group_size, has_exact)
-    idx, blk = _exact_tables(exact_index, shape, src.device)
+    idx, blk = _exact_tables(exact_index, shape, src.device, runs)
+    table = None if runs is None else _runs_table(runs, shape, src.device)
     src_bits = src if wide else _At(src, 0, 2 * n, torch.int16)
     _launch(
         _pack_kernel,
-        (shape.programs,),
+        (shape.programs if table is None else table.programs,),
         (src_bits, values, scales, side if has_exact else scales, idx if has_exact else scales,
-         blk if has_exact else scales, n),
+         blk if has_exact else scales, scales if table is None else table.table, n,
+         0 if table is None else table.n_runs, 0 if table is None else table.steps),
         dict(IS_BF16=src.dtype == torch.bfloat16, SOFT=_soft(src.device), PAIRS=not wide and src.data_ptr() % 4 == 0,
              FMT=_FMT_CODES[f.name], QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad,
-             G=shape.groups_per_prog, HAS_EXACT=has_exact, STEPS=shape.search_steps),
+             G=shape.groups_per_prog, HAS_EXACT=has_exact, STEPS=shape.search_steps, RUNS=table is not None),
         dict(num_warps=shape.num_warps, **PACK_OPTIONS),
     )
 
@@ -763,6 +908,7 @@ def unpack_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
     """Kernel twin of :func:`qzero.quant.reference.unpack_payload`: same arguments, same result.
 
@@ -775,16 +921,18 @@ def unpack_payload(
     _check(dst, "destination")
     n = dst.numel()
     count = 0 if exact_index is None else exact_index.numel()
-    values, scales, side = _payload_sections(payload, layout, n, group_size, f, count)
+    values, scales, side = _payload_sections(payload, layout, n, group_size, f, count, runs=runs)
     if n == 0:
         return
     shape = _launch_shape(n, group_size, False)
+    table = None if runs is None else _runs_table(runs, shape, dst.device)
     _launch(
         _unpack_kernel,
-        (shape.programs,),
-        (values, scales, _At(dst, 0, 2 * n, torch.int16), n),
+        (shape.programs if table is None else table.programs,),
+        (values, scales, _At(dst, 0, 2 * n, torch.int16), scales if table is None else table.table, n,
+         0 if table is None else table.n_runs, 0 if table is None else table.steps),
         dict(IS_BF16=dst.dtype == torch.bfloat16, SOFT=_soft(dst.device), FMT=_FMT_CODES[f.name], GS=group_size,
-             GS_PAD=shape.gs_pad, G=shape.groups_per_prog),
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog, RUNS=table is not None),
         dict(num_warps=shape.num_warps),
     )
     if count:
@@ -795,10 +943,12 @@ def unpack_payload(
 COPY_BLOCK = 1024
 
 
-def _check_chunk(buf, flat, partition_numel: int, offset: int, numel: int, world: int, layout) -> _At:
-    """Check a receive buffer and a flat buffer against one chunk; the flat buffer's 16-bit view."""
+def _check_chunk(buf, flat, partition_numel: int, offset: int, numel: int, world: int, layout, runs=None) -> _At:
+    """Check a receive buffer, a flat buffer and group runs against one chunk; the flat buffer's 16-bit view."""
     _check(flat, "flat buffer")
-    pb = layout.nbytes
+    pb = layout.nbytes if runs is None else runs.payload_bytes
+    if runs is not None and (len(runs.rows) != world or runs.numel != numel):
+        raise ValueError(f"group runs of {len(runs.rows)} payloads of {runs.numel} elements given for {world} of {numel}")
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() < world * pb:
         raise ValueError(f"the receive buffer must be a contiguous uint8 tensor of at least {world} x {pb} bytes")
     if flat.numel() != world * partition_numel or not 0 <= offset <= offset + numel <= partition_numel:
@@ -818,25 +968,36 @@ def unpack_payloads(
     group_size: int,
     fmt: str,
     exact: tuple[torch.Tensor, torch.Tensor] | None,
+    runs=None,
 ) -> None:
     """Kernel twin of :func:`qzero.quant.reference.unpack_payloads`: every source rank's
     payload of one chunk in one launch (a program per tile and rank), then one scatter of
     every rank's exact elements. The same result as :func:`unpack_payload` per rank."""
     f = get_format(fmt)
-    bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout)
-    pb = layout.nbytes
+    bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout, runs)
     if numel == 0:
         return
     shape = _launch_shape(numel, group_size, False)
+    programs, per_rank = _ranks_arguments(buf, layout, runs, shape, flat.device)
     _launch(
         _unpack_ranks_kernel,
-        (shape.programs, world),
-        (buf, bits, numel, offset, partition_numel, pb, layout.scales_offset),
+        (programs, world),
+        (buf, bits, numel, offset, partition_numel, *per_rank),
         dict(IS_BF16=flat.dtype == torch.bfloat16, SOFT=_soft(flat.device), FMT=_FMT_CODES[f.name], GS=group_size,
-             GS_PAD=shape.gs_pad, G=shape.groups_per_prog),
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog, RUNS=runs is not None),
         dict(num_warps=shape.num_warps),
     )
     _scatter_exact(buf, bits, exact)
+
+
+def _ranks_arguments(buf, layout, runs, shape: _Launch, device) -> tuple[int, tuple]:
+    """The programs per rank of a launch over every rank's payload, and the arguments that
+    say where each rank's payload sections are: one layout for all, or (with group runs)
+    each rank's row of the :class:`_RunsTable`."""
+    if runs is None:
+        return shape.programs, (layout.nbytes, layout.scales_offset, buf, 0, 0, 0)
+    t = _runs_table(runs, shape, device)
+    return t.programs, (runs.payload_bytes, 0, t.table, t.row_len, t.n_runs, t.steps)
 
 
 def _scatter_exact(buf: torch.Tensor, bits: _At, exact) -> None:
@@ -866,6 +1027,7 @@ def pack_delta_payload(
     group_size: int,
     fmt: str,
     exact_index: torch.Tensor | None,
+    runs=None,
 ) -> None:
     """Kernel twin of :func:`qzero.quant.reference.pack_delta_payload`: same arguments, same
     bytes, one pass (the fp32 target and the replica are each read once; the difference
@@ -877,20 +1039,22 @@ def pack_delta_payload(
     if target.dtype != torch.float32 or target.dim() != 1 or not target.is_contiguous() or target.numel() != n:
         raise ValueError(f"the target must be a contiguous 1-D fp32 tensor of the replica's {n} elements")
     count = 0 if exact_index is None else exact_index.numel()
-    values, scales, side = _payload_sections(out, layout, n, group_size, f, count)
+    values, scales, side = _payload_sections(out, layout, n, group_size, f, count, runs=runs)
     if n == 0:
         return
     has_exact = count > 0
     shape = _launch_shape(n, group_size, has_exact)
-    idx, blk = _exact_tables(exact_index, shape, replica.device)
+    idx, blk = _exact_tables(exact_index, shape, replica.device, runs)
+    table = None if runs is None else _runs_table(runs, shape, replica.device)
     _launch(
         _pack_delta_kernel,
-        (shape.programs,),
+        (shape.programs if table is None else table.programs,),
         (target, _At(replica, 0, 2 * n, torch.int16), values, scales, side if has_exact else scales,
-         idx if has_exact else scales, blk if has_exact else scales, n),
+         idx if has_exact else scales, blk if has_exact else scales, scales if table is None else table.table, n,
+         0 if table is None else table.n_runs, 0 if table is None else table.steps),
         dict(IS_BF16=replica.dtype == torch.bfloat16, SOFT=_soft(replica.device), FMT=_FMT_CODES[f.name],
              QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog,
-             HAS_EXACT=has_exact, STEPS=shape.search_steps),
+             HAS_EXACT=has_exact, STEPS=shape.search_steps, RUNS=table is not None),
         dict(num_warps=shape.num_warps, **PACK_OPTIONS),
     )
 
@@ -907,24 +1071,26 @@ def unpack_delta_payloads(
     fmt: str,
     exact: tuple[torch.Tensor, torch.Tensor] | None,
     refused: torch.Tensor,
+    runs=None,
 ) -> None:
     """Kernel twin of :func:`qzero.quant.reference.unpack_delta_payloads`: every source rank's
     delta payload of one chunk added into ``flat`` in place (one launch, a program per tile
     and rank), then one scatter of every rank's exact elements."""
     f = get_format(fmt)
     _check_delta_format(f)
-    bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout)
+    bits = _check_chunk(buf, flat, partition_numel, offset, numel, world, layout, runs)
     if refused.dtype != torch.int64 or refused.numel() < 1 or refused.device != flat.device:
         raise ValueError("the refusal flag must be an int64 tensor on the flat buffer's device (reference.refusal_flag)")
     if numel == 0:
         return
     shape = _launch_shape(numel, group_size, False)
+    programs, per_rank = _ranks_arguments(buf, layout, runs, shape, flat.device)
     _launch(
         _unpack_delta_ranks_kernel,
-        (shape.programs, world),
-        (buf, bits, refused, numel, offset, partition_numel, layout.nbytes, layout.scales_offset),
+        (programs, world),
+        (buf, bits, refused, numel, offset, partition_numel, *per_rank),
         dict(IS_BF16=flat.dtype == torch.bfloat16, SOFT=_soft(flat.device), FMT=_FMT_CODES[f.name], GS=group_size,
-             GS_PAD=shape.gs_pad, G=shape.groups_per_prog),
+             GS_PAD=shape.gs_pad, G=shape.groups_per_prog, RUNS=runs is not None),
         dict(num_warps=shape.num_warps, **PACK_OPTIONS),
     )
     _scatter_exact(buf, bits, exact)
