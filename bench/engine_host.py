@@ -171,22 +171,25 @@ def main() -> None:
     flat.normal_(generator=g)
     context = CommContext(device)
     cycles_per_ms = calibrate(device)
-    try:
-        from qzero.quant import triton as tk
-    except ImportError:  # no Triton: only the reference kernels run
-        tk = None
-    arms = ("fast", "jit") if cuda and tk is not None and context.kernels is tk else ("default",)
+    contexts = {"default": context}
+    if cuda and getattr(context.kernels, "name", None) == "triton":
+        from qzero.quant.triton import TritonKernels
+        from qzero.quant.triton_launch import KernelTuning, Launcher
+
+        # the same kernels, launched directly once compiled (fast) or always by Triton's own launch (jit)
+        contexts = {arm: CommContext(device, kernels=TritonKernels(Launcher(KernelTuning(fast_launch=arm == "fast"))))
+                    for arm in ("fast", "jit")}
+    arms = tuple(contexts)
     results = {"numel": layout.numel, "world": world, "fake_world": bool(a.fake_world), "bucket": int(a.bucket), "fmt": a.fmt, "device": a.device,
-               "schedule": context.schedule, "kernels": getattr(context.kernels, "__name__", str(context.kernels)),
+               "schedule": context.schedule, "kernels": getattr(context.kernels, "name", str(context.kernels)),
                "exact_ranges": len(plan.exact_ranges), "arms": {}}
-    # warm up: compile every kernel variant, fill the caches on the plan
-    start_gather(flat, plan, None, context).wait()
-    time_pieces(flat, plan, None, context, world, rank)
-    sync(device)
     busy_ms = 2000.0
     for arm in arms:
-        if tk is not None:
-            tk.FAST_LAUNCH = arm != "jit"
+        context = contexts[arm]
+        # warm up: compile every kernel variant, fill the caches on the plan and the launcher
+        start_gather(flat, plan, None, context).wait()
+        time_pieces(flat, plan, None, context, world, rank)
+        sync(device)
         pieces, whole, n_chunks = [], [], 0
         for _ in range(a.repeats):
             sync(device)
@@ -204,8 +207,6 @@ def main() -> None:
         row["pieces total"] = sum(row[name] for name in PIECES)
         row["whole start_gather + wait_until"] = 1e6 * statistics.median(whole) / n
         results["arms"][arm] = {"chunks": n, "us_per_chunk": row}
-    if tk is not None:
-        tk.FAST_LAUNCH = True
     if rank == 0:
         names = list(next(iter(results["arms"].values()))["us_per_chunk"])
         print(f"engine host time, us per chunk ({results['arms'][arms[0]]['chunks']} chunks, numel {layout.numel:.3g}, "

@@ -7,7 +7,7 @@ for chunk slices (multiples of the group size). Usage::
 
     python bench/kernel_asm.py [--arch 90] [--group-size 64] [--out DIR] [--pack-fp-fusion on]
 
-The pack is compiled with the options it is launched with (``qzero.quant.triton.PACK_OPTIONS``,
+The pack is compiled with the options it is launched with (``qzero.quant.triton_launch.PACK_OPTIONS``,
 fp contraction off); ``--pack-fp-fusion on`` compiles it with contraction on instead, to see
 what the launch option prevents. Besides the static counts it prints the *fast path* per
 element: the kernel body without the division slow-path subroutine and without the call
@@ -28,7 +28,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qzero.quant import triton as qt  # noqa: E402
+from qzero.quant import triton_launch as ql  # noqa: E402
+from qzero.quant import triton_weights as qt  # noqa: E402
+from qzero.quant.formats import get_format  # noqa: E402
 from qzero.quant.reference import FLT_MIN  # noqa: E402
 
 
@@ -102,28 +104,30 @@ def main() -> None:
     ap.add_argument("--pack-fp-fusion", choices=["launch", "on"], default="launch",
                     help="launch: the pack's own launch options (PACK_OPTIONS); on: fp contraction forced on")
     a = ap.parse_args()
-    pack_options = dict(getattr(qt, "PACK_OPTIONS", {}))
+    pack_options = dict(ql.PACK_OPTIONS)
     if a.pack_fp_fusion == "on":
         pack_options["enable_fp_fusion"] = True
     os.makedirs(a.out, exist_ok=True)
-    block, warps = qt.TUNING.shape(False)
-    gs_pad = qt._next_pow2(a.group_size)
+    block, warps = ql.DEFAULT_TUNING.shape(False)
+    gs_pad = ql._next_pow2(a.group_size)
     common = {"IS_BF16": True, "SOFT": False, "GS": a.group_size, "GS_PAD": gs_pad, "G": max(1, block // gs_pad)}
     pack_sig = {"src_ptr": "*i16", "values_ptr": "*u8", "scales_ptr": "*fp32", "side_ptr": "*i16", "idx_ptr": "*i64",
                 "blk_ptr": "*i64", "runs_ptr": "*fp32", "n": "i64", "n_runs": "i32", "run_steps": "i32"}
-    unpack_sig = {"values_ptr": "*u8", "scales_ptr": "*fp32", "dst_ptr": "*i16", "runs_ptr": "*fp32", "n": "i64",
-                  "n_runs": "i32", "run_steps": "i32"}
-    for fmt, code in qt._FMT_CODES.items():
-        f = qt.get_format(fmt)
+    unpack_sig = {"buf_ptr": "*u8", "flat_ptr": "*i16", "refused_ptr": "*u8", "n": "i64", "offset": "i64",
+                  "partition": "i64", "payload_bytes": "i64", "scales_offset": "i64", "runs_ptr": "*u8",
+                  "row_len": "i32", "n_runs": "i32", "run_steps": "i32"}
+    for fmt, code in ql.FMT_CODES.items():
+        f = get_format(fmt)
         pack_const = {**common, "PAIRS": True, "FMT": code, "QMAX": float(f.qmax), "FLOOR": FLT_MIN,
                       "HAS_EXACT": False, "STEPS": 12, "RUNS": False}
         sig = {**pack_sig, **{k: "constexpr" for k in pack_const}}
         per_thread = block // (warps * 32)
         mix(compile_kernel(qt._pack_kernel, sig, pack_const, a.arch, warps, **pack_options), a.out, f"pack_{fmt}",
             per_thread)
-        unpack_const = {**common, "FMT": code, "RUNS": False}
+        unpack_const = {**common, "FMT": code, "RUNS": False, "DELTA": False}
         sig = {**unpack_sig, **{k: "constexpr" for k in unpack_const}}
-        mix(compile_kernel(qt._unpack_kernel, sig, unpack_const, a.arch, warps), a.out, f"unpack_{fmt}", per_thread)
+        mix(compile_kernel(qt._unpack_ranks_kernel, sig, unpack_const, a.arch, warps), a.out, f"unpack_{fmt}",
+            per_thread)
 
 
 if __name__ == "__main__":

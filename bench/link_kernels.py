@@ -98,9 +98,9 @@ def _launcher():
     """qzero's cached launch of compiled Triton kernels (tens of microseconds less host time
     per call than Triton's own), or Triton's own where that is not importable."""
     try:
-        from qzero.quant.triton import _launch
+        from qzero.quant.triton_launch import Launcher
 
-        return _launch
+        return Launcher().launch
     except Exception:  # pragma: no cover - an older or newer qzero
         def launch(kernel, grid, args, consts, options):
             kernel[grid](*args, **consts, **options)

@@ -24,7 +24,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from qzero.quant import gradients_triton as gt  # noqa: E402
-from qzero.quant import triton as qt  # noqa: E402
+from qzero.quant import triton_delta as qd  # noqa: E402
+from qzero.quant import triton_launch as ql  # noqa: E402
+from qzero.quant import triton_weights as qt  # noqa: E402
 from qzero.quant.reference import FLT_MIN  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -62,23 +64,22 @@ def main(quick: bool) -> dict:
                    runs_ptr="*i64" if runs else "*fp32", n="i64", n_runs="i32", run_steps="i32")
         const = dict(IS_BF16=src == "bf16", SOFT=False, PAIRS=pairs, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64,
                      GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11, RUNS=runs)
-        results[f"pack {src} {fmt} exact={exact} runs={runs}"] = build(qt._pack_kernel, sig, const, **qt.PACK_OPTIONS)
+        results[f"pack {src} {fmt} exact={exact} runs={runs}"] = build(qt._pack_kernel, sig, const, **ql.PACK_OPTIONS)
     # Weight unpack: 16-bit destinations, every format, with and without group runs.
     for dst, fmt, runs in itertools.product(("bf16", "fp16"), FMTS, (False, True)):
         if quick and dst == "fp16" and fmt != "fp8":
             continue
         code, _ = FMTS[fmt]
-        sig = dict(values_ptr="*u8", scales_ptr="*fp32", dst_ptr="*i16", runs_ptr="*i64" if runs else "*fp32", n="i64",
-                   n_runs="i32", run_steps="i32")
         const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, RUNS=runs)
-        results[f"unpack {dst} {fmt} runs={runs}"] = build(qt._unpack_kernel, sig, const)
-        # every source rank's payload of a chunk in one launch (2-D grid); offsets of 32 and 64 bits
+        # every source rank's payload of a chunk in one launch (2-D grid; one payload: one rank); offsets of 32
+        # and 64 bits
         for wide in (False, True):
             ints = "i64" if wide else "i32"
-            sig = dict(buf_ptr="*u8", flat_ptr="*i16", n="i32", offset=ints, partition=ints, payload_bytes="i32",
-                       scales_offset="i32", runs_ptr="*i64" if runs else "*u8", row_len="i32", n_runs="i32",
-                       run_steps="i32")
-            results[f"unpack all ranks {dst} {fmt} {ints} runs={runs}"] = build(qt._unpack_ranks_kernel, sig, const)
+            sig = dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*u8", n="i32", offset=ints, partition=ints,
+                       payload_bytes="i32", scales_offset="i32", runs_ptr="*i64" if runs else "*u8", row_len="i32",
+                       n_runs="i32", run_steps="i32")
+            results[f"unpack all ranks {dst} {fmt} {ints} runs={runs}"] = build(qt._unpack_ranks_kernel, sig,
+                                                                                 dict(const, DELTA=False))
     # Delta payloads: pack from an fp32 target and a 16-bit replica, with and without exact
     # elements; the in-place unpack of every rank's payload (no fp contraction in either).
     for dst, fmt in itertools.product(("bf16", "fp16"), ("int4", "int8")):
@@ -93,18 +94,18 @@ def main(quick: bool) -> dict:
                            n_runs="i32", run_steps="i32")
                 for gs in (64, 136):  # a power of two, and a group size that is not
                     const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=gs,
-                                 GS_PAD=qt._next_pow2(gs), G=16 if gs == 64 else 8, HAS_EXACT=exact, STEPS=11,
+                                 GS_PAD=ql._next_pow2(gs), G=16 if gs == 64 else 8, HAS_EXACT=exact, STEPS=11,
                                  RUNS=runs)
                     results[f"delta pack {dst} {fmt} g{gs} exact={exact} runs={runs}"] = build(
-                        qt._pack_delta_kernel, sig, const, **qt.PACK_OPTIONS)
+                        qd._pack_delta_kernel, sig, const, **ql.PACK_OPTIONS)
         for wide, runs in itertools.product((False, True), (False, True)):
             ints = "i64" if wide else "i32"
             sig = dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset=ints, partition=ints,
                        payload_bytes="i32", scales_offset="i32", runs_ptr="*i64" if runs else "*u8", row_len="i32",
                        n_runs="i32", run_steps="i32")
-            const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, RUNS=runs)
+            const = dict(IS_BF16=dst == "bf16", SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, RUNS=runs, DELTA=True)
             results[f"delta unpack all ranks {dst} {fmt} {ints} runs={runs}"] = build(
-                qt._unpack_delta_ranks_kernel, sig, const, **qt.PACK_OPTIONS)
+                qt._unpack_ranks_kernel, sig, const, **ql.PACK_OPTIONS)
     # the scatter of every rank's exact elements
     sig = dict(src_ptr="*i16", dst_ptr="*i16", src_idx_ptr="*i64", dst_idx_ptr="*i64", count="i32")
     results["exact scatter"] = build(qt._copy_indexed_kernel, sig, dict(BLOCK=qt.COPY_BLOCK))
@@ -125,7 +126,7 @@ def main(quick: bool) -> dict:
         const = dict(KIND=kind, SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16,
                      HAS_EXACT=True, STEPS=11, **rotation, EF=ef)
         tag = f"{name} {fmt}" + (f" rotation {rot}" if rot else "") + (" error feedback" if ef else "")
-        results[f"gradient pack {tag}"] = build(gt._grad_pack_kernel, sig, const, **qt.PACK_OPTIONS)
+        results[f"gradient pack {tag}"] = build(gt._grad_pack_kernel, sig, const, **ql.PACK_OPTIONS)
         tag = f"{name} {fmt}" + (f" rotation {rot}" if rot else "")  # no error-feedback variant of its own
         if f"gradient dequantize-sum {tag}" in results:
             continue
@@ -134,7 +135,7 @@ def main(quick: bool) -> dict:
                    blk_ptr="*i64" if exact else "*fp32", n="i64", nbytes="i64", scales_offset="i64", rank="i32",
                    world="i32")
         const = dict(KIND=kind, SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11, **rotation)
-        results[f"gradient dequantize-sum {tag}"] = build(gt._dequantize_sum_kernel, sig, const, **qt.PACK_OPTIONS)
+        results[f"gradient dequantize-sum {tag}"] = build(gt._dequantize_sum_kernel, sig, const, **ql.PACK_OPTIONS)
     return results
 
 

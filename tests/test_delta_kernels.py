@@ -21,7 +21,7 @@ if not CUDA:
 import fp64_model  # noqa: E402
 from simulate import kernel_inputs, side_mask  # noqa: E402
 from qzero.layout import plan_gather  # noqa: E402
-from qzero.quant import reference  # noqa: E402
+from qzero.quant import REFERENCE_KERNELS, reference  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16]
 cpu_only = pytest.mark.skipif(CUDA, reason="interpreter tests run where there is no CUDA device")
@@ -32,11 +32,13 @@ def seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def kernels():
+def kernels(**tuning):
+    """A Triton kernel set (``tuning``: the fields of a KernelTuning of its own)."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    from qzero.quant import triton as tk
+    from qzero.quant.triton import DEFAULT_KERNELS, TritonKernels
+    from qzero.quant.triton_launch import KernelTuning, Launcher
 
-    return tk
+    return TritonKernels(Launcher(KernelTuning(**tuning))) if tuning else DEFAULT_KERNELS
 
 
 def step_pair(n: int, dtype: torch.dtype, rng: np.random.Generator, device="cpu"):
@@ -173,7 +175,7 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     pb = k.payload_bytes
     bufs = []
     poison = torch.randint(0, 256, (world * pb,), dtype=torch.uint8, generator=gen).to(m.device)
-    for kind in (reference, tk):
+    for kind in (REFERENCE_KERNELS, tk):
         buf = poison.clone()
         for rank in range(world):
             kind.pack_delta_payload(m[rank * n : (rank + 1) * n], r[rank * n : (rank + 1) * n],
@@ -183,7 +185,7 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     bad = (bufs[0] != bufs[1]).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} payload bytes differ, first at {bad[:8].tolist()}"
     outs = []
-    for kind in (reference, tk):
+    for kind in (REFERENCE_KERNELS, tk):
         flat = r.clone()
         refused = reference.refusal_flag(m.device)
         kind.unpack_delta_payloads(bufs[0], flat, n, 0, n, world, k.layouts[0], gs, fmt, k.scatter, refused,
@@ -212,12 +214,10 @@ def test_kernels_match_reference(fmt, gs, dtype):
 
 @cpu_only
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_kernels_world_3_small_tiles_and_refusals(fmt, monkeypatch):
+def test_kernels_world_3_small_tiles_and_refusals(fmt):
     """World 3 in one launch, tiles smaller than the slice (program boundaries), exact runs
     across them, and non-finite differences refused alike."""
-    tk = kernels()
-    monkeypatch.setattr(tk.TUNING, "block_elems", 64)
-    monkeypatch.setattr(tk.TUNING, "exact_block_elems", 64)
+    tk = kernels(block_elems=64, exact_block_elems=64)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
     n = 3 * (64 * 5 + 24)
@@ -231,24 +231,19 @@ def test_kernels_world_3_small_tiles_and_refusals(fmt, monkeypatch):
 
 
 @cpu_only
-def test_delta_launchers_pass_constexprs_in_kernel_order(monkeypatch):
+def test_delta_launchers_pass_constexprs_in_kernel_order():
     """The delta launchers can use the compiled kernel's launch (runtime arguments first, then
     the constexprs in the kernel's order), as every launcher of the module."""
-    tk = kernels()
-    seen = set()
-    real = tk._launch
+    kernels()  # Triton, or skip
+    from kernel_checks import checking_kernels
+    from qzero.quant import triton_delta, triton_weights
 
-    def checked(kernel, grid, args, consts, options):
-        names = list(kernel.arg_names)
-        assert names == [*names[: len(args)], *consts], (kernel, list(consts))
-        seen.add(kernel)
-        real(kernel, grid, args, consts, options)
-
-    monkeypatch.setattr(tk, "_launch", checked)
+    tk = checking_kernels()
     rng = np.random.default_rng(6)
     m, r = step_pair(2 * 256, torch.bfloat16, rng)
     check_kernels_match(tk, m, r, "int4", 64, torch.tensor([3, 4, 300]), torch.Generator().manual_seed(6), world=2)
-    assert {tk._pack_delta_kernel, tk._unpack_delta_ranks_kernel, tk._copy_indexed_kernel} <= seen
+    assert {triton_delta._pack_delta_kernel, triton_weights._unpack_ranks_kernel,
+            triton_weights._copy_indexed_kernel} <= tk.launcher.seen
 
 
 def test_kernels_refuse_bad_arguments():
@@ -272,11 +267,10 @@ def test_kernels_refuse_bad_arguments():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("gs", [64, 256, 2048, 136])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_gpu_kernels_match_reference(fmt, gs, dtype, soft, monkeypatch):
+def test_gpu_kernels_match_reference(fmt, gs, dtype, soft):
     """Compiled on the GPU, at sizes with many programs per rank, world 3, exact elements and
     subnormal values: the same bytes and the same replica as the reference on the GPU."""
-    tk = kernels()
-    monkeypatch.setattr(tk, "SOFT_CASTS", soft)
+    tk = kernels(soft_casts=soft)
     rng = np.random.default_rng(seed(fmt, gs, dtype, soft))
     gen = torch.Generator().manual_seed(7)
     per_rank = (1 << 20) + 3 * gs + 5
@@ -293,25 +287,25 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qzero.quant import triton as qt
+from qzero.quant import triton_delta as qd, triton_launch as ql, triton_weights as qt
 from qzero.quant.reference import FLT_MIN
 
 def ptx(fn, sig, const):
     names = list(sig) + list(const)
     full = {**sig, **{k: "constexpr" for k in const}}
     src = ASTSource(fn=fn, signature=full, constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **qt.PACK_OPTIONS}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **ql.PACK_OPTIONS}).asm["ptx"]
 
-pack = ptx(qt._pack_delta_kernel,
+pack = ptx(qd._pack_delta_kernel,
            dict(target_ptr="*fp32", replica_ptr="*i16", values_ptr="*u8", scales_ptr="*fp32", side_ptr="*fp32",
                 idx_ptr="*fp32", blk_ptr="*fp32", runs_ptr="*fp32", n="i64", n_runs="i32", run_steps="i32"),
            dict(IS_BF16=True, SOFT=False, FMT=2, QMAX=7.0, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16, HAS_EXACT=False, STEPS=11,
                 RUNS=False))
-unpack = ptx(qt._unpack_delta_ranks_kernel,
+unpack = ptx(qt._unpack_ranks_kernel,
              dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset="i32", partition="i32",
                   payload_bytes="i32", scales_offset="i32", runs_ptr="*u8", row_len="i32", n_runs="i32",
                   run_steps="i32"),
-             dict(IS_BF16=True, SOFT=False, FMT=2, GS=64, GS_PAD=64, G=16, RUNS=False))
+             dict(IS_BF16=True, SOFT=False, FMT=2, GS=64, GS_PAD=64, G=16, RUNS=False, DELTA=True))
 print(json.dumps({"pack": pack, "unpack": unpack}))
 """
 

@@ -342,9 +342,7 @@ def test_settings_that_differ_across_ranks_raise_on_every_rank():
 # ------------------------------------------------------------------ kernels against the reference
 
 try:
-    from qzero.quant import gradients_triton as kernels
-
-    HAVE_KERNELS = kernels.AVAILABLE
+    from qzero.quant.triton import AVAILABLE as HAVE_KERNELS
 except ImportError:  # pragma: no cover
     HAVE_KERNELS = False
 
@@ -363,50 +361,47 @@ def assert_kernels_match_reference(dtype, fmt, group_size, rotation=0, error_fee
     """Payloads (and residuals), then fp32 sums, of the kernels and the torch reference: equal
     bit for bit, with NaN and Inf in quantized groups, in an exact element and in the owner's
     own piece."""
-    from qzero.quant import triton as weight_kernels
+    from qzero.quant.triton import TritonKernels
+    from qzero.quant.triton_launch import KernelTuning, Launcher
 
     device = "cuda" if CUDA else "cpu"
     n = 200_003 if CUDA else 331  # odd: a lone int4 nibble, a partial rotation block
     gen = torch.Generator().manual_seed(group_size + rotation + 7 * len(fmt))
-    saved = weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems
-    weight_kernels.TUNING.block_elems = weight_kernels.TUNING.exact_block_elems = 64  # many programs
-    try:
-        world = 4
-        idx = torch.tensor([3, 4, 5, 6, 100, 101, n - 1], dtype=torch.int64, device=device)
-        f = get_format(fmt)
-        layout = _payload_layout(n, f.value_bytes(n), -(-n // group_size), idx.numel(), dtype.itemsize)
-        payloads = []
-        for s in range(world - 1):
-            x = piece(n, dtype, gen, device)
-            x[40 + s] = float("nan")  # a NaN group, an Inf group, an Inf exact element
-            x[140 + s] = float("-inf")
-            x[101] = float("inf")
-            a = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-            b = a.clone()
-            ra = (piece(n, torch.float32, gen, device) * 1e-2).to(ref.RESIDUAL_DTYPE) if error_feedback else None
-            rb = ra.clone() if error_feedback else None
-            for _ in range(2 if error_feedback else 1):  # the second pack adds the residual the first left
-                ref.pack_gradient(x, a, layout, group_size, fmt, idx, rotation, ra)
-                kernels.pack_gradient(x, b, layout, group_size, fmt, idx, rotation, rb)
-                assert torch.equal(a, b), f"payload {s} differs at bytes {(a != b).nonzero()[:5].flatten().tolist()}"
-                if error_feedback:
-                    assert torch.equal(ra.view(torch.int16), rb.view(torch.int16)), "residuals differ"
-                    assert bool(torch.isfinite(ra).all()) and bool(ra[idx].eq(0).all())
-            payloads.append(a)
-        payloads = torch.cat(payloads)
-        own = piece(n, dtype, gen, device)
-        own[77] = float("nan")
-        for rank in (0, 2, world - 1):
-            want = torch.empty(n, dtype=torch.float32, device=device)
-            got = torch.empty_like(want)
-            ref.dequantize_sum(payloads, own, want, layout, rank, world, group_size, fmt, idx, rotation)
-            kernels.dequantize_sum(payloads, own, got, layout, rank, world, group_size, fmt, idx, rotation)
-            assert torch.equal(want.view(torch.int32), got.view(torch.int32))
-            nonfinite = ~torch.isfinite(want)
-            assert nonfinite[40].item() and nonfinite[141].item() and nonfinite[77].item()
-            assert want[101] == float("inf")  # exact: its own value (with a rotation: not spread)
-    finally:
-        weight_kernels.TUNING.block_elems, weight_kernels.TUNING.exact_block_elems = saved
+    kernels = TritonKernels(Launcher(KernelTuning(block_elems=64, exact_block_elems=64)))  # many programs
+    world = 4
+    idx = torch.tensor([3, 4, 5, 6, 100, 101, n - 1], dtype=torch.int64, device=device)
+    f = get_format(fmt)
+    layout = _payload_layout(n, f.value_bytes(n), -(-n // group_size), idx.numel(), dtype.itemsize)
+    payloads = []
+    for s in range(world - 1):
+        x = piece(n, dtype, gen, device)
+        x[40 + s] = float("nan")  # a NaN group, an Inf group, an Inf exact element
+        x[140 + s] = float("-inf")
+        x[101] = float("inf")
+        a = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+        b = a.clone()
+        ra = (piece(n, torch.float32, gen, device) * 1e-2).to(ref.RESIDUAL_DTYPE) if error_feedback else None
+        rb = ra.clone() if error_feedback else None
+        for _ in range(2 if error_feedback else 1):  # the second pack adds the residual the first left
+            ref.pack_gradient(x, a, layout, group_size, fmt, idx, rotation, ra)
+            kernels.pack_gradient(x, b, layout, group_size, fmt, idx, rotation, rb)
+            assert torch.equal(a, b), f"payload {s} differs at bytes {(a != b).nonzero()[:5].flatten().tolist()}"
+            if error_feedback:
+                assert torch.equal(ra.view(torch.int16), rb.view(torch.int16)), "residuals differ"
+                assert bool(torch.isfinite(ra).all()) and bool(ra[idx].eq(0).all())
+        payloads.append(a)
+    payloads = torch.cat(payloads)
+    own = piece(n, dtype, gen, device)
+    own[77] = float("nan")
+    for rank in (0, 2, world - 1):
+        want = torch.empty(n, dtype=torch.float32, device=device)
+        got = torch.empty_like(want)
+        ref.dequantize_sum(payloads, own, want, layout, rank, world, group_size, fmt, idx, rotation)
+        kernels.dequantize_sum(payloads, own, got, layout, rank, world, group_size, fmt, idx, rotation)
+        assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+        nonfinite = ~torch.isfinite(want)
+        assert nonfinite[40].item() and nonfinite[141].item() and nonfinite[77].item()
+        assert want[101] == float("inf")  # exact: its own value (with a rotation: not spread)
 
 
 @pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
@@ -419,19 +414,13 @@ def test_kernels_match_reference(dtype, fmt, group_size):
 
 
 @pytest.mark.skipif(not HAVE_KERNELS, reason="Triton (or its interpreter) is not available")
-def test_gradient_launchers_pass_constexprs_in_kernel_order(monkeypatch):
+def test_gradient_launchers_pass_constexprs_in_kernel_order():
     """The gradient kernels go through the weight kernels' launcher (cached compiled
     launches on a GPU): runtime arguments first, then the constexprs in the kernel's order."""
-    seen = set()
-    real = kernels._launch
+    from kernel_checks import checking_kernels
+    from qzero.quant import gradients_triton
 
-    def checked(kernel, grid, args, consts, options):
-        names = list(kernel.arg_names)
-        assert names == [*names[: len(args)], *consts], (kernel, list(consts))
-        seen.add(kernel)
-        real(kernel, grid, args, consts, options)
-
-    monkeypatch.setattr(kernels, "_launch", checked)
+    kernels = checking_kernels()
     n, gs, world = 200, 64, 2
     device = "cuda" if CUDA else "cpu"
     gen = torch.Generator().manual_seed(3)
@@ -445,7 +434,7 @@ def test_gradient_launchers_pass_constexprs_in_kernel_order(monkeypatch):
     want = torch.empty_like(out)
     ref.dequantize_sum(payload, own, want, layout, 0, world, gs, "int8", idx)
     assert torch.equal(out, want)
-    assert seen == {kernels._grad_pack_kernel, kernels._dequantize_sum_kernel}
+    assert kernels.launcher.seen == {gradients_triton._grad_pack_kernel, gradients_triton._dequantize_sum_kernel}
 
 
 def test_reference_pack_leaves_finite_groups_alone():

@@ -27,8 +27,12 @@ import fp64_model  # noqa: E402
 from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
 from qzero.layout import PayloadKind, plan_gather  # noqa: E402
 from simulate import kernel_inputs  # noqa: E402
-from qzero.quant import reference  # noqa: E402
-from qzero.quant import triton as kernels  # noqa: E402
+from qzero.quant import REFERENCE_KERNELS, reference  # noqa: E402
+from qzero.quant import triton_launch, triton_weights  # noqa: E402
+from qzero.quant.triton import DEFAULT_KERNELS, TritonKernels  # noqa: E402
+from qzero.quant.triton_launch import At, KernelTuning, Launcher  # noqa: E402
+
+kernels = DEFAULT_KERNELS
 
 FORMATS = ["int8", "fp8", "int4"]
 DTYPES = [torch.bfloat16, torch.float16]
@@ -37,13 +41,15 @@ cpu_only = pytest.mark.skipif(CUDA, reason="interpreter tests run where there is
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
+def tuned(**fields) -> TritonKernels:
+    """A kernel set of its own tuning (and its own launch caches)."""
+    return TritonKernels(Launcher(KernelTuning(**fields)))
+
+
 @pytest.fixture(params=[64, 4096], ids=["tile64", "tile4096"])
-def tile(request):
-    """Small tiles put many programs (and program boundaries) into small inputs."""
-    saved = kernels.TUNING.block_elems, kernels.TUNING.exact_block_elems
-    kernels.TUNING.block_elems = kernels.TUNING.exact_block_elems = request.param
-    yield request.param
-    kernels.TUNING.block_elems, kernels.TUNING.exact_block_elems = saved
+def tile(request) -> TritonKernels:
+    """Kernels with small tiles put many programs (and program boundaries) into small inputs."""
+    return tuned(block_elems=request.param, exact_block_elems=request.param)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -90,7 +96,7 @@ def poison(nbytes: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
 
 
-def check_pack(x, fmt, group_size, exact, gen):
+def check_pack(x, fmt, group_size, exact, gen, kernels=DEFAULT_KERNELS):
     """Kernel and reference write the same bytes over two different poisons, so the
     kernel writes exactly the bytes the reference writes and nothing else."""
     p = layout_for(x.numel(), fmt, group_size, exact)
@@ -104,7 +110,7 @@ def check_pack(x, fmt, group_size, exact, gen):
     return want, p
 
 
-def check_unpack(payload, p, n, dtype, fmt, group_size, gen):
+def check_unpack(payload, p, n, dtype, fmt, group_size, gen, kernels=DEFAULT_KERNELS):
     """Destination is a slice of a poisoned buffer: every element written, guards untouched."""
     guard = 5
     base = poison((n + 2 * guard) * 2, gen, payload.device).view(dtype)
@@ -125,15 +131,15 @@ def check_unpack(payload, p, n, dtype, fmt, group_size, gen):
 @pytest.mark.parametrize("group_size", [8, 64, 136])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_roundtrip_matches_reference(fmt, group_size, dtype, tile):
-    gen = torch.Generator().manual_seed(hash((fmt, group_size, str(dtype), tile)) % 2**31)
+    gen = torch.Generator().manual_seed(hash((fmt, group_size, str(dtype), tile.tuning.block_elems)) % 2**31)
     n = 11 * group_size + 5  # a short last group
     x = weights(n, dtype, gen)
     exact = random_exact(n, gen)
-    payload, layout = check_pack(x, fmt, group_size, exact, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
+    payload, layout = check_pack(x, fmt, group_size, exact, gen, tile)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen, tile)
     # and without any exact elements
-    payload, layout = check_pack(x, fmt, group_size, None, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
+    payload, layout = check_pack(x, fmt, group_size, None, gen, tile)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen, tile)
 
 
 @cpu_only
@@ -143,8 +149,8 @@ def test_odd_tails(fmt, n, tile):
     gen = torch.Generator().manual_seed(n)
     x = weights(n, torch.bfloat16, gen)
     exact = torch.tensor([n - 1]) if n > 1 else None
-    payload, layout = check_pack(x, fmt, 64, exact, gen)
-    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, gen)
+    payload, layout = check_pack(x, fmt, 64, exact, gen, tile)
+    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, gen, tile)
 
 
 @cpu_only
@@ -160,8 +166,8 @@ def test_exact_ranges_at_edges(fmt, ranges, tile):
     x = weights(n, torch.float16, gen)
     x[ranges[0][0]] = 6e4  # a huge exact value must not widen its group's scale
     exact = torch.cat([torch.arange(a, b) for a, b in ranges])
-    payload, layout = check_pack(x, fmt, 64, exact, gen)
-    check_unpack(payload, layout, n, torch.float16, fmt, 64, gen)
+    payload, layout = check_pack(x, fmt, 64, exact, gen, tile)
+    check_unpack(payload, layout, n, torch.float16, fmt, 64, gen, tile)
 
 
 @cpu_only
@@ -204,10 +210,10 @@ def test_fp32_source_matches_reference(fmt, n, tile):
     x = weights(n, torch.float32, gen) * (1 + torch.rand(n, generator=gen) * 2**-10)
     assert not torch.equal(x, x.bfloat16().float())
     x = x.to("cuda" if CUDA else "cpu")  # compiled kernels launch on the GPU
-    payload, layout = check_pack(x, fmt, 64, None, gen)
-    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, gen)
+    payload, layout = check_pack(x, fmt, 64, None, gen, tile)
+    check_unpack(payload, layout, n, torch.bfloat16, fmt, 64, gen, tile)
     with pytest.raises(ValueError, match="fp32 source cannot have exact"):
-        kernels.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])).layout, 64, fmt,
+        tile.pack_payload(x, payload.clone(), layout_for(n, fmt, 64, torch.tensor([0])).layout, 64, fmt,
                              torch.tensor([0], device=x.device))
 
 
@@ -241,7 +247,7 @@ def test_pack_multiplies_by_the_reciprocal(fmt, dtype, tile):
     n = x.numel()
     # exact elements only in the last (non-mined) groups, so the mined ones keep their values
     exact = torch.from_numpy(np.unique(rng.integers(n - others.size * gs, n, 40)))
-    want, layout = check_pack(x, fmt, gs, exact, torch.Generator().manual_seed(seed))
+    want, layout = check_pack(x, fmt, gs, exact, torch.Generator().manual_seed(seed), tile)
     codes, scales = fp64_model.quantize_fp64(x, gs, fmt, exact.numpy())
     model = fp64_model.value_bytes(codes, fmt)
     assert layout.runs is None, f"seed {seed}: the mined groups must all be coded"
@@ -274,7 +280,7 @@ def test_pack_compiles_to_a_plain_multiply(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, os.path.join(root, "bench", "kernel_asm.py"), "--out", str(tmp_path)],
                    env=env, check=True, capture_output=True, timeout=600)
-    per_thread = kernels.TUNING.block_elems // (kernels.TUNING.num_warps * 32)
+    per_thread = kernels.tuning.block_elems // (kernels.tuning.num_warps * 32)
     for fmt in FORMATS:
         ptx = (tmp_path / f"pack_{fmt}.ptx").read_text()
         assert ptx.count("div.rn.f32") < per_thread, fmt  # was one per element (17 for int8)
@@ -285,7 +291,22 @@ def test_pack_compiles_to_a_plain_multiply(tmp_path):
 
 @cpu_only
 def test_soft_casts_are_on_under_the_interpreter():
-    assert kernels.AVAILABLE and kernels.INTERPRET and kernels.SOFT_CASTS
+    assert triton_launch.AVAILABLE and triton_launch.INTERPRET
+    assert kernels.launcher.soft(torch.device("cpu")) and not kernels.tuning.soft_casts
+    assert Launcher(interpret=True).soft(torch.device("cuda", 0))  # whatever the device
+
+
+def test_kernel_tuning_is_checked_and_frozen():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="block_elems must be a positive power of two, got 1000"):
+        KernelTuning(block_elems=1000)
+    with pytest.raises(ValueError, match="exact_num_warps"):
+        KernelTuning(exact_num_warps=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kernels.tuning.block_elems = 64  # no module-wide switch to flip: a new kernel set instead
+    with pytest.raises(TypeError, match="KernelTuning"):
+        Launcher(dict(block_elems=64))
 
 
 @cpu_only
@@ -336,17 +357,17 @@ GPU_CASES = [
     ids=[f"g{g}-{str(d)[6:]}{'-soft' if s else ''}" for g, s, d in GPU_CASES],
 )
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_large_matches_reference(fmt, group_size, soft, dtype, monkeypatch):
-    monkeypatch.setattr(kernels, "SOFT_CASTS", soft)
+def test_gpu_large_matches_reference(fmt, group_size, soft, dtype):
+    kernels = tuned(soft_casts=soft)
     gen = torch.Generator().manual_seed(hash((fmt, group_size, str(dtype), soft)) % 2**31)
     n = (1 << 22) + 3 * group_size + 5
     x = weights(n, dtype, gen, "cuda")
     x[100:356] = (torch.randn(256, generator=gen) * 1e-39).to(dtype).cuda()  # subnormal fp32 values
     exact = random_exact(n, gen, "cuda")
-    payload, layout = check_pack(x, fmt, group_size, exact, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
-    payload, layout = check_pack(x, fmt, group_size, None, gen)
-    check_unpack(payload, layout, n, dtype, fmt, group_size, gen)
+    payload, layout = check_pack(x, fmt, group_size, exact, gen, kernels)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen, kernels)
+    payload, layout = check_pack(x, fmt, group_size, None, gen, kernels)
+    check_unpack(payload, layout, n, dtype, fmt, group_size, gen, kernels)
 
 
 @gpu_only
@@ -385,7 +406,7 @@ def test_gpu_plain_gather_untouched():
 
 
 @gpu_only
-def test_gpu_soft_e4m3_matches_hardware(monkeypatch):
+def test_gpu_soft_e4m3_matches_hardware():
     """All 254 non-NaN e4m3 codes decoded by the soft path and by the hardware, bf16 and fp16 out."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].cuda()
@@ -397,9 +418,8 @@ def test_gpu_soft_e4m3_matches_hardware(monkeypatch):
     for dtype in DTYPES:
         outs = []
         for soft in (False, True):
-            monkeypatch.setattr(kernels, "SOFT_CASTS", soft)
             dst = torch.empty(n, dtype=dtype, device="cuda")
-            kernels.unpack_payload(payload, dst, layout, 8, "fp8", None)
+            tuned(soft_casts=soft).unpack_payload(payload, dst, layout, 8, "fp8", None)
             outs.append(dst.view(torch.int16).cpu())
         bad = (outs[0] != outs[1]).nonzero().flatten()
         assert bad.numel() == 0, f"{dtype}: codes {codes.cpu()[bad[:8]].tolist()} hw {outs[0][bad[:8]].tolist()} soft {outs[1][bad[:8]].tolist()}"
@@ -408,18 +428,48 @@ def test_gpu_soft_e4m3_matches_hardware(monkeypatch):
 def test_exact_tables_are_reused_and_follow_in_place_changes():
     """The per-program tables of an exact index are built once per index, and rebuilt when
     the index changes in place (a stale table would mask the wrong elements)."""
-    from qzero.quant import triton as tk
-
-    shape = tk._launch_shape(4096, 64, True)
+    launcher = Launcher()
+    shape = launcher.shape(4096, 64, True)
     idx = torch.tensor([3, 4, 5, 2000, 2001], dtype=torch.int64)
-    a = tk._exact_tables(idx, shape, idx.device)
-    b = tk._exact_tables(idx, shape, idx.device)
+    a = launcher.exact_tables(idx, shape, idx.device)
+    b = launcher.exact_tables(idx, shape, idx.device)
     assert a[1] is b[1], "tables rebuilt for an unchanged index"
+    assert a[0] is idx  # already int64 on the device: used as it is
     idx.copy_(torch.tensor([3, 4, 5, 6, 7]))  # all in the first program now
-    c = tk._exact_tables(idx, shape, idx.device)
+    c = launcher.exact_tables(idx, shape, idx.device)
     starts = torch.arange(shape.programs + 1, dtype=torch.int64) * shape.span
     assert torch.equal(c[1], torch.searchsorted(idx, starts))
     assert c[1] is not a[1]
+
+
+def test_launch_tables_live_as_long_as_their_index():
+    """The tables are keyed by the index and the group runs themselves, weakly: an entry goes
+    when its index or runs go (nothing of it keeps them alive), and a new tensor at a recycled
+    address never finds another one's table (the old tables were keyed by ``id()``)."""
+    import gc
+    import weakref
+
+    launcher = Launcher(KernelTuning(block_elems=64, exact_block_elems=64))
+    plan = plan_gather(2 * 300, 2, fmt="int8", group_size=8, exact_ranges=[(0, 3), (40, 100)], bucket_numel=600)
+    chunk = plan.chunks[0]
+    runs = plan.group_runs(chunk)
+    assert runs is not None
+    shape = launcher.shape(chunk.numel, 8, True)
+    idx = torch.arange(40, 100, dtype=torch.int32)  # converted: the entry holds the int64 copy, not the key
+    launcher.exact_tables(idx, shape, idx.device)
+    launcher.runs_table(runs, shape, idx.device)
+    assert len(launcher._exact) == 1 and len(launcher._runs) == 1
+    gone_idx, gone_runs = weakref.ref(idx), weakref.ref(runs)
+    del idx, runs, plan, chunk
+    gc.collect()
+    assert gone_idx() is None and gone_runs() is None
+    assert len(launcher._exact) == 0 and len(launcher._runs) == 0
+    for _ in range(50):  # fresh tensors, some at recycled addresses: each gets its own tables
+        other = torch.tensor([7, 8, 9], dtype=torch.int64)
+        got = launcher.exact_tables(other, shape, other.device)[1]
+        starts = torch.arange(shape.programs + 1, dtype=torch.int64) * shape.span
+        assert torch.equal(got, torch.searchsorted(other, starts))
+        del other
 
 
 @cpu_only
@@ -429,7 +479,7 @@ def test_all_ranks_unpack_is_the_per_rank_unpack(fmt, dtype, tile):
     """One launch over every source rank's payload (and one scatter of all their exact
     elements), Triton and reference, writes the bits the per-rank unpack writes, with world
     3, a short last chunk, exact elements on every rank, and poisoned flat buffers."""
-    check_all_ranks_unpack(fmt, dtype, "cpu", 64 * 7 + 40)
+    check_all_ranks_unpack(fmt, dtype, "cpu", 64 * 7 + 40, tile)
 
 
 @gpu_only
@@ -437,14 +487,14 @@ def test_all_ranks_unpack_is_the_per_rank_unpack(fmt, dtype, tile):
 def test_gpu_all_ranks_unpack_and_fast_launch(fmt):
     """The same on the GPU, at a size with many programs per rank; every launch after the
     first of a specialization goes through the compiled kernel (the cache fills)."""
-    kernels._COMPILED.clear()
-    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40)
-    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40)  # now all through the compiled kernels
-    for k in (kernels._unpack_ranks_kernel, kernels._copy_indexed_kernel):
-        assert kernels._COMPILED.get(id(k)), k
+    kernels = TritonKernels()  # a fresh launcher: nothing compiled yet
+    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40, kernels)
+    check_all_ranks_unpack(fmt, torch.bfloat16, "cuda", (1 << 18) + 40, kernels)  # now all through compiled kernels
+    for k in (triton_weights._unpack_ranks_kernel, triton_weights._copy_indexed_kernel):
+        assert kernels.launcher.compiled(k), k
 
 
-def check_all_ranks_unpack(fmt, dtype, device, per_rank):
+def check_all_ranks_unpack(fmt, dtype, device, per_rank, kernels):
     from qzero.chunks import exact_index, exact_scatter, slot
 
     world, gs = 3, 64
@@ -473,12 +523,12 @@ def check_all_ranks_unpack(fmt, dtype, device, per_rank):
                                      exact_index(plan, chunk, r, dev), plan.group_runs(chunk, r))
         pair = exact_scatter(plan, chunk, dev)
         assert pair[0].numel() == sum(exact_index(plan, chunk, r, dev).numel() for r in range(world))
-        for impl in (reference, kernels):
+        for impl in (REFERENCE_KERNELS, kernels):
             got = poisoned.clone()
             impl.unpack_payloads(buf, got, p, chunk.offset, chunk.numel, world, chunk.payload, gs, fmt, pair,
                                  plan.group_runs(chunk))
             bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
-            assert bad.numel() == 0, f"{impl.__name__} chunk {chunk.index}: {bad.numel()} differ, first {bad[:8].tolist()}"
+            assert bad.numel() == 0, f"{impl.name} chunk {chunk.index}: {bad.numel()} differ, first {bad[:8].tolist()}"
 
 
 class _FakeCompiled:
@@ -506,21 +556,22 @@ class _FakeKernel:
         return run
 
 
-def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_specialization(monkeypatch):
+FAKE_DRIVER = (lambda: 0, lambda device: 777)  # (current device, its current stream)
+
+
+def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_specialization():
     """The second launch with the same constexprs, options, pointer types and alignments
     goes to the compiled kernel (addresses, constexprs positionally, the current stream);
     a new alignment, integer class, constexpr or option goes through Triton's launch."""
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-    monkeypatch.setattr(kernels, "_DRIVER", [lambda: 0, lambda device: 777])
-    monkeypatch.setattr(kernels, "_COMPILED", {})
+    launcher = Launcher(interpret=False, driver=FAKE_DRIVER)
     k = _FakeKernel()
     x = torch.zeros(64, dtype=torch.int16)
     base = x.data_ptr()
     aligned = 0 if base % 16 == 0 else (16 - base % 16) // 2  # element offset of a 16-byte address
-    at = kernels._At(x, 2 * aligned, 32, torch.int16)
+    at = At(x, 2 * aligned, 32, torch.int16)
 
-    def launch(ptr, n, a=1, b=2.0, warps=4):
-        kernels._launch(k, (3,), (ptr, n), dict(A=a, B=b), dict(num_warps=warps))
+    def launch(ptr, n, a=1, b=2.0, warps=4, via=launcher):
+        via.launch(k, (3,), (ptr, n), dict(A=a, B=b), dict(num_warps=warps))
 
     launch(at, 32)
     assert len(k.jit_calls) == 1 and isinstance(k.jit_calls[0][1][0], torch.Tensor)
@@ -529,8 +580,8 @@ def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_specialization
     assert len(k.jit_calls) == 1
     assert k.compiled.calls == [((3, 1, 1), (at.address(), 48, 1, 2.0), 777)]
     for args in [
-        dict(ptr=kernels._At(x, 2 * aligned + 2, 32, torch.int16), n=32),  # address no longer 16-byte aligned
-        dict(ptr=kernels._At(x, 2 * aligned, 32, torch.uint8), n=32),  # another pointer type
+        dict(ptr=At(x, 2 * aligned + 2, 32, torch.int16), n=32),  # address no longer 16-byte aligned
+        dict(ptr=At(x, 2 * aligned, 32, torch.uint8), n=32),  # another pointer type
         dict(ptr=at, n=33),  # not a multiple of 16
         dict(ptr=at, n=1),  # the value 1
         dict(ptr=at, n=2**31 + 16),  # 64-bit
@@ -542,39 +593,31 @@ def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_specialization
         assert len(k.jit_calls) == before + 1, args
         launch(**args)
         assert len(k.jit_calls) == before + 1, args  # now cached too
-    monkeypatch.setattr(kernels, "INTERPRET", True)  # the interpreter: always Triton's own launch
-    before = len(k.jit_calls)
-    launch(at, 32)
-    assert len(k.jit_calls) == before + 1
+    for other in (Launcher(interpret=True, driver=FAKE_DRIVER),  # the interpreter: always Triton's own launch
+                  Launcher(KernelTuning(fast_launch=False), interpret=False, driver=FAKE_DRIVER)):
+        before = len(k.jit_calls)
+        launch(at, 32, via=other)
+        launch(at, 32, via=other)
+        assert len(k.jit_calls) == before + 2 and not other.compiled(k)
 
 
-def test_fast_launch_is_not_used_when_constexprs_are_out_of_order(monkeypatch):
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-    monkeypatch.setattr(kernels, "_DRIVER", [lambda: 0, lambda device: 777])
-    monkeypatch.setattr(kernels, "_COMPILED", {})
+def test_fast_launch_is_not_used_when_constexprs_are_out_of_order():
+    launcher = Launcher(interpret=False, driver=FAKE_DRIVER)
     k = _FakeKernel()
     x = torch.zeros(64, dtype=torch.int16)
     for _ in range(2):
-        kernels._launch(k, (1,), (x, 32), dict(B=2.0, A=1), {})
+        launcher.launch(k, (1,), (x, 32), dict(B=2.0, A=1), {})
     assert len(k.jit_calls) == 2 and not k.compiled.calls
 
 
 @cpu_only
-def test_launchers_pass_constexprs_in_kernel_order(monkeypatch):
-    """Every launcher of this module can use the compiled kernel's launch: its runtime
-    arguments come first and its constexprs follow in the kernel's order."""
+def test_launchers_pass_constexprs_in_kernel_order():
+    """Every weight launcher can use the compiled kernel's launch: its runtime arguments come
+    first and its constexprs follow in the kernel's order."""
+    from kernel_checks import checking_kernels
     from qzero.chunks import exact_scatter
 
-    seen = set()
-    real = kernels._launch
-
-    def checked(kernel, grid, args, consts, options):
-        names = list(kernel.arg_names)
-        assert names == [*names[: len(args)], *consts], (kernel, list(consts))
-        seen.add(kernel)
-        real(kernel, grid, args, consts, options)
-
-    monkeypatch.setattr(kernels, "_launch", checked)
+    kernels = checking_kernels()
     gen = torch.Generator().manual_seed(5)
     plan = plan_gather(2 * 256, 2, fmt="int8", group_size=64, exact_ranges=[(3, 9), (300, 310)], bucket_numel=512)
     chunk = plan.chunks[0]
@@ -586,5 +629,5 @@ def test_launchers_pass_constexprs_in_kernel_order(monkeypatch):
     kernels.unpack_payload(buf[: chunk.payload_bytes], flat[:256].clone(), chunk.payload, 64, "int8", idx)
     kernels.unpack_payloads(buf, flat.clone(), 256, 0, 256, 2, chunk.payload, 64, "int8",
                             exact_scatter(plan, chunk, flat.device))
-    assert seen == {kernels._pack_kernel, kernels._unpack_kernel, kernels._unpack_ranks_kernel,
-                    kernels._copy_indexed_kernel}
+    tw = triton_weights
+    assert kernels.launcher.seen == {tw._pack_kernel, tw._unpack_ranks_kernel, tw._copy_indexed_kernel}

@@ -257,15 +257,15 @@ class GatherPlan:
 class GroupRuns:
     """The group runs (``rows[i]``: runs ``(lo, hi, first)`` covering ``[0, numel)`` in order)
     and layouts of one or more payloads of one ``PER_RANK`` chunk, each ``payload_bytes``
-    apart in a receive buffer (see [Note: exact groups]). ``_cache`` holds what kernels derive
-    from them (device tables); it lives as long as the plan that caches this object."""
+    apart in a receive buffer (see [Note: exact groups]). The Triton launcher derives device
+    tables from them (:meth:`qzero.quant.triton_launch.Launcher.runs_table`), kept as long as
+    this object lives (the plan that caches it)."""
 
     numel: int
     group_size: int
     rows: tuple[tuple[Run, ...], ...]
     layouts: tuple[PayloadLayout, ...]
     payload_bytes: int
-    _cache: dict = field(default_factory=dict, repr=False)
 
     def coded_groups(self, row: int = 0) -> int:
         return sum(-(-(hi - lo) // self.group_size) for lo, hi, first in self.rows[row] if first >= 0)

@@ -1,9 +1,10 @@
 """Triton kernels of the quantized gradient reduction: the same bytes, fp32 sums and
 residuals as :mod:`qzero.quant.gradients` (the specification).
 
-Both reuse the weight kernels' arithmetic (:mod:`qzero.quant.triton`: the tile split, the
+Both reuse the weight kernels' arithmetic (:mod:`qzero.quant.triton_arith`: the tile split, the
 exact-element walk, the scale and its reciprocal, the int8/int4 rounding and the e4m3
-encoding), so there is one quantizer, not two:
+encoding), so there is one quantizer, not two (:class:`GradientKernels`, launched as the
+weight kernels are: :mod:`qzero.quant.triton_launch`):
 
 * ``pack``: one pass over a bf16/fp16/fp32 piece (and, with error feedback, its bf16
   residual): the residual is added, exact elements are zeroed and their raw bits copied into
@@ -28,12 +29,10 @@ import torch
 from . import gradients as ref
 from .formats import get_format
 from .reference import FLT_MIN
-from .triton import _FMT_CODES, AVAILABLE, PACK_OPTIONS, TUNING, _exact_tables, _launch, _launch_shape, _soft, triton
+from .triton_launch import FMT_CODES, PACK_OPTIONS, Launcher, tl, triton
 
 if triton is not None:
-    import triton.language as tl
-
-    from .triton import (
+    from .triton_arith import (
         _e4m3_bits,
         _e4m3_value,
         _exact_runs,
@@ -244,80 +243,65 @@ def _check_rotation(rotation: int, group_size: int) -> None:
         raise ValueError(f"rotation block {rotation} does not divide the group size {group_size}")
 
 
-def pack_gradient(
-    src: torch.Tensor,
-    out: torch.Tensor,
-    layout,
-    group_size: int,
-    fmt: str,
-    exact_index: torch.Tensor | None,
-    rotation: int = 0,
-    residual: torch.Tensor | None = None,
-) -> None:
-    """Kernel twin of :func:`qzero.quant.gradients.pack_gradient`: same arguments, same bytes
-    (and the same residual)."""
-    ref._check_source(src)
-    f = get_format(fmt)
-    _check_rotation(rotation, group_size)
-    n = src.numel()
-    values, scales, side = ref.sections(out, layout, n, group_size, fmt, src.dtype)
-    if n == 0:
-        return
-    if residual is not None:
-        ref._check_residual(residual, n)
-    has_exact = exact_index is not None and exact_index.numel() > 0
-    shape = _launch_shape(n, group_size, has_exact)
-    idx, blk = _exact_tables(exact_index, shape, src.device)
-    _launch(
-        _grad_pack_kernel,
-        (shape.programs,),
-        (_bits(src), values, scales, _bits(side) if has_exact else scales, idx if has_exact else scales,
-         blk if has_exact else scales, _bits(residual) if residual is not None else scales, n),
-        dict(KIND=_KINDS[src.dtype], SOFT=_soft(src.device), FMT=_FMT_CODES[f.name], QMAX=float(f.qmax),
-             FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact,
-             STEPS=shape.search_steps, **_rotation_consts(rotation), EF=residual is not None),
-        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
-    )
+class GradientKernels:
+    """The gradient kernels of a :class:`qzero.quant.triton.TritonKernels`, launched through
+    its ``launcher`` (a :class:`~qzero.quant.triton_launch.Launcher`)."""
 
+    launcher: Launcher
 
-def dequantize_sum(
-    payloads: torch.Tensor,
-    own: torch.Tensor,
-    out: torch.Tensor,
-    layout,
-    rank: int,
-    world: int,
-    group_size: int,
-    fmt: str,
-    exact_index: torch.Tensor | None,
-    rotation: int = 0,
-) -> None:
-    """Kernel twin of :func:`qzero.quant.gradients.dequantize_sum`: same arguments, same sums."""
-    ref._check_source(own)
-    f = get_format(fmt)
-    _check_rotation(rotation, group_size)
-    n = own.numel()
-    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-        raise ValueError("out must be a contiguous fp32 tensor the size of the piece")
-    if payloads.numel() < (world - 1) * layout.nbytes:
-        raise ValueError(f"{payloads.numel()} payload bytes, {world - 1} payloads of {layout.nbytes} expected")
-    if n == 0:
-        return
-    # the own piece's exact elements are zeroed before it is rotated (else their values would spread)
-    has_exact = bool(rotation) and exact_index is not None and exact_index.numel() > 0
-    shape = _launch_shape(n, group_size, has_exact)
-    idx, blk = _exact_tables(exact_index if has_exact else None, shape, own.device)
-    _launch(
-        _dequantize_sum_kernel,
-        (shape.programs,),
-        (payloads, _bits(own), out, idx if has_exact else out, blk if has_exact else out, n, layout.nbytes,
-         layout.scales_offset, rank, world),
-        dict(KIND=_KINDS[own.dtype], SOFT=_soft(own.device), FMT=_FMT_CODES[f.name], GS=group_size,
-             GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact, STEPS=shape.search_steps,
-             **_rotation_consts(rotation)),
-        dict(num_warps=shape.num_warps, **PACK_OPTIONS),
-    )
-    ref.put_exact(payloads, own, out, layout, rank, world, exact_index)
+    def pack_gradient(self, src: torch.Tensor, out: torch.Tensor, layout, group_size: int, fmt: str,
+                      exact_index: torch.Tensor | None, rotation: int = 0, residual: torch.Tensor | None = None) -> None:
+        """Kernel twin of :func:`qzero.quant.gradients.pack_gradient`: same arguments, same bytes
+        (and the same residual)."""
+        ref._check_source(src)
+        f = get_format(fmt)
+        _check_rotation(rotation, group_size)
+        n = src.numel()
+        values, scales, side = ref.sections(out, layout, n, group_size, fmt, src.dtype)
+        if n == 0:
+            return
+        if residual is not None:
+            ref._check_residual(residual, n)
+        has_exact = exact_index is not None and exact_index.numel() > 0
+        shape = self.launcher.shape(n, group_size, has_exact)
+        idx, blk = self.launcher.exact_tables(exact_index, shape, src.device)
+        self.launcher.launch(
+            _grad_pack_kernel,
+            (shape.programs,),
+            (_bits(src), values, scales, _bits(side) if has_exact else scales, idx if has_exact else scales,
+             blk if has_exact else scales, _bits(residual) if residual is not None else scales, n),
+            dict(KIND=_KINDS[src.dtype], SOFT=self.launcher.soft(src.device), FMT=FMT_CODES[f.name],
+                 QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact,
+                 STEPS=shape.search_steps, **_rotation_consts(rotation), EF=residual is not None),
+            dict(num_warps=shape.num_warps, **PACK_OPTIONS),
+        )
 
-
-__all__ = ["AVAILABLE", "TUNING", "dequantize_sum", "pack_gradient"]
+    def dequantize_sum(self, payloads: torch.Tensor, own: torch.Tensor, out: torch.Tensor, layout, rank: int,
+                       world: int, group_size: int, fmt: str, exact_index: torch.Tensor | None,
+                       rotation: int = 0) -> None:
+        """Kernel twin of :func:`qzero.quant.gradients.dequantize_sum`: same arguments, same sums."""
+        ref._check_source(own)
+        f = get_format(fmt)
+        _check_rotation(rotation, group_size)
+        n = own.numel()
+        if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+            raise ValueError("out must be a contiguous fp32 tensor the size of the piece")
+        if payloads.numel() < (world - 1) * layout.nbytes:
+            raise ValueError(f"{payloads.numel()} payload bytes, {world - 1} payloads of {layout.nbytes} expected")
+        if n == 0:
+            return
+        # the own piece's exact elements are zeroed before it is rotated (else their values would spread)
+        has_exact = bool(rotation) and exact_index is not None and exact_index.numel() > 0
+        shape = self.launcher.shape(n, group_size, has_exact)
+        idx, blk = self.launcher.exact_tables(exact_index if has_exact else None, shape, own.device)
+        self.launcher.launch(
+            _dequantize_sum_kernel,
+            (shape.programs,),
+            (payloads, _bits(own), out, idx if has_exact else out, blk if has_exact else out, n, layout.nbytes,
+             layout.scales_offset, rank, world),
+            dict(KIND=_KINDS[own.dtype], SOFT=self.launcher.soft(own.device), FMT=FMT_CODES[f.name], GS=group_size,
+                 GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact, STEPS=shape.search_steps,
+                 **_rotation_consts(rotation)),
+            dict(num_warps=shape.num_warps, **PACK_OPTIONS),
+        )
+        ref.put_exact(payloads, own, out, layout, rank, world, exact_index)
