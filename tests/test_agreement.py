@@ -8,8 +8,8 @@ leaving the process group usable.
 
 * the inner optimizer of ``ZeroOptimizer``: its class and every hyperparameter of every
   parameter group as constructed (tensors, None, bools, tuples, floats by their exact bits);
-* ``qzero.fsdp``'s settings (``fmt``, ``group_size``, ``small_param_numel``, what is
-  quantized), at install when a process group exists, else at the first forward;
+* ``qzero.fsdp``'s settings (by ZeroConfig's names: the format, the group size,
+  ``small_param_numel``, the rotation block, what is quantized; given by their short names here), at install when a process group exists, else at the first forward;
 * the public gathers and the constructor: an argument that cannot enter the exchange
   (``bucket_numel=2**70``) or a local failure of any exception type on one rank.
 """
@@ -285,22 +285,23 @@ def _group(install_of):
 
 case("weight gathers: int8 on one rank, fp8 on the others", "fsdp",
      _per_param(lambda r, w: {"fmt": "fp8" if r == 1 else "int8"}),
-     r"quantize_weight_gathers: fmt differs between ranks: 'int8' \(ranks? 0(, 2)?\), 'fp8' \(rank 1\)")
+     r"quantize_weight_gathers: zero_quantized_weights_format differs between ranks: 'int8' \(ranks? 0(, 2)?\), "
+     r"'fp8' \(rank 1\)")
 case("weight gathers: group size 128 on the last rank", "fsdp",
      _per_param(lambda r, w: {"group_size": 128 if r == w - 1 else 64}),
-     r"group_size differs between ranks: \[64, (64, )?128\] \(by rank\)")
+     r"zero_quantized_weights_group_size differs between ranks: \[64, (64, )?128\] \(by rank\)")
 case("weight gathers: small_param_numel differs", "fsdp",
      _per_param(lambda r, w: {"small_param_numel": 5000 if r == 0 else SMALL}),
      r"small_param_numel differs between ranks: \[5000, 100(, 100)?\]")
 case("weight gathers: a bad group size on one rank", "fsdp",
      _per_param(lambda r, w: {"group_size": 12 if r == 1 else 64}),
-     rf"group_size must be a positive multiple of 8, got 12|{rejected(1)}")
+     rf"zero_quantized_weights_group_size must be a positive multiple of 8, got 12|{rejected(1)}")
 case("weight gathers: a bf16 model on one rank", "fsdp",
      _per_param(lambda r, w: {}, dtype_of=lambda r, w: BF16 if r == 0 else torch.float32),
      rf"fp32 \(master\) model|{rejected(0)}")
 case("weight gathers: group_size 2**70 on one rank", "fsdp",
      _per_param(lambda r, w: {"group_size": 2**70 if r == 0 else 64}),
-     rf"group_size 1180591620717411303424 is out of range|{rejected(0)}")
+     rf"zero_quantized_weights_group_size 1180591620717411303424 is out of range|{rejected(0)}")
 case("weight gathers: another model on one rank", "fsdp",
      _per_param(lambda r, w: {}, width_of=lambda r, w: 192 if r == 1 else 96),
      r"which parameters are quantized differs between ranks: 0\.weight: \(96, 16\): quantized \(ranks? 0(, 2)?\), "
@@ -308,24 +309,28 @@ case("weight gathers: another model on one rank", "fsdp",
 case("weight gathers: the same settings", "fsdp", _per_param(lambda r, w: {"fmt": "fp8"}))
 case("group gathers: int8 on one rank, int4 on the others", "fsdp",
      _group(lambda r, w: [("quantize_group_gathers", {"fmt": "int8" if r == 0 else "int4"})]),
-     r"quantize_group_gathers: fmt differs between ranks: 'int8' \(rank 0\), 'int4' \(ranks? 1")
+     r"quantize_group_gathers: zero_quantized_weights_format differs between ranks: 'int8' \(rank 0\), 'int4' "
+     r"\(ranks? 1")
 case("group gathers: group size differs", "fsdp",
      _group(lambda r, w: [("quantize_group_gathers", {"group_size": 32 if r == 1 else 64})]),
-     r"quantize_group_gathers: group_size differs between ranks: \[64, 32(, 64)?\]")
+     r"quantize_group_gathers: zero_quantized_weights_group_size differs between ranks: \[64, 32(, 64)?\]")
 case("group gathers: unknown kernels on one rank", "fsdp",
-     _group(lambda r, w: [("quantize_group_gathers", {"kernels": "cuda" if r == w - 1 else "auto"})]),
-     r"kernels must be one of|rank\(s\) \[[12]\] rejected")
+     _group(lambda r, w: [("quantize_group_gathers", {"quant_kernels": "cuda" if r == w - 1 else "auto"})]),
+     r"quant_kernels must be one of|rank\(s\) \[[12]\] rejected")
 case("group reduces: int8 on one rank, fp8 on the others", "fsdp",
-     _group(lambda r, w: [("quantize_group_reduces", {"fmt": "fp8" if r else "int8"})]),
-     r"quantize_group_reduces: fmt differs between ranks: 'int8' \(rank 0\), 'fp8' \(ranks? 1")
+     _group(lambda r, w: [("quantize_group_reduces", {"zero_quantized_gradients_format": "fp8" if r else "int8"})]),
+     r"quantize_group_reduces: zero_quantized_gradients_format differs between ranks: 'int8' \(rank 0\), 'fp8' "
+     r"\(ranks? 1")
 case("group reduces: int4 rotated by 16 on one rank, by 32 on the others", "fsdp",
-     _group(lambda r, w: [("quantize_group_reduces", {"fmt": "int4", "rotation_block": 32 if r else 16})]),
-     r"quantize_group_reduces: fmt differs between ranks: 'int4 rotated by blocks of 16' \(rank 0\)")
+     _group(lambda r, w: [("quantize_group_reduces", {"zero_quantized_gradients_format": "int4",
+                                                      "zero_quantized_gradients_rotation_block": 32 if r else 16})]),
+     r"quantize_group_reduces: zero_quantized_gradients_rotation_block differs between ranks: \[16, 32(, 32)?\]")
 case("group reduces: small_param_numel differs", "fsdp",
      _group(lambda r, w: [("quantize_group_reduces", {"small_param_numel": SMALL + r})]),
      r"quantize_group_reduces: small_param_numel differs between ranks: \[100, 101(, 102)?\]")
 case("group gathers and reduces: the same settings", "fsdp",
-     _group(lambda r, w: [("quantize_group_gathers", {}), ("quantize_group_reduces", {"fmt": "fp8"})]))
+     _group(lambda r, w: [("quantize_group_gathers", {}),
+                          ("quantize_group_reduces", {"zero_quantized_gradients_format": "fp8"})]))
 
 
 def _deferred(kwargs_of):
@@ -361,7 +366,8 @@ def _deferred(kwargs_of):
 
 case("before init_process_group: fmt differs", "fsdp-deferred",
      _deferred(lambda r, w: {"fmt": "int4" if r == w - 1 else "int8"}),
-     r"quantize_weight_gathers: fmt differs between ranks: 'int8' \(ranks? 0(, 1)?\), 'int4' \(rank [12]\)")
+     r"quantize_weight_gathers: zero_quantized_weights_format differs between ranks: 'int8' \(ranks? 0(, 1)?\), "
+     r"'int4' \(rank [12]\)")
 case("before init_process_group: small_param_numel differs (nothing quantized on rank 0)", "fsdp-deferred",
      _deferred(lambda r, w: {"small_param_numel": 10**6 if r == 0 else SMALL}),
      r"quantize_weight_gathers: small_param_numel differs between ranks: \[1000000, 100(, 100)?\]")

@@ -214,11 +214,18 @@ def _same(model, snap):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(group_size=12), ValueError, "group_size must be a positive multiple of 8, got 12"),
+        (dict(zero_quantized_weights_group_size=12), ValueError,
+         "zero_quantized_weights_group_size must be a positive multiple of 8, got 12"),
+        (dict(group_size=12), ValueError, "zero_quantized_weights_group_size must be a positive multiple of 8, got 12"),
         (dict(group_size=0), ValueError, "group_size"),
         (dict(group_size=True), ValueError, "group_size"),
-        (dict(fmt="int3"), ValueError, "unknown quantization format 'int3'"),
-        (dict(small_param_numel=-1), ValueError, "small_param_numel must be a non-negative int, got -1"),
+        (dict(zero_quantized_weights_format="int3"), ValueError, "unknown quantization format 'int3'"),
+        (dict(fmt="int3"), ValueError, "zero_quantized_weights_format: unknown quantization format 'int3'"),
+        (dict(small_param_numel=-1), ValueError, "small_param_numel must be >= 0, got -1"),
+        (dict(kernels="auto"), TypeError, "unexpected keyword argument 'kernels'"),
+        (dict(fmts="int8"), TypeError, "unexpected keyword argument 'fmts'; did you mean fmt="),
+        (dict(fmt="int8", zero_quantized_weights_format="fp8"), TypeError,
+         "got both fmt= and zero_quantized_weights_format="),
     ],
 )
 def test_bad_arguments_leave_the_model_alone(kwargs, error, match):

@@ -187,11 +187,16 @@ def _comms(model):
 
 
 BAD_CALLS = [
-    (dict(group_size=12), "group_size must be a positive multiple of 8, got 12"),
+    (dict(zero_quantized_weights_group_size=12), "zero_quantized_weights_group_size must be a positive multiple of 8, "
+                                                 "got 12"),
+    (dict(group_size=12), "zero_quantized_weights_group_size must be a positive multiple of 8, got 12"),  # short name
     (dict(group_size=True), "group_size"),
-    (dict(fmt="int3"), "unknown quantization format 'int3'"),
-    (dict(small_param_numel=-1), "small_param_numel must be a non-negative int, got -1"),
-    (dict(kernels="cuda"), "kernels must be one of"),
+    (dict(fmt="int3"), "zero_quantized_weights_format: unknown quantization format 'int3'"),
+    (dict(small_param_numel=-1), "small_param_numel must be >= 0, got -1"),
+    (dict(quant_kernels="cuda"), "quant_kernels must be one of"),
+    (dict(kernels="auto"), "TypeError: quantize_group_gathers() got an unexpected keyword argument 'kernels'; did you "
+                           "mean quant_kernels="),  # the former keyword
+    (dict(fmt="int8", zero_quantized_weights_format="fp8"), "got both fmt= and zero_quantized_weights_format="),
 ]
 
 
@@ -206,7 +211,7 @@ def bad_input_worker(rank, world):
             quantize_group_gathers(model, **kwargs)
             out.append(None)
         except (ValueError, TypeError) as e:
-            out.append(str(e))
+            out.append(f"{type(e).__name__}: {e}")
     untouched = _comms(model) == before and all(c == "DefaultAllGather" for _, c in before)
     try:
         group_gather_report(model)

@@ -86,7 +86,8 @@ def train_worker(rank, world, reshard, reduce_dtype, variant, steps, quant=None)
         if mode == "qgrad":
             if variant == "gathers":
                 quantize_group_gathers(model, group_size=GS, small_param_numel=SMALL)
-            report = quantize_group_reduces(model, group_size=GS, small_param_numel=SMALL, kernels="reference", **(quant or {}))
+            report = quantize_group_reduces(model, zero_quantized_gradients_group_size=GS, small_param_numel=SMALL,
+                                            quant_kernels="reference", **(quant or {}))
             for _, m in _fsdp_modules(model):
                 if variant == "gathers":  # 1 / (2 world): FSDP2 passes PREMUL_SUM (gloo has none)
                     m.set_gradient_divide_factor(2.0 * world)
@@ -226,7 +227,7 @@ def test_group_reduce_against_reference_and_plain(world, reshard, reduce_dtype, 
 
 
 def test_group_reduce_int4_with_the_rotation():
-    """``fmt="int4"`` (the Hadamard rotation by default): each output is the gradient reference's
+    """``zero_quantized_gradients_format="int4"`` (the Hadamard rotation by default): each output is the gradient reference's
     rank-ordered sum of the recorded inputs (rotated, summed, rotated back), bit for bit."""
     from qzero.layout import _payload_layout
     from qzero.quant import gradients
@@ -234,7 +235,8 @@ def test_group_reduce_int4_with_the_rotation():
 
     world, steps, block = 3, 2, 8
     results = run_distributed(train_worker, world, False, torch.float32, "avg", steps,
-                              {"fmt": "int4", "rotation_block": block})
+                              {"zero_quantized_gradients_format": "int4",
+                               "zero_quantized_gradients_rotation_block": block})
     sizes = _padded(world)
     for group, names in GROUPS.items():
         inputs = [res["qgrad"]["first"][group][0] for res in results]
@@ -274,7 +276,7 @@ def nan_worker(rank, world):
     from qzero.fsdp import quantize_group_reduces
 
     model = shard(build(), world, True, torch.float32, torch.float32)
-    quantize_group_reduces(model, group_size=GS, small_param_numel=SMALL)
+    quantize_group_reduces(model, zero_quantized_gradients_group_size=GS, small_param_numel=SMALL)
     weight = _padded(world)["mid.weight"][0]
 
     def poison(x):  # rank 1's copy of what rank 0 owns: mid.weight elements 5 (NaN), 200 (Inf), mid.bias 3 (NaN)
@@ -306,14 +308,24 @@ def test_non_finite_gradients_arrive_as_nan():
 
 
 BAD_CALLS = [
-    (dict(group_size=12), ValueError, "group_size must be a positive multiple of 8, got 12"),
-    (dict(fmt="int5"), ValueError, "fmt must be one of ['int8', 'fp8', 'int4'] for gradients, got 'int5'"),
-    (dict(fmt="int4", group_size=16, rotation_block=32), ValueError, "rotation_block 32 is larger than group_size 16"),
-    (dict(rotation="walsh"), ValueError, "rotation must be one of"),
-    (dict(rotation_block=12), ValueError, "rotation_block must be a power of two"),
-    (dict(fmt="int3"), ValueError, "got 'int3'"),
-    (dict(small_param_numel=-1), ValueError, "small_param_numel must be a non-negative int, got -1"),
-    (dict(kernels="cuda"), ValueError, "kernels must be one of"),
+    (dict(zero_quantized_gradients_group_size=12), ValueError,
+     "zero_quantized_gradients_group_size must be a positive multiple of 8, got 12"),
+    (dict(zero_quantized_gradients_format="int5"), ValueError,
+     "zero_quantized_gradients_format must be one of ['int8', 'fp8', 'int4'], got 'int5'"),
+    (dict(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=16,
+          zero_quantized_gradients_rotation_block=32), ValueError,
+     "zero_quantized_gradients_rotation_block 32 is larger than zero_quantized_gradients_group_size 16"),
+    (dict(zero_quantized_gradients_rotation="walsh"), ValueError, "zero_quantized_gradients_rotation must be one of"),
+    (dict(zero_quantized_gradients_rotation_block=12), ValueError,
+     "zero_quantized_gradients_rotation_block must be a power of two"),
+    (dict(small_param_numel=-1), ValueError, "small_param_numel must be >= 0, got -1"),
+    (dict(quant_kernels="cuda"), ValueError, "quant_kernels must be one of"),
+    # the former keywords, and the weight settings' short names: refused, naming the field to use
+    (dict(fmt="int4"), TypeError, "'fmt'; did you mean zero_quantized_gradients_format="),
+    (dict(group_size=64), TypeError, "'group_size'; did you mean zero_quantized_gradients_group_size="),
+    (dict(rotation="none"), TypeError, "'rotation'; did you mean zero_quantized_gradients_rotation="),
+    (dict(rotation_block=32), TypeError, "'rotation_block'; did you mean zero_quantized_gradients_rotation_block="),
+    (dict(kernels="auto"), TypeError, "'kernels'; did you mean quant_kernels="),
 ]
 
 

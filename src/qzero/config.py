@@ -9,22 +9,21 @@ rejected by name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import hashlib
+import inspect
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL, DELTA_FORMATS
-from .engine import SCHEDULES as GATHER_SCHEDULES
-from .quant import KERNELS
+from .aliases import ZERO_ALIASES
+from .choices import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS, KERNELS,
+                      REDUCE_DTYPES)
+from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
 from .quant.formats import check_group_size, get_format
 from .quant.gradients import check_rotation_block
-
-REDUCE_DTYPES = ("bf16", "fp16", "fp32")
-#: Formats the gradient reduction can be quantized to (see ``zero_quantized_gradients_format``).
-GRADIENT_FORMATS = ("int8", "fp8", "int4")
-#: Rotations applied to gradient pieces before they are quantized (``zero_quantized_gradients_rotation``).
-GRADIENT_ROTATIONS = ("hadamard", "none")
 #: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``bench/grad_quant.md``).
 DEFAULT_ROTATION_BLOCK = 32
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
@@ -33,7 +32,7 @@ MAX_SCALE_POWER = 64
 DEFAULT_FORMAT = "int8"
 DEFAULT_GROUP_SIZE = 64
 #: The delta payload's defaults (see ``zero_quantized_weights_delta``; its formats are
-#: ``qzero.layout.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
+#: ``qzero.choices.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
 DELTA_FORMAT = "int4"
 DELTA_GROUP_SIZE = 256
 
@@ -271,17 +270,17 @@ class ZeroConfig:
                      "copy_engine_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        check_group_size(self.zero_quantized_weights_group_size)
-        get_format(self.zero_quantized_weights_format)
+        check_group_size(self.zero_quantized_weights_group_size, "zero_quantized_weights_group_size")
+        try:
+            get_format(self.zero_quantized_weights_format)
+        except ValueError as e:
+            raise ValueError(f"zero_quantized_weights_format: {e}") from None
         self._check_delta()
         if self.gather_schedule not in GATHER_SCHEDULES:
             raise ValueError(f"gather_schedule must be one of {GATHER_SCHEDULES}, got {self.gather_schedule!r}")
         if self.quant_kernels not in KERNELS:
             raise ValueError(f"quant_kernels must be one of {KERNELS}, got {self.quant_kernels!r}")
-        try:
-            check_group_size(self.zero_quantized_gradients_group_size)
-        except ValueError as e:
-            raise ValueError(f"zero_quantized_gradients_group_size: {e}") from None
+        check_group_size(self.zero_quantized_gradients_group_size, "zero_quantized_gradients_group_size")
         if self.zero_quantized_gradients_format not in GRADIENT_FORMATS:
             raise ValueError(
                 f"zero_quantized_gradients_format must be one of {list(GRADIENT_FORMATS)}, got "
@@ -293,8 +292,8 @@ class ZeroConfig:
                 "zero_quantized_gradients_error_feedback=true needs zero_quantized_gradients=true: error feedback "
                 "carries the quantization error of the gradient reduction, and the plain reduction has none"
             )
-        if self.flat_order not in ("auto", "contiguous", "interleaved"):
-            raise ValueError(f"flat_order must be auto, contiguous or interleaved, got {self.flat_order!r}")
+        if self.flat_order not in FLAT_ORDERS:
+            raise ValueError(f"flat_order must be one of {FLAT_ORDERS}, got {self.flat_order!r}")
         for name in ("allgather_bucket_size", "reduce_bucket_size", "small_param_numel", "initial_scale_power",
                      "loss_scale_window", "hysteresis"):
             object.__setattr__(self, name, _as_int(name, getattr(self, name)))
@@ -386,3 +385,39 @@ class ZeroConfig:
         """A stable 63-bit fingerprint, compared across ranks at construction."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+
+
+# --------------------------------------------------------------------------- keyword arguments
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults_of(function: Callable) -> dict[str, Any]:
+    return {p.name: p.default for p in inspect.signature(function).parameters.values()}
+
+
+def keyword_settings(function: Callable, given: dict[str, Any], extra: Mapping[str, Any],
+                     renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings of a call to ``function``, whose keyword arguments are named as ZeroConfig's
+    fields: ``given`` (those arguments, by name) with ``extra`` (the call's other keywords)
+    folded in. An extra keyword that is a short name of one of ``given``'s fields
+    (:data:`qzero.aliases.ZERO_ALIASES`: ``fmt``, ``group_size``, ...) is that field; any other
+    is refused with a ``TypeError`` naming the keyword to use (``renamed``: a former keyword ->
+    its field; else the closest of ``given``'s names)."""
+    name = getattr(function, "__qualname__", function.__name__)
+    defaults = _defaults_of(function)
+    out = dict(given)
+    for key, value in extra.items():
+        full = ZERO_ALIASES.get(key)
+        if full in out:
+            if out[full] is not defaults.get(full) and out[full] != defaults.get(full):
+                raise TypeError(f"{name}() got both {key}= and {full}=: {key} is ZeroConfig's short name of {full}")
+            out[full] = value
+            continue
+        names = [*given, *(short for short, full in ZERO_ALIASES.items() if full in given)]
+        hint = (renamed or {}).get(key)
+        if hint not in given:
+            hint = next(iter(difflib.get_close_matches(key, names, n=1)), None)
+        raise TypeError(f"{name}() got an unexpected keyword argument {key!r}"
+                        + (f"; did you mean {hint}=? (settings are named as ZeroConfig's fields)" if hint else ""))
+    return out
+

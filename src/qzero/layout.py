@@ -63,18 +63,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .choices import DELTA_FORMATS, FLAT_ORDERS
 from .quant.formats import SCALE_BYTES, QuantFormat, check_group_size, get_format
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 DEFAULT_SMALL_PARAM_NUMEL = 65_536
-FLAT_ORDERS = ("contiguous", "interleaved")
 #: ``order="auto"`` takes the interleaved order unless it pads more than this share of the
 #: parameters (a very large parameter placed late can leave partitions unbalanced).
 AUTO_INTERLEAVE_MAX_PADDING = 0.03
 #: Payload sections and whole payloads start on this many bytes.
 PAYLOAD_ALIGN = 16
-#: Formats whose payload may carry differences (``ZeroConfig.zero_quantized_weights_delta``).
-DELTA_FORMATS = ("int4", "int8")
 
 Range = tuple[int, int]
 
@@ -612,8 +610,8 @@ def plan_flat_layout(
             raise ValueError(f"parameter {i} has a negative dimension in shape {shape}")
         shapes_t.append(shape)
         sizes.append(math.prod(shape))
-    if order not in FLAT_ORDERS + ("auto",):
-        raise ValueError(f"order must be auto or one of {FLAT_ORDERS}, got {order!r}")
+    if order not in FLAT_ORDERS:
+        raise ValueError(f"order must be one of {FLAT_ORDERS}, got {order!r}")
     contiguous_numel = padded_flat_numel(sum(sizes), world_size, alignment)
     if order != "contiguous":
         starts, numel = interleaved_starts(sizes, world_size, alignment)

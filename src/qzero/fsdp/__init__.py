@@ -10,8 +10,8 @@ One call before ``fully_shard``::
     fully_shard(model, mp_policy=policy)
 
 Every parameter with more than ``small_param_numel`` elements is then all-gathered
-INT8 (or ``fmt``) with one fp32 scale per ``group_size`` consecutive elements of the
-rank's flattened fp32 shard, and dequantized to the policy's ``param_dtype`` for
+INT8 (or ``zero_quantized_weights_format``) with one fp32 scale per
+``zero_quantized_weights_group_size`` consecutive elements of the rank's flattened fp32 shard, and dequantized to the policy's ``param_dtype`` for
 compute (:class:`qzero.fsdp.tensor.QuantizedGatherTensor`). Small parameters and those
 the quantized gather cannot carry keep FSDP2's own gather, exact;
 :func:`gather_report` says which is which. The fp32 masters, the optimizer, gradients
@@ -29,6 +29,9 @@ copies) through qzero's gather engine instead (:mod:`qzero.fsdp.group`), and::
 
 reduce-scatters each module's gradients quantized, with the arithmetic of the
 ZeroOptimizer's quantized gradient reduction (:mod:`qzero.fsdp.reduce`).
+
+The installers' settings are :class:`qzero.ZeroConfig`'s fields, by name and default (its short
+names ``fmt`` and ``group_size`` are taken for the weight format and group size).
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import local_outcome
+from ..config import ZeroConfig
 from ..layout import is_small_param
-from ..quant import get_format
-from ._comms import (DeferredAgreement, agree_install, check_arguments, distributed, log_report, mesh_group,
-                     stored_report)
+from ._comms import (DeferredAgreement, agree_install, distributed, installer_config, log_report, mesh_group,
+                     settings_of, stored_report)
 from .guards import StrippedCheck, rewrap_assigned, watch_optimizers
 from .tensor import GatherFormat, GatherRecord, GatherState, QuantizedGatherTensor, carries
 
@@ -108,12 +111,19 @@ class _Conversion(NamedTuple):
 def quantize_weight_gathers(
     model: nn.Module,
     *,
-    group_size: int = 64,
-    fmt: str = "int8",
-    small_param_numel: int = 65_536,
+    zero_quantized_weights_format: str | None = ZeroConfig.zero_quantized_weights_format,
+    zero_quantized_weights_group_size: int | None = ZeroConfig.zero_quantized_weights_group_size,
+    small_param_numel: int = ZeroConfig.small_param_numel,
     mesh=None,
+    **short,
 ) -> nn.Module:
     """Make FSDP2 all-gather ``model``'s large parameters quantized; return ``model``.
+
+    The settings are :class:`qzero.ZeroConfig`'s, with its defaults and checks:
+    ``zero_quantized_weights_format`` (``int8``; ``fp8``, ``int4``),
+    ``zero_quantized_weights_group_size`` (64) and ``small_param_numel`` (parameters with at
+    most that many elements travel exactly); ZeroConfig's short names ``fmt`` and
+    ``group_size`` are taken too. Another keyword raises ``TypeError`` naming the one to use.
 
     Call on the fp32 (master) model before ``fully_shard``. ``mesh`` is the device mesh
     that ``fully_shard`` will be given (default: all ranks of the default process group,
@@ -122,25 +132,29 @@ def quantize_weight_gathers(
     the problem, with the model unchanged, when the model is already sharded or already
     converted, a parameter is not fp32, or an argument is bad.
 
-    Collective when a process group exists: the ranks agree on ``fmt``, ``group_size``,
-    ``small_param_numel`` and which parameters are quantized (over the default group, or
+    Collective when a process group exists: the ranks agree on the three settings and which
+    parameters are quantized (over the default group, or
     ``mesh``'s shard dimension when the mesh does not span every rank), and every rank
     raises, naming the differing setting or the rank that failed, with the model
     unchanged. Called before ``init_process_group``, the same agreement runs over the
     default group at the model's first forward (or first quantized gather).
     """
     def plan():
-        check_arguments(model, group_size, small_param_numel)
-        get_format(fmt)
+        config = installer_config(quantize_weight_gathers, model, short, dict(
+            zero_quantized_weights_format=zero_quantized_weights_format,
+            zero_quantized_weights_group_size=zero_quantized_weights_group_size,
+            small_param_numel=small_param_numel), switch="zero_quantized_weights")
         _check_model(model)
         world = _shard_world(mesh)
-        return world, {name: (tuple(param.shape), _plain_reason(param, small_param_numel, world))
-                       for name, param in model.named_parameters()}
+        return config, world, {name: (tuple(param.shape), _plain_reason(param, config.small_param_numel, world))
+                               for name, param in model.named_parameters()}
 
     planned, error = local_outcome(plan)
-    settings = dict(fmt=fmt, group_size=group_size, small_param_numel=small_param_numel,
+    config = planned[0] if planned else None
+    settings = dict(settings=config and settings_of(config, "zero_quantized_weights_format",
+                                                    "zero_quantized_weights_group_size", "small_param_numel"),
                     layout_name="which parameters are quantized",
-                    layout={name: f"{shape}: {why or 'quantized'}" for name, (shape, why) in planned[1].items()}
+                    layout={name: f"{shape}: {why or 'quantized'}" for name, (shape, why) in planned[2].items()}
                     if planned else None)
     deferred = None
     if distributed():  # [Note: agreement]: every rank raises, naming the setting, before anything changes
@@ -150,9 +164,9 @@ def quantize_weight_gathers(
         raise error
     else:  # agreed when there are ranks to agree with: at the first forward or gather
         deferred = DeferredAgreement(model, "quantize_weight_gathers", **settings)
-    world, reasons = planned
+    _, world, reasons = planned
 
-    spec = GatherFormat(group_size, fmt, deferred)
+    spec = GatherFormat(config.zero_quantized_weights_group_size, config.zero_quantized_weights_format, deferred)
     records, plain, wrapped = [], [], {}
     for name, param in model.named_parameters():
         _, why = reasons[name]

@@ -12,11 +12,15 @@ half-converted).
 
 Every installer agrees with its peers before it changes anything ([Note: agreement] in
 qzero/agreement.py): its local work (checks, the report) runs first, any failure is kept as
-this rank's error, then :func:`agree_install` exchanges ``fmt``, ``group_size``,
-``small_param_numel`` and a digest of what the report says travels how, over the process
-group of :func:`install_group`, so a mismatch or a failure on one rank raises on every rank,
-naming the setting, before any gather. (The kernels are not agreed: every kernel set writes
-the reference quantizer's bytes.)
+this rank's error, then :func:`agree_install` exchanges the settings (by their
+:class:`qzero.ZeroConfig` names: the format, the group size, ``small_param_numel``, the
+rotation) and a digest of what the report says travels how, over the process group of
+:func:`install_group`, so a mismatch or a failure on one rank raises on every rank, naming
+the setting, before any gather. (The kernels are not agreed: every kernel set writes the
+reference quantizer's bytes.)
+
+The installers' keyword arguments are :class:`qzero.ZeroConfig`'s fields, with its defaults,
+and are validated by it (:func:`installer_config`).
 """
 
 from __future__ import annotations
@@ -29,21 +33,35 @@ from torch import nn
 
 from ..agreement import canonical, digest
 from ..comm import agree_or_raise
-from ..quant import KERNELS, check_group_size
+from ..config import ZeroConfig, keyword_settings
 
 
 _log = logging.getLogger("qzero.fsdp")
 
 
-def check_arguments(model, group_size: int, small_param_numel: int, kernels: str = "auto") -> None:
-    """The checks every installer makes before it looks at the model."""
-    check_group_size(group_size)
-    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
-        raise ValueError(f"small_param_numel must be a non-negative int, got {small_param_numel!r}")
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+#: Keywords the installers took before they were named as ZeroConfig's fields, and those fields
+#: (``fmt`` and ``group_size`` are ZeroConfig's short names of the weight settings: the weight
+#: installers still take them; the gradient installer refuses them, naming its own).
+RENAMED = {"kernels": "quant_kernels", "rotation": "zero_quantized_gradients_rotation",
+           "rotation_block": "zero_quantized_gradients_rotation_block"}
+GRADIENT_RENAMED = {**RENAMED, "fmt": "zero_quantized_gradients_format",
+                    "group_size": "zero_quantized_gradients_group_size"}
+
+
+def installer_config(function, model, extra: dict, given: dict, *, switch: str,
+                     renamed: dict = RENAMED) -> ZeroConfig:
+    """The checks every installer makes before it looks at the model: its keyword arguments
+    (``given``, named as ZeroConfig's fields, and ``extra``, its other keywords: see
+    :func:`qzero.config.keyword_settings`) validated by :class:`qzero.ZeroConfig` with ``switch``
+    on, and ``model`` a module. Returns that ZeroConfig (its ``None`` defaults resolved)."""
+    settings = keyword_settings(function, given, extra, renamed)
+    group = settings.get("zero_quantized_weights_group_size")
+    # no bucket here (FSDP2 gathers whole parameters or groups): ZeroConfig's bucket >= group check cannot fail
+    bucket = max(ZeroConfig.allgather_bucket_size, group if isinstance(group, int) else 0)
+    config = ZeroConfig(**{switch: True}, allgather_bucket_size=bucket, **settings)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return config
 
 
 def keep_report(model: nn.Module, attr: str, report):
@@ -165,16 +183,26 @@ def install_group(model: nn.Module):
     return None
 
 
-def agree_install(function: str, group, error: Exception | None, *, fmt, group_size, small_param_numel,
+def settings_of(config: ZeroConfig, *names: str) -> dict:
+    """``{name: value}`` of ``config``'s fields ``names``: what an installer's ranks agree on."""
+    return {name: getattr(config, name) for name in names}
+
+
+def agree_install(function: str, group, error: Exception | None, *, settings: dict | None,
                   layout_name: str = "", layout: dict[str, str] | None = None) -> None:
     """Raise on every rank of ``group`` unless every rank's installer succeeded locally with the
-    same settings and the same ``layout`` (``{name: how it travels}``). A no-op without a
-    process group (then ``error`` is raised here, as it is anyway)."""
+    same ``settings`` (``{ZeroConfig field: value}``, integers and strings) and the same
+    ``layout`` (``{name: how it travels}``). A no-op without a process group (then ``error`` is
+    raised here, as it is anyway)."""
     world = dist.get_world_size(group) if distributed() else 1
     fields = details = None
     if error is None:
-        fields = {"fmt": digest(canonical(fmt)), "group_size": group_size, "small_param_numel": small_param_numel}
-        details = {"fmt": {"": canonical(fmt)}}
+        fields, details = {}, {}
+        for key, value in settings.items():
+            if isinstance(value, str):  # agreed as a digest, named by its text
+                fields[key], details[key] = digest(canonical(value)), {"": canonical(value)}
+            else:
+                fields[key] = value
         if layout is not None:
             fields[layout_name] = digest(repr(sorted(layout.items())))
             details[layout_name] = layout

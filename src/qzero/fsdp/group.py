@@ -13,7 +13,7 @@ the compute stream waits for before it copies the parameters out.
 it is, it runs qzero's gather engine over it (:func:`qzero.engine.start_gather`, the
 ``inline`` schedule, on the stream FSDP2 called it on, so the quantizing and
 dequantizing kernels run off the compute stream): each rank's input is quantized in
-groups of ``group_size`` consecutive elements (counted from the start of the rank's
+groups of ``zero_quantized_weights_group_size`` consecutive elements (counted from the start of the rank's
 input, so a group may straddle two parameters' shards), the parameters with at most
 ``small_param_numel`` elements travel exactly in the payload's side channel, and
 every rank dequantizes every payload, its own included, into ``output_tensor``. Every
@@ -39,8 +39,10 @@ from ..agreement import canonical
 from ..comm import local_outcome
 from ..engine import CommContext, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
-from ..quant import get_format, kernels_for
-from ._comms import agree_install, check_arguments, groups_to_convert, install_group, keep_report, stored_report
+from ..config import ZeroConfig
+from ..quant import kernels_for
+from ._comms import (agree_install, groups_to_convert, install_group, installer_config, keep_report, settings_of,
+                     stored_report)
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
@@ -100,18 +102,23 @@ class GroupGatherReport(NamedTuple):
 def quantize_group_gathers(
     model: nn.Module,
     *,
-    group_size: int = 64,
-    fmt: str = "int8",
-    small_param_numel: int = 65_536,
-    kernels: str = "auto",
+    zero_quantized_weights_format: str | None = ZeroConfig.zero_quantized_weights_format,
+    zero_quantized_weights_group_size: int | None = ZeroConfig.zero_quantized_weights_group_size,
+    small_param_numel: int = ZeroConfig.small_param_numel,
+    quant_kernels: str = ZeroConfig.quant_kernels,
+    **short,
 ) -> GroupGatherReport:
     """Make every FSDP2 parameter group of ``model`` all-gather quantized; return a report.
+
+    The settings are :class:`qzero.ZeroConfig`'s, with its defaults and checks (its short
+    names ``fmt`` and ``group_size`` are taken too; another keyword raises ``TypeError``
+    naming the one to use).
 
     Call after ``fully_shard`` (on the root, once). Each ``fully_shard`` module in
     ``model`` gets a :class:`GroupQuantizedAllGather` through ``set_custom_all_gather``,
     except a group whose parameters would be gathered in mixed dtypes or a non-floating
     dtype, which keeps FSDP2's own all-gather (the report says which and why). The fp32
-    masters, the optimizer, gradients and state dicts are untouched. ``kernels``: as
+    masters, the optimizer, gradients and state dicts are untouched. ``quant_kernels``: as
     :class:`qzero.engine.CommContext` takes them (``auto``, ``triton``, ``reference``);
     compute dtypes other than bf16/fp16 always use the reference kernels.
 
@@ -121,28 +128,34 @@ def quantize_group_gathers(
     has a custom all-gather, or a torch whose FSDP2 has no ``set_custom_all_gather``.
     """
     def plan():
-        check_arguments(model, group_size, small_param_numel, kernels)
-        get_format(fmt)
+        config = installer_config(quantize_group_gathers, model, short, dict(
+            zero_quantized_weights_format=zero_quantized_weights_format,
+            zero_quantized_weights_group_size=zero_quantized_weights_group_size,
+            small_param_numel=small_param_numel, quant_kernels=quant_kernels), switch="zero_quantized_weights")
+        fmt, group_size = config.zero_quantized_weights_format, config.zero_quantized_weights_group_size
         _check_not_per_parameter(model)
-        return [  # (name, module, param group, GroupGather) for every FSDP parameter group
-            (name, module, pg, _describe(name, pg, group_size, fmt, small_param_numel))
+        return config, [  # (name, module, param group, GroupGather) for every FSDP parameter group
+            (name, module, pg, _describe(name, pg, group_size, fmt, config.small_param_numel))
             for name, module, pg in groups_to_convert(
                 model, function="quantize_group_gathers", setter="set_custom_all_gather", attr="_all_gather_comm",
                 what="all-gather", ours=GroupQuantizedAllGather,
                 # FSDP2's own all-gathers, which only differ in where the buffer is allocated
-                own_names=("DefaultAllGather", "ProcessGroupAllocAllGather"), kernels=kernels,
+                own_names=("DefaultAllGather", "ProcessGroupAllocAllGather"), kernels=config.quant_kernels,
                 kernels_for=kernels_for, instead="qzero.fsdp.quantize_weight_gathers (before fully_shard)")
         ]
 
-    plans, error = local_outcome(plan)
-    agree_install("quantize_group_gathers", install_group(model), error, fmt=fmt, group_size=group_size,
-                  small_param_numel=small_param_numel, layout_name="parameter groups",
+    planned, error = local_outcome(plan)
+    config, plans = planned if planned else (None, None)
+    agree_install("quantize_group_gathers", install_group(model), error, settings=config and settings_of(
+                      config, "zero_quantized_weights_format", "zero_quantized_weights_group_size", "small_param_numel"),
+                  layout_name="parameter groups",
                   layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
     for name, module, pg, info in plans:
         if info.plain_reason is None:
             module.set_custom_all_gather(GroupQuantizedAllGather(
-                pg.fsdp_params, group_size=group_size, fmt=fmt, small_param_numel=small_param_numel,
-                kernels=kernels, name=name))
+                pg.fsdp_params, group_size=config.zero_quantized_weights_group_size,
+                fmt=config.zero_quantized_weights_format, small_param_numel=config.small_param_numel,
+                kernels=config.quant_kernels, name=name))
     return keep_report(model, GROUP_REPORT_ATTR, GroupGatherReport(tuple(info for *_, info in plans)))
 
 

@@ -37,11 +37,12 @@ from torch import nn
 
 from ..agreement import canonical
 from ..comm import local_outcome
-from ..config import DEFAULT_ROTATION_BLOCK, GRADIENT_FORMATS, GRADIENT_ROTATIONS
+from ..config import ZeroConfig
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
-from ..quant.gradients import GRADIENT_DTYPES, check_rotation_block
-from ._comms import agree_install, check_arguments, groups_to_convert, install_group, keep_report, stored_report
+from ..quant.gradients import GRADIENT_DTYPES
+from ._comms import (GRADIENT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
+                     settings_of, stored_report)
 
 __all__ = ["GroupReduce", "GroupReduceReport", "GroupQuantizedReduceScatter", "quantize_group_reduces"]
 
@@ -87,12 +88,13 @@ class GroupReduceReport(NamedTuple):
 def quantize_group_reduces(
     model: nn.Module,
     *,
-    group_size: int = 64,
-    fmt: str = "int8",
-    small_param_numel: int = 65_536,
-    kernels: str = "auto",
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_ROTATION_BLOCK,
+    zero_quantized_gradients_format: str = ZeroConfig.zero_quantized_gradients_format,
+    zero_quantized_gradients_group_size: int = ZeroConfig.zero_quantized_gradients_group_size,
+    zero_quantized_gradients_rotation: str | None = ZeroConfig.zero_quantized_gradients_rotation,
+    zero_quantized_gradients_rotation_block: int = ZeroConfig.zero_quantized_gradients_rotation_block,
+    small_param_numel: int = ZeroConfig.small_param_numel,
+    quant_kernels: str = ZeroConfig.quant_kernels,
+    **renamed,
 ) -> GroupReduceReport:
     """Make every FSDP2 parameter group of ``model`` reduce-scatter its gradients quantized;
     return a report.
@@ -100,11 +102,13 @@ def quantize_group_reduces(
     Call after ``fully_shard`` (on the root, once). Each ``fully_shard`` module gets a
     :class:`GroupQuantizedReduceScatter` through ``set_custom_reduce_scatter``. The weight
     all-gather is independent: this combines with :func:`qzero.fsdp.quantize_group_gathers`
-    and :func:`qzero.fsdp.quantize_weight_gathers`. ``fmt``: ``int8``, ``fp8`` or ``int4``;
-    ``kernels``: ``auto``, ``triton`` or ``reference`` (as :func:`qzero.quant.gradient_kernels_for`);
-    ``rotation``: ``hadamard`` (blocks of ``rotation_block`` elements, a power of two dividing
-    ``group_size``) or ``none``; None: ``hadamard`` for ``int4``, ``none`` otherwise (as
-    :attr:`qzero.ZeroConfig.zero_quantized_gradients_rotation`). Error feedback is the
+    and :func:`qzero.fsdp.quantize_weight_gathers`. The settings are :class:`qzero.ZeroConfig`'s,
+    with its defaults and checks: ``zero_quantized_gradients_format`` (``int8``, ``fp8`` or
+    ``int4``), ``_group_size``, ``_rotation`` (``hadamard`` by blocks of ``_rotation_block``
+    elements, or ``none``; None: ``hadamard`` for ``int4``, ``none`` otherwise),
+    ``small_param_numel`` and ``quant_kernels`` (``auto``, ``triton`` or ``reference``). The
+    short names ``fmt`` and ``group_size`` name the *weight* settings and are refused here,
+    as is any other keyword, by a ``TypeError`` naming the one to use. Error feedback is the
     ZeroOptimizer's (optimizer state); this reduce-scatter keeps none.
 
     Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
@@ -113,53 +117,44 @@ def quantize_group_reduces(
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
-    block = 0
-
     def plan():
-        nonlocal block
-        check_arguments(model, group_size, small_param_numel, kernels)
-        if fmt not in GRADIENT_FORMATS:
-            raise ValueError(f"fmt must be one of {list(GRADIENT_FORMATS)} for gradients, got {fmt!r}")
-        block = _rotation_block(fmt, group_size, rotation, rotation_block)
+        config = installer_config(quantize_group_reduces, model, renamed, dict(
+            zero_quantized_gradients_format=zero_quantized_gradients_format,
+            zero_quantized_gradients_group_size=zero_quantized_gradients_group_size,
+            zero_quantized_gradients_rotation=zero_quantized_gradients_rotation,
+            zero_quantized_gradients_rotation_block=zero_quantized_gradients_rotation_block,
+            small_param_numel=small_param_numel, quant_kernels=quant_kernels),
+            switch="zero_quantized_gradients", renamed=GRADIENT_RENAMED)
+        block = _rotation_block(config)
         out = []
         for name, module, pg in groups_to_convert(
                 model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
                 attr="_reduce_scatter_comm", what="reduce-scatter", ours=GroupQuantizedReduceScatter,
-                own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=kernels,
+                own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=config.quant_kernels,
                 kernels_for=gradient_kernels_for):
-            comm = GroupQuantizedReduceScatter(pg.fsdp_params, group_size=group_size, fmt=fmt,
-                                               small_param_numel=small_param_numel, kernels=kernels, name=name,
-                                               rotation=block)
+            comm = GroupQuantizedReduceScatter(
+                pg.fsdp_params, group_size=config.zero_quantized_gradients_group_size,
+                fmt=config.zero_quantized_gradients_format, small_param_numel=config.small_param_numel,
+                kernels=config.quant_kernels, name=name, rotation=block)
             out.append((module, comm, _describe(name, pg, comm)))
-        return out
+        return config, out
 
-    plans, error = local_outcome(plan)
-    # the rotation travels with the format: ranks that rotate differently disagree on it
-    agreed_fmt = f"{fmt} rotated by blocks of {block}" if block else fmt
-    agree_install("quantize_group_reduces", install_group(model), error, fmt=agreed_fmt, group_size=group_size,
-                  small_param_numel=small_param_numel, layout_name="parameter groups",
+    planned, error = local_outcome(plan)
+    config, plans = planned if planned else (None, None)
+    # the rotation is agreed as its block (0: none): ranks that rotate differently disagree on it
+    agree_install("quantize_group_reduces", install_group(model), error, settings=config and dict(
+                      settings_of(config, "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
+                                  "small_param_numel"), zero_quantized_gradients_rotation_block=_rotation_block(config)),
+                  layout_name="parameter groups",
                   layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
     for module, comm, _ in plans:
         module.set_custom_reduce_scatter(comm)
     return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for *_, info in plans)))
 
 
-def _rotation_block(fmt: str, group_size: int, rotation: str | None, block: int) -> int:
-    """The rotation block the arguments ask for (0: none), checked."""
-    if rotation is None:
-        rotation = "hadamard" if fmt == "int4" else "none"
-    if rotation not in GRADIENT_ROTATIONS:
-        raise ValueError(f"rotation must be one of {list(GRADIENT_ROTATIONS)} or None, got {rotation!r}")
-    try:
-        check_rotation_block(block)
-    except ValueError:
-        raise ValueError(f"rotation_block must be a power of two >= 2, got {block!r}") from None
-    if rotation == "none":
-        return 0
-    if group_size % block:
-        raise ValueError(f"rotation_block {block} " + ("is larger than" if block > group_size else "does not divide")
-                         + f" group_size {group_size}: a group must hold whole rotation blocks")
-    return block
+def _rotation_block(config: ZeroConfig) -> int:
+    """The rotation block of ``config``'s gradient settings, 0 for none."""
+    return config.zero_quantized_gradients_rotation_block if config.zero_quantized_gradients_rotation != "none" else 0
 
 
 def group_reduce_report(model: nn.Module) -> GroupReduceReport:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..choices import KERNELS
 from . import reference
 from .formats import FORMATS, SCALE_BYTES, QuantFormat, check_group_size, get_format
 from .kernel_set import REFERENCE_KERNELS, GatherKernels, GradientKernels
@@ -31,8 +32,6 @@ __all__ = [
 ]
 
 
-#: The choices of ``ZeroConfig.quant_kernels`` (:func:`kernels_for`).
-KERNELS = ("auto", "triton", "reference")
 
 
 def _triton_kernels():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..choices import WEIGHT_FORMATS
+
 #: Scales are fp32, one per group.
 SCALE_BYTES = 4
 
@@ -35,11 +37,14 @@ class QuantFormat:
         return self.bits / 8 + SCALE_BYTES / group_size
 
 
-FORMATS: dict[str, QuantFormat] = {
-    "int8": QuantFormat("int8", 8, 127.0, "symmetric INT8, round half to even"),
-    "fp8": QuantFormat("fp8", 8, 448.0, "FP8 e4m3 (finite, no NaN saturation) with a group scale"),
-    "int4": QuantFormat("int4", 4, 7.0, "symmetric INT4, two values per byte, low nibble first"),
-}
+#: The formats of :data:`qzero.choices.WEIGHT_FORMATS`, described.
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
+    QuantFormat("int8", 8, 127.0, "symmetric INT8, round half to even"),
+    QuantFormat("fp8", 8, 448.0, "FP8 e4m3 (finite, no NaN saturation) with a group scale"),
+    QuantFormat("int4", 4, 7.0, "symmetric INT4, two values per byte, low nibble first"),
+)}
+if tuple(FORMATS) != WEIGHT_FORMATS:  # pragma: no cover - one table, one list of names
+    raise ImportError(f"qzero.quant.formats describes {tuple(FORMATS)}, qzero.choices names {WEIGHT_FORMATS}")
 
 
 def get_format(fmt: str) -> QuantFormat:
@@ -49,8 +54,9 @@ def get_format(fmt: str) -> QuantFormat:
     return FORMATS[fmt]
 
 
-def check_group_size(group_size: object) -> int:
-    """Group sizes are positive multiples of 8 (so int4 packing and vector loads stay aligned)."""
+def check_group_size(group_size: object, name: str = "group_size") -> int:
+    """Group sizes are positive multiples of 8 (so int4 packing and vector loads stay aligned);
+    ``name``: the setting the error names."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
-        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
+        raise ValueError(f"{name} must be a positive multiple of 8, got {group_size!r}")
     return group_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..choices import DELTA_FORMATS
 from .formats import get_format
 from .reference import FLT_MIN
 from .triton_launch import FMT_CODES, PACK_OPTIONS, At, Launcher, tl, triton
@@ -81,7 +82,7 @@ if triton is not None:
 
 
 def _check_delta_format(f) -> None:
-    if f.name not in ("int4", "int8"):
+    if f.name not in DELTA_FORMATS:
         raise ValueError(f"a delta payload is int4 or int8, got {f.name!r}")
 
 
