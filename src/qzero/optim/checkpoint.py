@@ -161,15 +161,19 @@ def _json_default(v):
 def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     """Write aside, then rename into place: a save killed at any point leaves the previous
     checkpoint at ``path`` (or, between the two renames, at ``path + ".replaced"``, which
-    :func:`load_checkpoint` falls back to)."""
+    :func:`load_checkpoint` falls back to). What rank 0 does on its own (clearing a killed
+    save's leftovers, the metadata file, the renames) ends in one exchange with the other
+    ranks, so that its failure (a full disk, a permission) raises on every rank instead of
+    leaving them waiting in the next collective."""
     path = os.path.abspath(path).rstrip(os.sep)
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     meta = _metadata(opt)
-    if opt.rank == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # left by a save that was killed
-    _barrier(opt)
-    dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
-    if opt.rank == 0:
+
+    def clear():
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a save that was killed
+
+    def publish():
         _write_json(os.path.join(tmp, META_FILE), meta)  # last: its presence marks a complete checkpoint
         _fsync_dir(tmp)
         if os.path.exists(path):
@@ -180,7 +184,32 @@ def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
         _fsync_dir(os.path.dirname(path))
         if os.path.exists(old):
             shutil.rmtree(old)
-    _barrier(opt)
+
+    _on_rank_0(opt, clear, f"save_checkpoint({path!r}): rank 0 could not clear {tmp!r}; nothing was written")
+    dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
+    _on_rank_0(opt, publish, f"save_checkpoint({path!r}): rank 0 could not put the checkpoint in place (its "
+                             f"error says why); {path!r} holds the previous checkpoint, if there was one")
+
+
+def _on_rank_0(opt: ZeroOptimizer, work, failed: str) -> None:
+    """Run ``work`` on rank 0 alone, then let every rank learn whether it succeeded (one
+    1-element all-reduce, in place of a barrier): rank 0 raises its own error, every other
+    rank a ``RuntimeError`` saying ``failed``."""
+    error = None
+    if opt.rank == 0:
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+            error = e
+    failure = error is not None
+    if opt.world_size > 1:
+        flag = torch.tensor([int(failure)], dtype=torch.int64, device=opt.groups[0].master.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group)
+        failure = bool(flag.item())
+    if error is not None:
+        raise error
+    if failure:
+        raise RuntimeError(failed)
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -196,11 +225,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _barrier(opt: ZeroOptimizer) -> None:
-    if opt.world_size > 1:
-        dist.barrier(group=opt.process_group)
 
 
 def resolve_checkpoint(path: str) -> str:
