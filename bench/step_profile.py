@@ -35,9 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero.engines import make_engine
-from qzero.train import make_deterministic, settings_from
-from qzero.workload import build_model, global_batch, load_corpus, model_config
+from qzero.app.backends import make_engine
+from qzero.app.train import make_deterministic, settings_from
+from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
 ARMS = {
     "plain": {},
@@ -75,7 +75,7 @@ def forward_never_waits():
     the compute stream wait; everything else (the backward's wait for the whole gather,
     ``wait_for_weights``) waits as usual. Must wrap the engine's construction: the hooks
     are bound when they are registered."""
-    from qzero import engine, overlap
+    from qzero.wire import engine, overlap
 
     hook, wait_for, wait_until = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
     inside = [False]

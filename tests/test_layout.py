@@ -197,7 +197,7 @@ def test_dp4_dp8_qwen3_4b_plans(world):
 def test_interleaved_order_follows_the_model_in_every_partition(world):
     """Each partition holds its parameters in model order, and the gather chunk a parameter
     needs grows with its model position: a forward in model order meets chunks in gather order."""
-    from qzero.overlap import last_chunk_needed
+    from qzero.wire.overlap import last_chunk_needed
 
     shapes = QWEN3_4B_SHAPES[: 1 + 11 * 8]  # embedding + 8 layers
     lay = plan_flat_layout(shapes, world, bucket_numel=world * 64 * 2048, order="interleaved")

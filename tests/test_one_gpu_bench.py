@@ -1,5 +1,5 @@
 """bench/one_gpu.py's fake world: one process is rank 0 of a DP2 run (the layout, partition
-and buckets of DP2) and trains through qzero.train's loop; the CPU stands in for the GPU."""
+and buckets of DP2) and trains through qzero.app.train's loop; the CPU stands in for the GPU."""
 
 import json
 import os
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from one_gpu import init_fake_world
 init_fake_world(int(sys.argv[2]))
 from qzero import engines
-from qzero.train import TrainSettings, train_worker
+from qzero.app.train import TrainSettings, train_worker
 seen = {}
 make = engines.make_engine
 def spy(*a, **k):

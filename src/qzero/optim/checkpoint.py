@@ -37,7 +37,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..agreement import digest
+from ..wire.agreement import digest
 from . import error_feedback
 from .checkpoint_index import INDEX_FILE, IndexedReader, castable, read_index, read_regular_file, show
 
@@ -548,7 +548,7 @@ def check_state(opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]], pat
 
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     """See [Note: all or nothing]."""
-    from ..comm import agree_or_raise
+    from ..wire.comm import agree_or_raise
 
     error, fields, meta, index, load = None, None, None, None, None
     try:
@@ -637,8 +637,8 @@ class _PendingLoad:
 
     def agree_after_read(self, path: str) -> None:
         """Finite masters and state; the same replicated tensors on every rank (one exchange,
-        [Note: agreement] in qzero/agreement.py: a differing tensor is named by its details)."""
-        from ..comm import agree_or_raise
+        [Note: agreement] in qzero/wire/agreement.py: a differing tensor is named by its details)."""
+        from ..wire.comm import agree_or_raise
 
         replicated = dict(_module_state(self.opt))
         for i, state in enumerate(self.states):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .config import ZeroConfig
-from .layout import DEFAULT_SMALL_PARAM_NUMEL
+from ..config import ZeroConfig
+from ..layout import DEFAULT_SMALL_PARAM_NUMEL
 
 SAMPLE_SIZE = 4096
 
@@ -48,7 +48,7 @@ class TrainSettings:
     zero: ZeroConfig | dict = field(default_factory=dict)
     """A :class:`qzero.ZeroConfig`, used as it is, or a dict of its fields by name: the fields
     not named take ZeroConfig's defaults, except ``small_param_numel``, which takes the
-    preset's own threshold (``qzero.workload.PRESETS``; 65,536 with ``model_config``).
+    preset's own threshold (``qzero.app.workload.PRESETS``; 65,536 with ``model_config``).
     Always a ZeroConfig after construction (which validates it)."""
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
     fsdp_quantize: str = "parameter"
@@ -161,7 +161,7 @@ def validate(settings: TrainSettings) -> None:
             raise WorkloadError(
                 f"world size {settings.world_size} is larger than the {torch.cuda.device_count()} visible GPU(s)"
             )
-    from .engines import ENGINES
+    from .backends import ENGINES
 
     if settings.engine not in ENGINES:
         raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
@@ -263,7 +263,7 @@ def _size(n: float) -> str:
 
 def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
     """Run the training loop on this rank (process group already initialised)."""
-    from .engines import make_engine
+    from .backends import make_engine
     from .workload import build_model, global_batch, load_corpus, model_config
 
     rank, world = dist.get_rank(), dist.get_world_size()

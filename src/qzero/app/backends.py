@@ -32,7 +32,7 @@ ENGINES = ("qzero", "deepspeed", "fsdp2")
 
 class QZeroEngine:
     def __init__(self, settings, build, dtype, device):
-        from .optim import ZeroOptimizer
+        from ..optim import ZeroOptimizer
 
         self.model = build(dtype)
         # fused on CUDA, as the peers' arms use it (one kernel over each master shard)
@@ -71,7 +71,7 @@ class DeepSpeedEngine:
     def __init__(self, settings, build, dtype, device):
         import deepspeed
 
-        from .integrations import deepspeed as qds
+        from ..integrations import deepspeed as qds
 
         self.model = build(dtype)
         world = dist.get_world_size()
@@ -166,7 +166,7 @@ class FSDP2Engine:
         zero = settings.zero
         group = zero.zero_quantized_weights and settings.fsdp_quantize == "group"
         if zero.zero_quantized_weights and not group:
-            from .fsdp import quantize_weight_gathers
+            from ..fsdp import quantize_weight_gathers
 
             quantize_weight_gathers(
                 self.model,
@@ -184,7 +184,7 @@ class FSDP2Engine:
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         if group:
-            from .fsdp import quantize_group_gathers
+            from ..fsdp import quantize_group_gathers
 
             report = quantize_group_gathers(
                 self.model,
@@ -195,7 +195,7 @@ class FSDP2Engine:
             self._bytes = _group_gather_bytes(report, settings)
         self._reduce_comms = []
         if zero.zero_quantized_gradients:
-            from .fsdp import quantize_group_reduces
+            from ..fsdp import quantize_group_reduces
 
             quantize_group_reduces(
                 self.model,
@@ -268,8 +268,8 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
     parameter once in forward, the decoder layers' again in backward when they are resharded
     after forward; parameters marked for the quantized gather as qzero's payload, the others
     at 2 bytes an element (bf16/fp16)."""
-    from .fsdp.tensor import QuantizedGatherTensor, carries
-    from .layout import quantized_payload_layout
+    from ..fsdp.tensor import QuantizedGatherTensor, carries
+    from ..layout import quantized_payload_layout
 
     zero = settings.zero
     layers = getattr(getattr(model, "model", None), "layers", [])
