@@ -135,7 +135,7 @@ def test_keys():
     assert mp.site_key(WEIGHTS) == W  # contextlib (standard library) skipped
     assert mp.site_key([TORCH_CALL, SELF]) == mp.NO_USER_FRAME
     assert mp.site_key([]) == mp.NO_USER_FRAME
-    assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: src/qzero/app/train.py train_worker", "qzero")
+    assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: qzero/app/train.py train_worker", "qzero")
     assert mp.coarse_key([TORCH_CALL]) == ("other", "other")
     checkout = {"filename": "/home/me/qzero/bench/memory_peak.py", "line": 1, "name": "main"}  # a clone named qzero
     assert mp.coarse_key([TORCH_CALL, checkout]) == ("other", "other")
