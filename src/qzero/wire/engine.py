@@ -75,10 +75,10 @@ import torch.distributed as dist
 
 from . import chunks
 from .chunks import DeltaInputs, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk
+from ..config import GATHER_SCHEDULES
 from ..layout import GatherPlan, plan_gather
 from ..quant import kernels_for
 
-SCHEDULES = ("auto", "streams", "inline")
 STAGES = ("pack", "gather", "unpack")
 #: Chunks the ``inline`` schedule keeps in flight under gather-ahead.
 DEPTH = 2
@@ -142,8 +142,8 @@ class CommContext:
 
     def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels: str = "auto"):
         device = torch.device(device)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"gather schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule not in GATHER_SCHEDULES:
+            raise ValueError(f"gather schedule must be one of {GATHER_SCHEDULES}, got {schedule!r}")
         if schedule == "streams" and device.type != "cuda":
             raise ValueError(f"gather schedule 'streams' needs CUDA tensors, got device {device}")
         self.device = device
