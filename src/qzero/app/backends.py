@@ -1,4 +1,4 @@
-"""Training engines an arm of ``qzero train``/``qualify`` can use, behind one small interface.
+"""Training backends an arm of ``qzero train``/``qualify`` can use, behind one small interface.
 
 * ``qzero`` — :class:`qzero.ZeroOptimizer` (plain or quantized gather, gather-ahead).
 * ``deepspeed`` — DeepSpeed ZeRO-1/2 as users install it, unmodified (or, with
