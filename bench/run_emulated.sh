@@ -20,6 +20,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 limit=${LIMIT:-550}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1
+# this checkout's qzero, installed or not
+export PYTHONPATH="$(cd "$here/.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .whl ] && bash "$here/install_wheels.sh" .whl > "$out/install.log" 2>&1
 common=(--device cuda --world-size 2 --seq-len 2048 --micro-batch 2 --lr 1e-4 --rounds 1
         --steps "${STEPS:-6}" --warmup "${WARMUP:-2}" --arm-timeout 240)
@@ -88,6 +90,10 @@ fi
 if has table; then
     dirs=()
     for d in "$out"/*_4b "$out"/*_1.7b; do [ -d "$d" ] && dirs+=("$d"); done
-    python3 "$here/emulated_calibration.py" table "${dirs[@]}" --scale "$S" --ctas "$CTAS" --out "$out/calibration"
+    if [ ${#dirs[@]} -gt 0 ]; then
+        python3 "$here/emulated_calibration.py" table "${dirs[@]}" --scale "$S" --ctas "$CTAS" --out "$out/calibration"
+    else
+        echo "table: no stage folder with results in $out" >&2
+    fi
 fi
 exit 0

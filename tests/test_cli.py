@@ -189,6 +189,7 @@ def test_special_files_and_impossible_models_are_refused_before_any_rank_starts(
         assert re.search(message, err), err
 
 
+@pytest.mark.slow  # a second qualify run end to end, with DeepSpeed as the baseline: python -m pytest -m slow
 def test_qualify_against_a_peer_engine(tmp_path):
     """DeepSpeed ZeRO-2 (unmodified) as the baseline arm, qzero INT8 as the candidate."""
     pytest.importorskip("deepspeed")

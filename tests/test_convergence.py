@@ -23,6 +23,7 @@ def load_script():
     return bench_scripts.load("convergence")
 
 
+@pytest.mark.slow  # an end-to-end run of a benchmark script: python -m pytest -m slow
 def test_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "conv"
     steps = 6
@@ -75,6 +76,7 @@ def test_end_to_end_on_the_cpu(tmp_path):
     assert res.stdout.strip().splitlines()[-1].startswith("| INT8 g64 |")
 
 
+@pytest.mark.slow  # an end-to-end run of a benchmark script: python -m pytest -m slow
 def test_dp2_with_quantized_gradients_on_the_cpu(tmp_path):
     """--world-size 2: every arm one DP2 job (gloo); the gq arm's gradients travel quantized (fewer bytes
     than plain), its gradient error against the exact reduction is measured and reported, and both arms
@@ -412,6 +414,7 @@ def test_from_arms_reads_older_records():
         conv.study_from_records(broken, conv.parse_arms(arms))
 
 
+@pytest.mark.slow  # an end-to-end run of a benchmark script: python -m pytest -m slow
 def test_delta_arms_and_their_replica_error_on_the_cpu(tmp_path):
     """A delta arm (``int4-delta-g64``) beside direct INT4 at world size 1: the arm runs with
     ``zero_quantized_weights_delta``, its replica error is measured (every 2 steps and the last),

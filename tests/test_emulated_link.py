@@ -351,6 +351,7 @@ MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermed
         "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
 
 
+@pytest.mark.slow  # an end-to-end run of a benchmark script: python -m pytest -m slow
 def test_the_matrix_runs_arms_in_fresh_processes_on_the_cpu(tmp_path):
     """One arm (INT8 weights, whose other ranks' slots decode with their own counts of exact
     elements, and INT8 gradients: an all-to-all per bucket), two links in its process:

@@ -38,7 +38,7 @@ print("RESULT " + json.dumps(seen))
 """
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])  # DP2 in the slow set
 def test_a_fake_world_runs_rank_0_of_dp_n(world):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT, os.path.join(ROOT, "bench"), str(world)], capture_output=True,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 
 import numpy as np
 import torch
@@ -36,6 +37,15 @@ from qzero.layout import (
 from qzero.quant.formats import SCALE_BYTES, get_format
 
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+#: The share of each property's full example count the run tries (``QZERO_PROPERTY_SCALE``,
+#: default 0.3, so that the suite stays short on two cores; 1 for the full counts).
+PROPERTY_SCALE = float(os.environ.get("QZERO_PROPERTY_SCALE", "0.3"))
+
+
+def examples(n: int) -> int:
+    """``n`` examples scaled by :data:`PROPERTY_SCALE`, at least 25."""
+    return max(25, round(n * PROPERTY_SCALE))
 
 FORMATS = ["int8", "fp8", "int4"]
 DTYPES = [torch.bfloat16, torch.float16]
@@ -244,13 +254,13 @@ def check_flat_layout(shapes, w, g, fmt, threshold, alignment, a, bucket, elem, 
     return lay
 
 
-@settings(max_examples=1500, **FAST)
+@settings(max_examples=examples(1500), **FAST)
 @given(layouts())
 def test_flat_layout_and_gather_plan_invariants(args):
     check_flat_layout(*args)
 
 
-@settings(max_examples=500, **FAST)
+@settings(max_examples=examples(500), **FAST)
 @given(
     layouts(
         world=st.integers(1, 8),
@@ -279,7 +289,7 @@ def raw_gather_args(draw):
     return numel, w, g, bucket, ranges, fmt
 
 
-@settings(max_examples=600, **FAST)
+@settings(max_examples=examples(600), **FAST)
 @given(raw_gather_args())
 def test_plan_gather_with_arbitrary_exact_ranges(args):
     numel, w, g, bucket, ranges, fmt = args
@@ -288,7 +298,7 @@ def test_plan_gather_with_arbitrary_exact_ranges(args):
     check_gather_plan(plan, brute=True)
 
 
-@settings(max_examples=800, **FAST)
+@settings(max_examples=examples(800), **FAST)
 @given(layouts(world=st.integers(1, 64)), st.data())
 def test_reduce_buckets_tile_the_used_buffer(args, data):
     shapes, w, g, fmt, threshold, alignment, a, bucket, elem = args
@@ -321,7 +331,7 @@ def test_reduce_buckets_tile_the_used_buffer(args, data):
     assert covered == {s.index for s in lay.slots if s.numel}
 
 
-@settings(max_examples=1000, **FAST)
+@settings(max_examples=examples(1000), **FAST)
 @given(st.integers(1, 1024), st.integers(1, 5000), st.data())
 def test_owners_partition_a_range(world, p, data):
     numel = world * p
@@ -388,7 +398,7 @@ def gather_cases(draw):
     return w, g, numel, ranges, fmt, dtype, (b1, b2), profile, seed
 
 
-@settings(max_examples=600, **FAST)
+@settings(max_examples=examples(600), **FAST)
 @given(gather_cases())
 def test_simulated_gather_matches_numpy_model(case):
     w, g, numel, ranges, fmt, dtype, buckets, profile, seed = case
@@ -409,7 +419,7 @@ def test_simulated_gather_matches_numpy_model(case):
     assert torch.equal(bits(results[0]), bits(results[1])), "the result depends on the bucket size"
 
 
-@settings(max_examples=200, **FAST)
+@settings(max_examples=examples(200), **FAST)
 @given(gather_cases())
 def test_simulated_plain_gather_is_exact(case):
     w, g, numel, _, _, dtype, buckets, profile, seed = case
@@ -421,7 +431,7 @@ def test_simulated_plain_gather_is_exact(case):
             assert torch.equal(bits(c), bits(truth))
 
 
-@settings(max_examples=150, **FAST)
+@settings(max_examples=examples(150), **FAST)
 @given(gather_cases())
 def test_simulated_gather_matches_reference_quantizer_per_partition(case):
     """The chunked payload path equals quantize/dequantize of each whole partition, with the
@@ -496,7 +506,7 @@ def test_real_gather_equals_simulation(batch):
             assert torch.equal(bits(by_rank[r][i]), bits(want)), f"case {i} rank {r}"
 
 
-@settings(max_examples=600, **FAST)
+@settings(max_examples=examples(600), **FAST)
 @given(layouts(world=st.integers(1, 16)), st.sampled_from(["contiguous", "interleaved"]), st.data())
 def test_scatter_buckets_stage_every_gradient_element_once(args, order, data):
     """Windows tile the partitions (windows nobody touches left out), last first; every element

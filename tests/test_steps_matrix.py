@@ -336,6 +336,7 @@ def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeyp
 # ---------------------------------------------------------------------- the real thing
 
 
+@pytest.mark.slow  # an end-to-end run of a benchmark script: python -m pytest -m slow
 def test_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "matrix"
     # two arms, two order-balanced rounds: the fewest fresh-process runs that still check
