@@ -16,7 +16,8 @@ import argparse
 
 import torch
 
-from qzero.layout import plan_flat_layout, plan_reduce_buckets, plan_scatter_buckets, solo_slots
+from qzero.buckets import plan_reduce_buckets, plan_scatter_buckets, solo_slots
+from qzero.layout import plan_flat_layout
 from qzero.wire.engine import fitting_plan
 from qzero.app.workload import model_config
 

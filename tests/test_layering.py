@@ -33,7 +33,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("quant",),                   # formats, the reference quantizer (the specification), kernels
     ("layout",),                  # the pure planner: flat layouts, chunks, payload layouts, buckets
-    ("config",),                  # ZeroConfig: the settings and their names
+    ("buckets", "config"),        # the gradient reduction's plan; ZeroConfig: the settings and their names
     ("wire",),                    # chunks, the gather engine, the gradient exchange, agreement
     ("optim",),                   # ZeroOptimizer: flat groups, gradients, update, checkpoints
     ("fsdp", "integrations"),     # FSDP2 extensions; the DeepSpeed adapter and HF callback

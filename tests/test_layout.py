@@ -180,7 +180,7 @@ def test_dp4_dp8_qwen3_4b_plans(world):
     """A DP4 setting (and DP8): Qwen3-4B, 50M gather bucket, 26M reduce bucket.
     Transient gather memory stays within the bucket whatever the world size, with gather-ahead's
     two chunks in flight planned at half the bucket each."""
-    from qzero.layout import plan_reduce_buckets
+    from qzero.buckets import plan_reduce_buckets
 
     for depth in (1, 2):
         lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=50_000_000 // depth)

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire.comm import peer_failure
-from ..layout import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
+from ..buckets import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
 from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
 
@@ -225,7 +225,7 @@ class OwnerReducer(_Reducer):
 
 class ScatterReducer(_Reducer):
     """Buckets are windows of every partition; each is one ``reduce_scatter``. Parameters
-    that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are,
+    that start a partition and span several windows (:func:`qzero.buckets.solo_slots`) are,
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
     def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False, quant=None, dtype=None,

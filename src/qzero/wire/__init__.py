@@ -20,8 +20,8 @@ One role per file; a name here means the same thing everywhere in qzero.
 * ``copy_engine.py`` — the copy-engine (zero-SM) process group and symmetric buffers that
   the gather's chunks and the gradient all-to-all may run on.
 
-What it may import: torch, :mod:`qzero.quant` (formats and kernels), :mod:`qzero.layout`
-(the plans) and :mod:`qzero.config`; never :mod:`qzero.optim`, :mod:`qzero.fsdp`,
+What it may import: torch, :mod:`qzero.quant` (formats and kernels), :mod:`qzero.layout` and
+:mod:`qzero.buckets` (the plans) and :mod:`qzero.config`; never :mod:`qzero.optim`, :mod:`qzero.fsdp`,
 :mod:`qzero.integrations` or :mod:`qzero.app`, which sit above it (the layering rule is in
 ``docs/design.md`` and checked by ``tests/test_layering.py``).
 """
