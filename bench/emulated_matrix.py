@@ -189,7 +189,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     import torch
 
     import qzero.wire.engine
-    from qzero.app.backends import make_engine
+    from qzero.app.backends import make_backend
     from qzero.app.train import TrainSettings, _summary, make_deterministic, resolve_device
     from qzero.app.workload import build_model, load_corpus, model_config
 
@@ -206,7 +206,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
     corpus = load_corpus(s.data)
     config = model_config(s.preset, s.model_config, max_positions=max(4096, s.seq_len))
-    engine = make_engine(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
+    engine = make_backend(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
     records, losses, times, skipped = [], [], [], 0
     for i, model in enumerate(models):
         world.set_link(model)

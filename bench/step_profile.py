@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero.app.backends import make_engine
+from qzero.app.backends import make_backend
 from qzero.app.train import make_deterministic, settings_from
 from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
@@ -151,7 +151,7 @@ def main() -> None:
                                    **({"check_finite": False} if a.fake_world and "engine" not in ARMS[name] else {})))
             patch = forward_never_waits() if name in NO_WAIT else contextlib.nullcontext()
             patch.__enter__()
-            engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
+            engine = make_backend(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             if name in DIRECT_ADD:
                 for grads in engine.opt.grads:
                     grads.reducer.use_landing = False

@@ -11,7 +11,7 @@
   (:func:`qzero.fsdp.quantize_group_gathers`); with ``zero_quantized_gradients``, its gradient
   reduce-scatter is quantized per ``fully_shard`` module (:func:`qzero.fsdp.quantize_group_reduces`).
 
-Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
+Each backend builds the model itself (FSDP2 wants fp32 parameters, the others the
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
 ``zero_grad``, ``grad_norm``, ``gathered_bytes`` and ``reduced_bytes`` (sent, plain: weight
 gather and gradient reduction) of the last step,
@@ -27,10 +27,10 @@ import functools
 import torch
 import torch.distributed as dist
 
-ENGINES = ("qzero", "deepspeed", "fsdp2")
+BACKENDS = ("qzero", "deepspeed", "fsdp2")
 
 
-class QZeroEngine:
+class QZeroBackend:
     def __init__(self, settings, build, dtype, device):
         from ..optim import ZeroOptimizer
 
@@ -67,7 +67,7 @@ class QZeroEngine:
         return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
 
 
-class DeepSpeedEngine:
+class DeepSpeedBackend:
     def __init__(self, settings, build, dtype, device):
         import deepspeed
 
@@ -156,7 +156,7 @@ class DeepSpeedEngine:
         return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
 
 
-class FSDP2Engine:
+class FSDP2Backend:
     def __init__(self, settings, build, dtype, device):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -312,6 +312,6 @@ def _sample_params(params, index: torch.Tensor, materialise) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0)
 
 
-def make_engine(settings, build, dtype, device):
-    kinds = {"qzero": QZeroEngine, "deepspeed": DeepSpeedEngine, "fsdp2": FSDP2Engine}
+def make_backend(settings, build, dtype, device):
+    kinds = {"qzero": QZeroBackend, "deepspeed": DeepSpeedBackend, "fsdp2": FSDP2Backend}
     return kinds[settings.engine](settings, build, dtype, device)
