@@ -51,12 +51,12 @@ PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps
 
 def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
     """``s.steps`` training steps back to back on the current link; the timing of
-    ``qzero.train.train_worker`` (per step on the compute stream, and the wall time of the
+    ``qzero.app.train.train_worker`` (per step on the compute stream, and the wall time of the
     steps after the warm-up between two synchronizations)."""
     import torch
 
-    from qzero.train import _mark, _seconds, _sync
-    from qzero.workload import global_batch
+    from qzero.app.train import _mark, _seconds, _sync
+    from qzero.app.workload import global_batch
 
     from emulated_link import totals_since
 
@@ -115,7 +115,7 @@ def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
 
 
 def _clearing_side_channel(pack_chunk):
-    """``qzero.chunks.pack_chunk`` for ``qzero.engine`` in an emulated world: this rank's side
+    """``qzero.wire.chunks.pack_chunk`` for ``qzero.wire.engine`` in an emulated world: this rank's side
     channel of exact elements is zeroed before the pack.
 
     On a real world every rank writes its own slot of a chunk's receive buffer, its side
@@ -136,7 +136,7 @@ def _clearing_side_channel(pack_chunk):
 
 
 def _decoding_as_rank0(unpack_chunk):
-    """``qzero.chunks.unpack_chunk`` for ``qzero.engine`` in an emulated world: where the ranks'
+    """``qzero.wire.chunks.unpack_chunk`` for ``qzero.wire.engine`` in an emulated world: where the ranks'
     payloads of a chunk have layouts of their own (some rank has an exact group: ``PER_RANK``,
     ``[Note: exact groups]`` in qzero/layout.py), every slot, a copy of rank 0's, is decoded with
     rank 0's layout, group runs and side elements into its own rank's slice (decoded with another
@@ -144,7 +144,7 @@ def _decoding_as_rank0(unpack_chunk):
     same kernels and launches as on a real world; the tables are built once per chunk."""
     import torch
 
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
     from qzero.layout import GroupRuns, PayloadKind
 
     def rank0_everywhere(plan, chunk, device):
@@ -188,13 +188,13 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     world = init_emulated_world(n, models[0])
     import torch
 
-    import qzero.engine
-    from qzero.engines import make_engine
-    from qzero.train import TrainSettings, _summary, make_deterministic, resolve_device
-    from qzero.workload import build_model, load_corpus, model_config
+    import qzero.wire.engine
+    from qzero.app.backends import make_backend
+    from qzero.app.train import TrainSettings, _summary, make_deterministic, resolve_device
+    from qzero.app.workload import build_model, load_corpus, model_config
 
-    qzero.engine.pack_chunk = _clearing_side_channel(qzero.engine.pack_chunk)
-    qzero.engine.unpack_chunk = _decoding_as_rank0(qzero.engine.unpack_chunk)
+    qzero.wire.engine.pack_chunk = _clearing_side_channel(qzero.wire.engine.pack_chunk)
+    qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
 
     s = TrainSettings(**given)
     kind = resolve_device(s)
@@ -206,7 +206,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
     corpus = load_corpus(s.data)
     config = model_config(s.preset, s.model_config, max_positions=max(4096, s.seq_len))
-    engine = make_engine(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
+    engine = make_backend(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
     records, losses, times, skipped = [], [], [], 0
     for i, model in enumerate(models):
         world.set_link(model)
@@ -232,7 +232,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
 
 def run_arm(settings, links: list[str], out_path: str, log_path: str, timeout: float) -> list[dict]:
     """One arm in a fresh process, every link of ``links`` in that order; its records."""
-    from qzero.qualify.run import ArmFailed
+    from qzero.app.qualify.run import ArmFailed
 
     cmd = [sys.executable, os.path.abspath(__file__), "_arm", json.dumps(dataclasses.asdict(settings)),
            json.dumps(links), out_path]
@@ -350,9 +350,9 @@ def split_links(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     import steps_matrix
-    from qzero.qualify.env import describe
-    from qzero.qualify.run import ArmFailed
-    from qzero.train import validate
+    from qzero.app.qualify.env import describe
+    from qzero.app.qualify.run import ArmFailed
+    from qzero.app.train import validate
 
     from emulated_link import parse_link
 
@@ -472,5 +472,5 @@ if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "_arm":
         run_arm_here(json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])
         sys.stdout.flush()
-        os._exit(0)  # as qzero.train's ranks: leave without the interpreter's finalization
+        os._exit(0)  # as qzero.app.train's ranks: leave without the interpreter's finalization
     sys.exit(main())

@@ -3,7 +3,7 @@
 Made to explain why one training engine's peak CUDA memory is higher than another's
 (e.g. qzero vs FSDP2 / DeepSpeed on the Qwen3-1.7B-shaped whole-step benchmark). Each
 rank records the caching allocator's history (``torch.cuda.memory._record_memory_history``)
-while ``qzero.train.train_worker`` builds the engine and trains a few steps, then replays the
+while ``qzero.app.train.train_worker`` builds the engine and trains a few steps, then replays the
 recorded events to find the moment the most bytes were live and groups the blocks live
 then by the code that allocated them:
 
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from qzero.train import TrainSettings, train_worker, validate
+    from qzero.app.train import TrainSettings, train_worker, validate
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

@@ -16,9 +16,10 @@ import argparse
 
 import torch
 
-from qzero.layout import plan_flat_layout, plan_reduce_buckets, plan_scatter_buckets, solo_slots
-from qzero.engine import fitting_plan
-from qzero.workload import model_config
+from qzero.buckets import plan_reduce_buckets, plan_scatter_buckets, solo_slots
+from qzero.layout import plan_flat_layout
+from qzero.wire.engine import fitting_plan
+from qzero.app.workload import model_config
 
 
 def model_shapes(preset: str):

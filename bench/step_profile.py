@@ -35,9 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero.engines import make_engine
-from qzero.train import make_deterministic, settings_from
-from qzero.workload import build_model, global_batch, load_corpus, model_config
+from qzero.app.backends import make_backend
+from qzero.app.train import make_deterministic, settings_from
+from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
 ARMS = {
     "plain": {},
@@ -75,7 +75,7 @@ def forward_never_waits():
     the compute stream wait; everything else (the backward's wait for the whole gather,
     ``wait_for_weights``) waits as usual. Must wrap the engine's construction: the hooks
     are bound when they are registered."""
-    from qzero import engine, overlap
+    from qzero.wire import engine, overlap
 
     hook, wait_for, wait_until = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
     inside = [False]
@@ -151,7 +151,7 @@ def main() -> None:
                                    **({"check_finite": False} if a.fake_world and "engine" not in ARMS[name] else {})))
             patch = forward_never_waits() if name in NO_WAIT else contextlib.nullcontext()
             patch.__enter__()
-            engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
+            engine = make_backend(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             if name in DIRECT_ADD:
                 for grads in engine.opt.grads:
                     grads.reducer.use_landing = False

@@ -1,9 +1,9 @@
 """Whole-step benchmark matrix: many named arms, order-balanced rounds, fresh processes.
 
-Every arm is a :class:`qzero.train.TrainSettings` (the common flags below, plus the
+Every arm is a :class:`qzero.app.train.TrainSettings` (the common flags below, plus the
 arm's own ``key=value`` settings: workload fields such as ``engine``, ZeroConfig fields
-such as ``zero_quantized_weights``, or the short names of ``qzero.train.ZERO_ALIASES``:
-``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.qualify.run.run_arm`,
+such as ``zero_quantized_weights``, or the short names of ``qzero.app.train.ZERO_ALIASES``:
+``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.app.qualify.run.run_arm`,
 a fresh process with the same seed and data, once per round. Round ``r`` runs the arms
 in the order given, odd rounds in reverse (ABCD, DCBA, ABCD, ...), so slow drift of the
 machine falls on every arm alike. An arm that fails (a peer that is not installed, an
@@ -43,11 +43,11 @@ import statistics
 import sys
 import tempfile
 
-from qzero.qualify import stats
-from qzero.qualify.env import describe
-from qzero.qualify.run import ArmFailed, run_arm
+from qzero.app.qualify import stats
+from qzero.app.qualify.env import describe
+from qzero.app.qualify.run import ArmFailed, run_arm
 from qzero.config import ZeroConfig
-from qzero.train import ZERO_ALIASES, TrainSettings, flat_settings, resolve_device, setting_name, settings_from, validate
+from qzero.app.train import ZERO_ALIASES, TrainSettings, flat_settings, resolve_device, setting_name, settings_from, validate
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -489,7 +489,7 @@ def compare(matrix: dict, base: str, arm: str, resamples: int = 2000) -> dict:
 
 def plan(args: argparse.Namespace, check=validate) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
     """Common settings, each arm's settings and diff, reference and peers; validated by ``check``
-    (``qzero.train.validate``; the emulated link checks them as on one rank). Raises SpecError."""
+    (``qzero.app.train.validate``; the emulated link checks them as on one rank). Raises SpecError."""
     if not args.arm:
         raise SpecError("give at least one --arm NAME:key=value,...")
     given = dict(

@@ -28,7 +28,7 @@ def _saver(rank, world, root, where):
         if where == "publish":
             def full_disk(*a, **k):
                 raise OSError(errno.ENOSPC, "No space left on device")
-            ckpt._write_json = full_disk
+            ckpt.write_metadata = full_disk
         else:  # a killed save's leftovers that rank 0 may not remove
             os.makedirs(path + ckpt.TMP_SUFFIX, exist_ok=True)
 

@@ -24,7 +24,7 @@ if not CUDA:
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 import fp64_model  # noqa: E402
-from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
+from qzero.wire.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
 from qzero.layout import PayloadKind, plan_gather  # noqa: E402
 from simulate import kernel_inputs  # noqa: E402
 from qzero.quant import reference  # noqa: E402
@@ -291,7 +291,7 @@ def test_soft_casts_are_on_under_the_interpreter():
 @cpu_only
 def test_gather_through_kernels(monkeypatch):
     """quantized_all_gather with the kernels plugged in equals the reference path."""
-    import qzero.engine as engine
+    import qzero.wire.engine as engine
 
     gen = torch.Generator().manual_seed(3)
     flat = weights(3 * 64 * 8 + 64, torch.bfloat16, gen)
@@ -354,7 +354,7 @@ def test_gpu_large_matches_reference(fmt, group_size, soft, dtype, monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_pipeline_matches_unpipelined(fmt, stage):
     """Delaying one stage's stream exposes any missing wait: the result must not move."""
-    from qzero.engine import CommContext, fitting_plan, recv_budget_bytes
+    from qzero.wire.engine import CommContext, fitting_plan, recv_budget_bytes
 
     gen = torch.Generator().manual_seed(17)
     numel = 1 << 22
@@ -445,7 +445,7 @@ def test_gpu_all_ranks_unpack_and_fast_launch(fmt):
 
 
 def check_all_ranks_unpack(fmt, dtype, device, per_rank):
-    from qzero.chunks import exact_index, exact_scatter, slot
+    from qzero.wire.chunks import exact_index, exact_scatter, slot
 
     world, gs = 3, 64
     numel = world * per_rank  # a short group at the end of every partition
@@ -563,7 +563,7 @@ def test_fast_launch_is_not_used_when_constexprs_are_out_of_order(monkeypatch):
 def test_launchers_pass_constexprs_in_kernel_order(monkeypatch):
     """Every launcher of this module can use the compiled kernel's launch: its runtime
     arguments come first and its constexprs follow in the kernel's order."""
-    from qzero.chunks import exact_scatter
+    from qzero.wire.chunks import exact_scatter
 
     seen = set()
     real = kernels._launch

@@ -15,12 +15,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL, DELTA_FORMATS
-from .engine import SCHEDULES as GATHER_SCHEDULES
 from .quant import KERNELS
 from .quant.formats import check_group_size, get_format
 from .quant.gradients import check_rotation_block
 
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
+#: How the gather engine runs a plan (``gather_schedule``; ``[Note: the gather engine]`` in :mod:`qzero.wire.engine`).
+GATHER_SCHEDULES = ("auto", "streams", "inline")
 #: Formats the gradient reduction can be quantized to (see ``zero_quantized_gradients_format``).
 GRADIENT_FORMATS = ("int8", "fp8", "int4")
 #: Rotations applied to gradient pieces before they are quantized (``zero_quantized_gradients_rotation``).
@@ -178,7 +179,7 @@ class ZeroConfig:
     stream's kernels; ``inline`` packs
     and unpacks on the current stream and launches the collectives asynchronously (the
     only schedule off CUDA); ``auto`` is ``streams`` on CUDA and ``inline`` elsewhere.
-    See ``[Note: the gather engine]`` in :mod:`qzero.engine`."""
+    See ``[Note: the gather engine]`` in :mod:`qzero.wire.engine`."""
 
     sliced_update: bool = True
     """Adam/AdamW, from the second step: update the master shard in slices as the gather

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import local_outcome
+from ..wire.comm import local_outcome
 from ..layout import is_small_param
 from ..quant import get_format
 from ._comms import (DeferredAgreement, agree_install, check_arguments, distributed, log_report, mesh_group,

@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
-from ..engine import CommContext, start_gather
+from ..wire.comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
+from ..wire.engine import CommContext, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
 from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class
 from .deepspeed_config import (  # noqa: F401  (re-exported: the adapter's settings and keys)

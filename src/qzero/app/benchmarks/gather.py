@@ -1,12 +1,12 @@
 """Microbenchmark of the quantized weight gather and its kernels.
 
-One GPU (``qzero bench gather``, or ``python -m qzero.benchmarks.gather``): for each format and flat size, the
+One GPU (``qzero bench gather``, or ``python -m qzero.app.benchmarks.gather``): for each format and flat size, the
 pack (quantize) and unpack (dequantize) kernel times and bandwidth (bytes read +
 written) against the device copy bandwidth measured in the same run, the eager
 torch reference for comparison, and the world-size-1 gather end to end
 (``quantized_all_gather``, pipelined and not, against ``all_gather``).
 
-Several GPUs (``torchrun --nproc_per_node=2 -m qzero.benchmarks.gather``): the gather
+Several GPUs (``torchrun --nproc_per_node=2 -m qzero.app.benchmarks.gather``): the gather
 itself, plain bf16 against each quantized format, arms interleaved round by round,
 medians of CUDA-event times, plus the payload-only collective. Set the link regime
 with NCCL's environment (``bench/regimes.sh`` has the table) and name it with ``--regime``;
@@ -30,9 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero.qualify.env import link_regime
-from qzero.comm import all_gather, quantized_all_gather, run_gather
-from qzero.engine import CommContext
+from qzero.app.qualify.env import link_regime
+from qzero.wire.comm import all_gather, quantized_all_gather, run_gather
+from qzero.wire.engine import CommContext
 from qzero.layout import plan_gather
 from qzero.quant import get_format, reference
 from qzero.quant import triton as kernels
@@ -136,7 +136,7 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
     ranges = exact_ranges_for(n) if exact else []
     plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
     layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
@@ -168,7 +168,7 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     ranges = exact_ranges_for(n)
     plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
     layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)

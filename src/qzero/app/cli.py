@@ -137,7 +137,7 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
 
 
 def _given(args: argparse.Namespace, quantized: bool) -> dict:
-    """The settings the parsed flags give, flat (:func:`qzero.train.settings_from`): every flag
+    """The settings the parsed flags give, flat (:func:`qzero.app.train.settings_from`): every flag
     stored under the name of a TrainSettings or ZeroConfig field; ZeroConfig fields only where
     the flag was given, so that the others keep ZeroConfig's defaults (and ``small_param_numel``
     the preset's threshold, ``overlap_param_gather`` its dependence on the quantized gather)."""
@@ -160,7 +160,7 @@ def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
 
 def _overrides(items: list[str], flag: str) -> dict:
     """``KEY=VALUE`` pairs naming TrainSettings or ZeroConfig fields, or a short name of one
-    (:data:`qzero.train.ZERO_ALIASES`), as a flat dict by field name; values parsed as JSON
+    (:data:`qzero.app.train.ZERO_ALIASES`), as a flat dict by field name; values parsed as JSON
     when they can be."""
     from .train import setting_name
 
