@@ -9,9 +9,9 @@ optionally followed by ``+gq-<fmt>-g<group size>``, the quantized gradient reduc
 ``-ef`` for error feedback), e.g. ``int8-g64+gq-int8-g64`` or ``int8-g64+gq-int4-g64-h32-ef``. Every arm trains the same randomly initialised Qwen3-shaped
 model (preset ``qwen3-125m-byte``: hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64,
 MLP 3840, byte vocabulary, 125,456,640 parameters) on the same batches of real text (by
-default :func:`qzero.workload.load_corpus`: this Python's standard-library ``*.py`` sources,
+default :func:`qzero.app.workload.load_corpus`: this Python's standard-library ``*.py`` sources,
 byte level, 8 MB) with the same seed, in bf16, ZeRO-2, AdamW (constant LR, no weight decay)
-with global-norm clipping, through :func:`qzero.train.launch` (which records the loss of every
+with global-norm clipping, through :func:`qzero.app.train.launch` (which records the loss of every
 step). Nothing is downloaded. ``--micro-batch`` is the global batch of a step (sequences, all
 ranks together).
 
@@ -233,7 +233,7 @@ def parse_arms(text: str) -> list[Arm]:
 def arm_settings(arm: Arm, args):
     """The arm's TrainSettings. ``args.micro_batch`` is the global batch of a step; each of
     ``args.world_size`` ranks trains on its share (the same sequences at any world size)."""
-    from qzero.train import TrainSettings
+    from qzero.app.train import TrainSettings
 
     world = getattr(args, "world_size", 1)
     return TrainSettings(
@@ -397,7 +397,7 @@ class GradErrorProbe:
     gradients, at chosen steps (0-based step indices), measured from outside the optimizer.
 
     At a measured step, for every bucket (and solo parameter) a rank hands to the quantized
-    exchange (:class:`qzero.optim.quantized_reduce.QuantizedExchange`):
+    exchange (:class:`qzero.wire.quantized_reduce.QuantizedExchange`):
 
     * **reduced**: before the exchange starts, each piece of the staged bucket (the rank's
       own gradient values in the reduce dtype) is also summed exactly, in fp32, to its owner
@@ -432,7 +432,7 @@ class GradErrorProbe:
         import torch.distributed as dist
 
         from qzero.optim import zero
-        from qzero.optim.quantized_reduce import QuantizedExchange
+        from qzero.wire.quantized_reduce import QuantizedExchange
         from qzero.quant.gradients import dequantize_piece, hadamard
 
         probe = self
@@ -604,7 +604,7 @@ REPLICA_ERROR_NOTE = (
 
 def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port: int = 0, grad_every: int = 0,
            share_gpu: bool = False, replica_every: int = 0) -> None:
-    """Run one rank of one arm in this process through qzero.train.launch (rank 0 prints a
+    """Run one rank of one arm in this process through qzero.app.train.launch (rank 0 prints a
     progress line per step on stdout). World size 1: the process sets up its own rank 0 of 1.
     Larger: the study started ``world_size`` such processes with ``rank`` and one ``port``;
     with ``share_gpu`` all of them on the arm's one GPU, their collectives through each other's
@@ -617,7 +617,7 @@ def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port:
         from one_gpu import route_collectives
 
         route_collectives()
-    from qzero import train
+    from qzero.app import train
 
     settings = train.TrainSettings(**json.loads(settings_json))
     world = settings.world_size
@@ -646,7 +646,7 @@ def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port:
             pass
 
     if not hasattr(train, "_progress"):
-        print("note: qzero.train has no _progress to replace: no per-step progress from this arm", file=sys.stderr)
+        print("note: qzero.app.train has no _progress to replace: no per-step progress from this arm", file=sys.stderr)
     train._progress = Report
     probe = replicas = None
     if world > 1 and settings.zero.zero_quantized_gradients and grad_every > 0:
@@ -671,7 +671,7 @@ def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port:
 
     dist.barrier()
     dist.destroy_process_group()
-    # as qzero.train's own ranks do: leave without the interpreter's finalization (gloo's
+    # as qzero.app.train's own ranks do: leave without the interpreter's finalization (gloo's
     # threads can abort it now and then after a run that succeeded)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -748,7 +748,7 @@ def count_params(preset: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qzero.workload import model_config
+    from qzero.app.workload import model_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(preset))
@@ -881,8 +881,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from qzero.qualify.env import describe
-    from qzero.train import resolve_device, validate
+    from qzero.app.qualify.env import describe
+    from qzero.app.train import resolve_device, validate
 
     arms: list[Arm] = args.arm_list
     world = args.world_size
@@ -935,7 +935,7 @@ def main(argv=None) -> int:
         log.truncate(0)
         port = 0
         if world > 1:  # one rendezvous port per arm
-            from qzero.train import _free_port
+            from qzero.app.train import _free_port
 
             port = _free_port()
             while port in ports:
@@ -1116,13 +1116,13 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
                        last: int = 100, smooth_window: int = 50, wall_s: float | None = None,
                        environment: dict | None = None, note: str | None = None, source: str | None = None,
                        shared: bool = False) -> dict:
-    """A study record (the schema ``main`` writes) rebuilt from per-arm records (``qzero.train.launch``'s
+    """A study record (the schema ``main`` writes) rebuilt from per-arm records (``qzero.app.train.launch``'s
     output, ``arm_<name>.json``) of a run whose ``convergence.json`` was lost. ``arm_order`` is the run's
     ``--arms`` (it fixes the arms' GPUs, given the run's ``gpus``); arms without a record are left out and
     listed under ``rebuilt_from``. What the records do not hold is null: exit codes, the streamed per-step
     seconds (the records' ``step_times`` give ``median_step_s``), and whatever ``environment`` / ``wall_s``
     leave out."""
-    from qzero.train import flat_settings
+    from qzero.app.train import flat_settings
 
     present = [a for a in arm_order if a.name in records]
     if not present:
@@ -1205,7 +1205,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     return study
 
 
-DEFAULT_DATA = "the standard-library *.py sources of this Python (qzero.workload.load_corpus default), byte level"
+DEFAULT_DATA = "the standard-library *.py sources of this Python (qzero.app.workload.load_corpus default), byte level"
 
 
 def render(study: dict, out: str) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import qzero
-from qzero.copy_engine import check_copy_engine_support
+from qzero.wire.copy_engine import check_copy_engine_support
 
 
 def _report(failures: list, name: str, ok: bool) -> None:

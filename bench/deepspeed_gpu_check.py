@@ -12,9 +12,9 @@ DeepSpeed compiles nothing). For ZeRO stage 2 and stage 1:
     patched. A second plain run is the determinism control (if it differs from the first,
     bitwise comparisons on this machine mean nothing and the check says so).
 (b) quantization on (INT8, group size 64) vs plain, by the project's accuracy gates
-    (``qzero.qualify.run.Thresholds``): max |loss difference| <= max_loss_diff
+    (``qzero.app.qualify.run.Thresholds``): max |loss difference| <= max_loss_diff
     (0.05), and every trained parameter element within ``|on - plain| <= atol + rtol *
-    |plain|`` (0.02 each; the formula of ``qzero.qualify.stats.param_agreement``, applied to
+    |plain|`` (0.02 each; the formula of ``qzero.app.qualify.stats.param_agreement``, applied to
     all elements, not only a sample). Relative L2 (all parameters end to end, the worst single
     parameter, and ``param_agreement`` on ``qzero qualify``'s 4096-element sample) is reported,
     not gated. Further: replicas bitwise equal across the ranks; each rank's own partition holds the
@@ -47,7 +47,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-# The on-vs-off accuracy gates are the project's: qzero.qualify.run.Thresholds.
+# The on-vs-off accuracy gates are the project's: qzero.app.qualify.run.Thresholds.
 PART_TOL = 0.02  # own partition vs its bf16 master, quantized elements
 RATIO_RANGE = (0.4, 0.6)  # INT8 + one fp32 scale per 64: 0.53 of bf16, plus exact small params
 
@@ -118,7 +118,7 @@ def model_config(args):
 
     heads = max(2, args.hidden // 64) if not args.cpu else 4
     return Qwen3Config(
-        vocab_size=256,  # byte tokens, as qzero.workload
+        vocab_size=256,  # byte tokens, as qzero.app.workload
         hidden_size=args.hidden,
         intermediate_size=3 * args.hidden,
         num_hidden_layers=args.layers,
@@ -164,7 +164,7 @@ def param_groups(model):
 
 
 def build(args, device, init, config):
-    from qzero.workload import build_model
+    from qzero.app.workload import build_model
 
     model = build_model(model_config(args), torch.bfloat16, device, seed=0, attention=args.attention)
     if args.offload != "none":  # DeepSpeed's bf16 offload runs its own CPU Adam
@@ -212,7 +212,7 @@ class GatherTimer:
 
 def train(engine, args, device, corpus, steps, start=0):
     """``steps`` steps from step ``start``; per-step losses (device tensors), step and gather times."""
-    from qzero.workload import global_batch
+    from qzero.app.workload import global_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -318,13 +318,13 @@ def bitwise_equal(x, y):
 
 
 def weight_agreement(on, plain, atol, rtol):
-    """Quantized vs plain parameters (name -> tensor) by ``qzero.qualify.stats.param_agreement``'s
+    """Quantized vs plain parameters (name -> tensor) by ``qzero.app.qualify.stats.param_agreement``'s
     rule, ``|on - plain| <= atol + rtol * |plain|`` (NaN counts as a violation), on every element
     of every trained parameter. Also: relative L2 and max abs difference of all parameters laid
     end to end, the worst single parameter's relative L2, and ``param_agreement`` itself on the
-    sample ``qzero qualify`` takes (``qzero.train.sample_index``). Information except the count."""
-    from qzero.qualify.stats import param_agreement
-    from qzero.train import sample_index
+    sample ``qzero qualify`` takes (``qzero.app.train.sample_index``). Information except the count."""
+    from qzero.app.qualify.stats import param_agreement
+    from qzero.app.train import sample_index
 
     viol, elems, max_abs, sq_diff, sq_ref = 0, 0, 0.0, 0.0, 0.0
     rels, viol_by = {}, {}
@@ -381,8 +381,8 @@ def main(argv=None):
     import deepspeed
 
     from qzero.integrations import deepspeed as qds
-    from qzero.qualify.run import Thresholds
-    from qzero.workload import load_corpus
+    from qzero.app.qualify.run import Thresholds
+    from qzero.app.workload import load_corpus
 
     rank, world = dist.get_rank(), dist.get_world_size()
     small = small_param_numel(args)
@@ -513,7 +513,7 @@ def main(argv=None):
                 allgather_bucket_size=args.bucket, group_size=64, small_param_numel=small,
                 deterministic=(not args.cpu and not args.no_deterministic),
                 gates=dict(max_loss_diff=gates.max_loss_diff, atol=gates.atol, rtol=gates.rtol,
-                           source="qzero.qualify.run.Thresholds"),
+                           source="qzero.app.qualify.run.Thresholds"),
             ),
         )
         if args.out:

@@ -28,10 +28,10 @@ import time
 import torch
 
 from qzero.layout import plan_flat_layout
-from qzero.qualify.env import _cpu_name
+from qzero.app.qualify.env import _cpu_name
 from qzero.quant import reference
 from qzero.quant.formats import SCALE_BYTES, get_format
-from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import PRESETS, build_model, global_batch, load_corpus, model_config
 
 GROUPS = (32, 64, 128, 256, 512, 1024, 2048)
 #: Resync intervals measured on int4, group 256, fp32 scales (0: never).

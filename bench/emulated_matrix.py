@@ -11,7 +11,7 @@ timed on the compute stream as in ``bench/steps_matrix.py``), the link order rev
 rounds too. ``--budget`` seconds: no run starts that would not end inside it (a cut run
 leaves what it measured).
 
-    python3 bench/emulated_matrix.py --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \\
+    python3 bench/emulated_matrix.py --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \\
         --links pcie,ethernet --world-size 2 --steps 6 --warmup 2 --rounds 1 \\
         --arm gpu1:world_size=1 --arm plain: --arm int8_ahead:quantized=true,overlap=true \\
         --arm fsdp2:engine=fsdp2 --reference plain --peers fsdp2 --out OUT
@@ -51,12 +51,12 @@ PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps
 
 def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
     """``s.steps`` training steps back to back on the current link; the timing of
-    ``qzero.train.train_worker`` (per step on the compute stream, and the wall time of the
+    ``qzero.app.train.train_worker`` (per step on the compute stream, and the wall time of the
     steps after the warm-up between two synchronizations)."""
     import torch
 
-    from qzero.train import _mark, _seconds, _sync
-    from qzero.workload import global_batch
+    from qzero.app.train import _mark, _seconds, _sync
+    from qzero.app.workload import global_batch
 
     from emulated_link import totals_since
 
@@ -115,7 +115,7 @@ def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
 
 
 def _clearing_side_channel(pack_chunk):
-    """``qzero.chunks.pack_chunk`` for ``qzero.engine`` in an emulated world: this rank's side
+    """``qzero.wire.chunks.pack_chunk`` for ``qzero.wire.engine`` in an emulated world: this rank's side
     channel of exact elements is zeroed before the pack.
 
     On a real world every rank writes its own slot of a chunk's receive buffer, its side
@@ -136,7 +136,7 @@ def _clearing_side_channel(pack_chunk):
 
 
 def _decoding_as_rank0(unpack_chunk):
-    """``qzero.chunks.unpack_chunk`` for ``qzero.engine`` in an emulated world: where the ranks'
+    """``qzero.wire.chunks.unpack_chunk`` for ``qzero.wire.engine`` in an emulated world: where the ranks'
     payloads of a chunk have layouts of their own (some rank has an exact group: ``PER_RANK``,
     ``[Note: exact groups]`` in qzero/layout.py), every slot, a copy of rank 0's, is decoded with
     rank 0's layout, group runs and side elements into its own rank's slice (decoded with another
@@ -144,7 +144,7 @@ def _decoding_as_rank0(unpack_chunk):
     same kernels and launches as on a real world; the tables are built once per chunk."""
     import torch
 
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
     from qzero.layout import GroupRuns, PayloadKind
 
     def rank0_everywhere(plan, chunk, device):
@@ -188,13 +188,13 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     world = init_emulated_world(n, models[0])
     import torch
 
-    import qzero.engine
-    from qzero.engines import make_engine
-    from qzero.train import TrainSettings, _summary, make_deterministic, resolve_device
-    from qzero.workload import build_model, load_corpus, model_config
+    import qzero.wire.engine
+    from qzero.app.backends import make_backend
+    from qzero.app.train import TrainSettings, _summary, make_deterministic, resolve_device
+    from qzero.app.workload import build_model, load_corpus, model_config
 
-    qzero.engine.pack_chunk = _clearing_side_channel(qzero.engine.pack_chunk)
-    qzero.engine.unpack_chunk = _decoding_as_rank0(qzero.engine.unpack_chunk)
+    qzero.wire.engine.pack_chunk = _clearing_side_channel(qzero.wire.engine.pack_chunk)
+    qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
 
     s = TrainSettings(**given)
     kind = resolve_device(s)
@@ -206,7 +206,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
     corpus = load_corpus(s.data)
     config = model_config(s.preset, s.model_config, max_positions=max(4096, s.seq_len))
-    engine = make_engine(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
+    engine = make_backend(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
     records, losses, times, skipped = [], [], [], 0
     for i, model in enumerate(models):
         world.set_link(model)
@@ -232,7 +232,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
 
 def run_arm(settings, links: list[str], out_path: str, log_path: str, timeout: float) -> list[dict]:
     """One arm in a fresh process, every link of ``links`` in that order; its records."""
-    from qzero.qualify.run import ArmFailed
+    from qzero.app.qualify.run import ArmFailed
 
     cmd = [sys.executable, os.path.abspath(__file__), "_arm", json.dumps(dataclasses.asdict(settings)),
            json.dumps(links), out_path]
@@ -333,8 +333,8 @@ def build_parser():
     p.description = __doc__.split("\n\n")[0]
     e = p.add_argument_group("emulated link")
     e.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
-    e.add_argument("--ag-buckets", default=None, help="comma-separated gather buckets (default: --allgather-bucket)")
-    e.add_argument("--rs-buckets", default=None, help="comma-separated reduce buckets (default: --reduce-bucket)")
+    e.add_argument("--allgather-bucket-sizes", default=None, help="comma-separated gather buckets (default: --allgather-bucket-size)")
+    e.add_argument("--reduce-bucket-sizes", default=None, help="comma-separated reduce buckets (default: --reduce-bucket-size)")
     e.add_argument("--links", default="pcie",
                    help="comma-separated links, each REGIME or REGIME:key=value;... (';' between a link's keys), "
                         "regimes: none, pcie, ethernet, nvlink (bench/emulated_link.py)")
@@ -350,9 +350,9 @@ def split_links(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     import steps_matrix
-    from qzero.qualify.env import describe
-    from qzero.qualify.run import ArmFailed
-    from qzero.train import validate
+    from qzero.app.qualify.env import describe
+    from qzero.app.qualify.run import ArmFailed
+    from qzero.app.train import validate
 
     from emulated_link import parse_link
 
@@ -367,13 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     if not links:
         parser.error("--links: give at least one link")
     presets = (args.presets or args.preset).split(",")
-    ag = [float(x) for x in (args.ag_buckets or str(args.allgather_bucket)).split(",")]
-    rs = [float(x) for x in (args.rs_buckets or str(args.reduce_bucket)).split(",")]
+    ag = [float(x) for x in (args.allgather_bucket_sizes or str(args.allgather_bucket_size)).split(",")]
+    rs = [float(x) for x in (args.reduce_bucket_sizes or str(args.reduce_bucket_size)).split(",")]
     # one GPU stands in for every rank: check the settings as if the world were one rank
     check = lambda s: validate(dataclasses.replace(s, world_size=1))  # noqa: E731
     plans = {}
     for preset, a, r in cells(presets, ag, rs):
-        cell_args = dict(vars(args), preset=preset, allgather_bucket=a, reduce_bucket=r)
+        cell_args = dict(vars(args), preset=preset, allgather_bucket_size=a, reduce_bucket_size=r)
         try:
             plans[cell_name(preset, a, r)] = steps_matrix.plan(type(args)(**cell_args), check=check)
         except steps_matrix.SpecError as e:
@@ -472,5 +472,5 @@ if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "_arm":
         run_arm_here(json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])
         sys.stdout.flush()
-        os._exit(0)  # as qzero.train's ranks: leave without the interpreter's finalization
+        os._exit(0)  # as qzero.app.train's ranks: leave without the interpreter's finalization
     sys.exit(main())

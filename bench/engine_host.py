@@ -32,9 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero import chunks
-from qzero.chunks import pack_chunk, unpack_chunk
-from qzero.engine import CommContext, fitting_plan, start_gather
+from qzero.wire import chunks
+from qzero.wire.chunks import pack_chunk, unpack_chunk
+from qzero.wire.engine import CommContext, fitting_plan, start_gather
 from qzero.layout import plan_flat_layout
 
 PIECES = ("switch+wait", "pack", "collective", "switch+work.wait", "unpack", "record+switch")

@@ -1,4 +1,4 @@
-"""The gather and its kernels: :mod:`qzero.benchmarks.gather` (also ``qzero bench gather``).
+"""The gather and its kernels: :mod:`qzero.app.benchmarks.gather` (also ``qzero bench gather``).
 
 One GPU: ``python bench/gather_bench.py --out DIR``; several: ``torchrun --nproc_per_node=2
 bench/gather_bench.py --out DIR``; ``--help`` for the rest.
@@ -6,7 +6,7 @@ bench/gather_bench.py --out DIR``; ``--help`` for the rest.
 
 import sys
 
-from qzero.benchmarks.gather import main
+from qzero.app.benchmarks.gather import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import qzero
-from qzero.workload import build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
 
 def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
@@ -60,7 +60,7 @@ def install_delays(seed: int) -> None:
     """Random GPU sleeps before every collective launch and wait."""
     import random
 
-    import qzero.chunks as chunks
+    import qzero.wire.chunks as chunks
 
     rng = random.Random(seed)
     real = chunks.all_gather_into

@@ -8,7 +8,7 @@ every visible GPU (NCCL) with and without ``zero_quantized_gradients``.
    and with error feedback, whose residual the pack reads and writes): bit-identical to the
    torch reference on the same GPU (payload bytes, residuals, fp32 sums), and their time
    (CUDA events). ``rotation_cost`` is the rotated kernels' time over the unrotated int4's.
-2. Arms of ``qzero.train`` (stage 2 and stage 1, both flat orders) with quantized gradients
+2. Arms of ``qzero.app.train`` (stage 2 and stage 1, both flat orders) with quantized gradients
    (int8, fp8, int4 with and without the rotation, int4 with error feedback) against the
    plain reduction: final loss, gradient bytes per rank and step, replicas identical, median
    step time. The link is whatever the host has (NVLink here: the step
@@ -89,7 +89,7 @@ def kernel_check(numel: int, world: int = 2, device: str = "cuda") -> list[dict]
 
 
 def train_arms(preset: str, steps: int, world: int) -> list[dict]:
-    from qzero.train import launch, settings_from
+    from qzero.app.train import launch, settings_from
 
     arms = [
         ("plain s2", dict(stage=2), {}),

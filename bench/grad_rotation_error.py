@@ -2,7 +2,7 @@
 gradients of a small transformer (CPU, minutes; how the INT4 defaults were chosen).
 
 A Qwen3-shaped model (preset ``small``: hidden 256, 4 layers, byte vocabulary, 3.4M
-parameters) trains in fp32 with AdamW on real text (:func:`qzero.workload.load_corpus`, the
+parameters) trains in fp32 with AdamW on real text (:func:`qzero.app.workload.load_corpus`, the
 standard library's sources) for ``--steps`` steps. At ``--probe`` steps the gradient of
 each of ``--world`` simulated ranks (each its own sequences of the step's batch) is taken
 in bf16, and every parameter larger than the preset's ``small_param_numel`` (the ones the
@@ -41,7 +41,7 @@ def collect(preset: str, steps: int, probes: list[int], world: int, seq: int, pe
     (``only``: a regular expression the measured parameters' names must match)."""
     import re
 
-    from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
+    from qzero.app.workload import PRESETS, build_model, global_batch, load_corpus, model_config
 
     corpus = load_corpus(limit=2_000_000)
     model = build_model(model_config(preset), torch.float32, torch.device("cpu"), seed)

@@ -99,7 +99,7 @@ def mix(kernel, out_dir, name, per_thread):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=64, help="ZeroConfig.zero_quantized_weights_group_size")
     ap.add_argument("--out", default="/tmp/qzero_asm")
     ap.add_argument("--pack-fp-fusion", choices=["launch", "on"], default="launch",
                     help="launch: the pack's own launch options (PACK_OPTIONS); on: fp contraction forced on")

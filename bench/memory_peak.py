@@ -3,7 +3,7 @@
 Made to explain why one training engine's peak CUDA memory is higher than another's
 (e.g. qzero vs FSDP2 / DeepSpeed on the Qwen3-1.7B-shaped whole-step benchmark). Each
 rank records the caching allocator's history (``torch.cuda.memory._record_memory_history``)
-while ``qzero.train.train_worker`` builds the engine and trains a few steps, then replays the
+while ``qzero.app.train.train_worker`` builds the engine and trains a few steps, then replays the
 recorded events to find the moment the most bytes were live and groups the blocks live
 then by the code that allocated them:
 
@@ -17,7 +17,7 @@ Run on a 2-GPU host, from the repository root:
 
     python3 -m torch.distributed.run --nproc_per_node=2 bench/memory_peak.py --engine qzero \
         [--quantized] [--overlap] [--preset qwen3-1.7b] [--seq-len 2048] [--micro-batch 2] \
-        [--steps 4] [--allgather-bucket 5e8] [--reduce-bucket 5e7] [--set KEY=VALUE] [--out DIR] [--tag NAME]
+        [--steps 4] [--allgather-bucket-size 5e8] [--reduce-bucket-size 5e7] [--set KEY=VALUE] [--out DIR] [--tag NAME]
 
 On one GPU, ``python3 bench/memory_peak.py --fake-world 2 ...`` is rank 0 of a DP2 run under
 torch's fake process group: the same allocations (they do not depend on the values the
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--allgather-bucket", type=float, default=5e8)
-    ap.add_argument("--reduce-bucket", type=float, default=5e7)
+    ap.add_argument("--allgather-bucket-size", type=float, default=5e8, help="ZeroConfig.allgather_bucket_size")
+    ap.add_argument("--reduce-bucket-size", type=float, default=5e7, help="ZeroConfig.reduce_bucket_size")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more ZeroConfig field (repeatable; VALUE as JSON where it parses, else a string)")
     ap.add_argument("--fake-world", type=int, default=0, metavar="N",
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from qzero.train import TrainSettings, train_worker, validate
+    from qzero.app.train import TrainSettings, train_worker, validate
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = a.tag or a.engine + ("_int8" if a.quantized else "") + ("_ahead" if a.overlap else "")
-    zero = {"allgather_bucket_size": int(a.allgather_bucket), "reduce_bucket_size": int(a.reduce_bucket),
+    zero = {"allgather_bucket_size": int(a.allgather_bucket_size), "reduce_bucket_size": int(a.reduce_bucket_size),
             "zero_quantized_weights": a.quantized, "overlap_param_gather": a.overlap}
     for item in a.set:
         key, sep, value = item.partition("=")

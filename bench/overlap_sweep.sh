@@ -11,8 +11,8 @@
 # Usage (repository root, on the GPU machine): bash bench/overlap_sweep.sh OUTDIR
 # Environment (space-separated lists; the full default grid takes hours, pick a slice):
 #   PRESETS      (qwen3-1.7b qwen3-4b)
-#   AG_BUCKETS   (2e7 5e7 2e8 5e8)   gather bucket, elements across all ranks
-#   RS_BUCKETS   (2.6e7 5e7)         reduce bucket
+#   ALLGATHER_BUCKET_SIZES   (2e7 5e7 2e8 5e8)   gather bucket, elements across all ranks
+#   REDUCE_BUCKET_SIZES   (2.6e7 5e7)         reduce bucket
 #   SWEEP_REGIMES (nvlink pcie ethernet)
 #   ROUNDS (2), STEPS (10), MATRIX_TIMEOUT (per cell, 560 s), ARMS (to override the arms)
 # Output: OUTDIR/PRESET_agAG_rsRS/matrix_dp2_REGIME/matrix.{json,md}, steps.png, and a
@@ -24,11 +24,11 @@ mkdir -p "$out"
 arms=${ARMS:-"gpu1:world_size=1 plain:overlap=false plain_ahead:overlap=true int8:quantized=true,overlap=false int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed"}
 status=0
 for preset in ${PRESETS:-qwen3-1.7b qwen3-4b}; do
-    for ag in ${AG_BUCKETS:-2e7 5e7 2e8 5e8}; do
-        for rs in ${RS_BUCKETS:-2.6e7 5e7}; do
+    for ag in ${ALLGATHER_BUCKET_SIZES:-2e7 5e7 2e8 5e8}; do
+        for rs in ${REDUCE_BUCKET_SIZES:-2.6e7 5e7}; do
             cell="$out/${preset}_ag${ag}_rs${rs}"
             echo "=== $preset, gather bucket $ag, reduce bucket $rs"
-            PRESET=$preset AG_BUCKET=$ag RS_BUCKET=$rs ARMS=$arms REFERENCE=plain \
+            PRESET=$preset ALLGATHER_BUCKET_SIZE=$ag REDUCE_BUCKET_SIZE=$rs ARMS=$arms REFERENCE=plain \
                 bash "$here/run_matrix.sh" "$cell" ${SWEEP_REGIMES:-nvlink pcie ethernet} || status=1
             SKIP_INSTALL=1  # installed once is enough
             export SKIP_INSTALL

@@ -7,7 +7,7 @@ largest reduce staging a backward holds (with ``--solo-reduce``, as with
 (reverse model order; a tied embedding's gradient arrives last) over the bucket plan.
 Model shapes come from a ``transformers`` config on the meta device (nothing is allocated).
 
-    python bench/plan_report.py --preset qwen3-4b --worlds 2,4,8 --allgather-bucket 5e7 --reduce-bucket 2.6e7
+    python bench/plan_report.py --preset qwen3-4b --worlds 2,4,8 --allgather-bucket-size 5e7 --reduce-bucket-size 2.6e7
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import argparse
 
 import torch
 
-from qzero.layout import plan_flat_layout, plan_reduce_buckets, plan_scatter_buckets, solo_slots
-from qzero.engine import fitting_plan
-from qzero.workload import model_config
+from qzero.buckets import plan_reduce_buckets, plan_scatter_buckets, solo_slots
+from qzero.layout import plan_flat_layout
+from qzero.wire.engine import fitting_plan
+from qzero.app.workload import model_config
 
 
 def model_shapes(preset: str):
@@ -57,14 +58,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-1.7b")
     ap.add_argument("--worlds", default="2,4,8")
-    ap.add_argument("--allgather-bucket", type=float, default=5e8)
-    ap.add_argument("--reduce-bucket", type=float, default=5e7)
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--allgather-bucket-size", type=float, default=5e8, help="ZeroConfig.allgather_bucket_size")
+    ap.add_argument("--reduce-bucket-size", type=float, default=5e7, help="ZeroConfig.reduce_bucket_size")
+    ap.add_argument("--group-size", type=int, default=64, help="ZeroConfig.zero_quantized_weights_group_size")
     ap.add_argument("--solo-reduce", action="store_true", help="as ZeroConfig.solo_reduce (default off)")
     a = ap.parse_args()
     shapes, tied = model_shapes(a.preset)
     used = sum(int(torch.Size(s).numel()) for s in shapes)
-    ag, rb = int(a.allgather_bucket), int(a.reduce_bucket)
+    ag, rb = int(a.allgather_bucket_size), int(a.reduce_bucket_size)
     print(f"{a.preset}: {len(shapes)} parameters, {used:,} elements, tied embedding: {tied}; "
           f"gather bucket {ag:,}, reduce bucket {rb:,}, INT8 g{a.group_size}\n")
     print("| world | order (auto) | padding | chunks sync / ahead | recv MiB sync / ahead | grad buckets | "

@@ -42,7 +42,7 @@ fi
 S=${S:-}
 if has floor; then  # the 1-GPU step here (and S from it, unless given)
     mapfile -t a < <(arms gpu1)
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links none "${a[@]}" --budget "$(left 300)" --out "$out/floor_4b" > "$out/floor_4b.log" 2>&1
     [ -n "$S" ] || S=$(python3 "$here/emulated_calibration.py" scale "$out/floor_4b" 2>>"$out/floor_4b.log")
 fi
@@ -54,7 +54,7 @@ if [ -z "$CTAS" ] && has grid; then
     for k in ${GRID:-0 4 8 16}; do links+="${links:+,}pcie:ctas=$k;time_scale=$S"; done
     for k in ${GRID:-0 4 8 16}; do links+=",nvlink:ctas=$k;time_scale=$S"; done
     mapfile -t a < <(arms int8_ahead fsdp2 plain_ahead plain int8)
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "$links" "${a[@]}" --reference plain --budget "$(left 200)" --out "$out/grid_4b" > "$out/grid_4b.log" 2>&1
     CTAS=$(python3 "$here/emulated_calibration.py" fit "$out/floor_4b" "$out/grid_4b" --scale "$S" \
         --out "$out/fit.json" 2>>"$out/grid_4b.log")
@@ -63,28 +63,28 @@ CTAS=${CTAS:-0}
 echo "resident CTAs CTAS=$CTAS"
 if has targets; then  # the other 4B arms at the fitted count, PCIe-class and NVLink
     mapfile -t a < <(arms ${TARGET_ARMS:-int8_ahead_qgrad fsdp2_rs fsdp2_rs_gint8 ds_int8_ahead deepspeed fsdp2_rs_int8})
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "pcie:ctas=$CTAS;time_scale=$S,nvlink:ctas=$CTAS;time_scale=$S" "${a[@]}" \
         --budget "$(left 25)" --out "$out/targets_4b" > "$out/targets_4b.log" 2>&1
 fi
 k="ctas=$CTAS;time_scale=$S"
 if has slice; then  # the 4B slice of the targets, every link, in one machine's processes
     mapfile -t a < <(arms int8_ahead int8 plain fsdp2)
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "pcie:$k,nvlink:$k,ethernet:$k,pcie:ctas=${PROBE:-48};time_scale=$S,pcie:ctas=32;spin=1;time_scale=$S" "${a[@]}" --reference plain \
         --peers fsdp2 --budget "$(left 230)" --out "$out/slice_4b" > "$out/slice_4b.log" 2>&1
     mapfile -t a < <(arms int8_ahead_qgrad plain_ahead fsdp2_rs_gint8 fsdp2_rs)
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "pcie:$k,nvlink:$k,ethernet:$k" "${a[@]}" --budget "$(left 80)" \
         --out "$out/slice2_4b" > "$out/slice2_4b.log" 2>&1
     mapfile -t a < <(arms ds_int8_ahead)
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 2.6e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "pcie:$k,nvlink:$k" "${a[@]}" --budget "$(left 45)" \
         --out "$out/slice3_4b" > "$out/slice3_4b.log" 2>&1
 fi
 if has ethernet50; then  # the committed 4B Ethernet-class results' buckets
     mapfile -t a < <(arms fsdp2 int8_ahead_qgrad)
-    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --ag-buckets 5e7 --rs-buckets 5e7 \
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 5e7 \
         --links "ethernet:$k" "${a[@]}" --budget "$(left 15)" --out "$out/ethernet50_4b" > "$out/ethernet50_4b.log" 2>&1
 fi
 if has table; then

@@ -4,7 +4,7 @@
 # Qwen3-1.7B-shaped model, and tabulates each arm against the first arm and against the peers.
 # Installs this checkout first (bench/regimes.sh; DeepSpeed must be installed for its arm: a missing peer shows as failed).
 # Usage (repository root, on the GPU machine): bash bench/run_matrix.sh OUTDIR [nvlink] [pcie] [ethernet]
-# Environment: WORLD (2: ranks, one per GPU), PRESET (qwen3-1.7b), AG_BUCKET (5e8, the default of qzero and DeepSpeed), RS_BUCKET (5e7), STEPS (10: 2 warm up, the last is not timed), ROUNDS (2), MATRIX_TIMEOUT (560 s per regime), ARMS (space-separated
+# Environment: WORLD (2: ranks, one per GPU), PRESET (qwen3-1.7b), ALLGATHER_BUCKET_SIZE (5e8, the default of qzero and DeepSpeed), REDUCE_BUCKET_SIZE (5e7), STEPS (10: 2 warm up, the last is not timed), ROUNDS (2), MATRIX_TIMEOUT (560 s per regime), ARMS (space-separated
 # NAME:key=value,... specs; default below), PEERS (deepspeed,fsdp2: those among the arms), REFERENCE.
 set -u
 out=${1:?usage: bash bench/run_matrix.sh OUTDIR [nvlink pcie ethernet]}
@@ -30,7 +30,7 @@ extra=()
 [ -n "${REFERENCE:-}" ] && extra+=(--reference "$REFERENCE")
 world=${WORLD:-2}
 common=(--device cuda --world-size "$world" --preset "${PRESET:-qwen3-1.7b}" --seq-len 2048 --micro-batch 2
-        --steps "${STEPS:-10}" --warmup 2 --allgather-bucket "${AG_BUCKET:-5e8}" --reduce-bucket "${RS_BUCKET:-5e7}" --lr 1e-4
+        --steps "${STEPS:-10}" --warmup 2 --allgather-bucket-size "${ALLGATHER_BUCKET_SIZE:-5e8}" --reduce-bucket-size "${REDUCE_BUCKET_SIZE:-5e7}" --lr 1e-4
         --rounds "${ROUNDS:-2}")
 status=0
 for regime in "${regimes[@]}"; do

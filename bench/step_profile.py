@@ -35,9 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero.engines import make_engine
-from qzero.train import make_deterministic, settings_from
-from qzero.workload import build_model, global_batch, load_corpus, model_config
+from qzero.app.backends import make_backend
+from qzero.app.train import make_deterministic, settings_from
+from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
 ARMS = {
     "plain": {},
@@ -75,7 +75,7 @@ def forward_never_waits():
     the compute stream wait; everything else (the backward's wait for the whole gather,
     ``wait_for_weights``) waits as usual. Must wrap the engine's construction: the hooks
     are bound when they are registered."""
-    from qzero import engine, overlap
+    from qzero.wire import engine, overlap
 
     hook, wait_for, wait_until = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
     inside = [False]
@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--arms", default="plain,int8,int8_ahead")
     ap.add_argument("--deterministic", default="1", help="1, 0 or 1,0 (both)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--allgather-bucket", type=float, default=5e8)
-    ap.add_argument("--reduce-bucket", type=float, default=5e7)
+    ap.add_argument("--allgather-bucket-size", type=float, default=5e8, help="ZeroConfig.allgather_bucket_size")
+    ap.add_argument("--reduce-bucket-size", type=float, default=5e7, help="ZeroConfig.reduce_bucket_size")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fake-world", type=int, default=0, metavar="N",
                     help="one process as rank 0 of N under torch's fake process group (one GPU): every arm's "
@@ -146,12 +146,12 @@ def main() -> None:
             if name not in ARMS:
                 raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
             s = settings_from(dict(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
-                                   micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket),
-                                   reduce_bucket_size=int(a.reduce_bucket), lr=1e-4, **ARMS[name],
+                                   micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket_size),
+                                   reduce_bucket_size=int(a.reduce_bucket_size), lr=1e-4, **ARMS[name],
                                    **({"check_finite": False} if a.fake_world and "engine" not in ARMS[name] else {})))
             patch = forward_never_waits() if name in NO_WAIT else contextlib.nullcontext()
             patch.__enter__()
-            engine = make_engine(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
+            engine = make_backend(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             if name in DIRECT_ADD:
                 for grads in engine.opt.grads:
                     grads.reducer.use_landing = False

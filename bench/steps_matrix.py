@@ -1,17 +1,17 @@
 """Whole-step benchmark matrix: many named arms, order-balanced rounds, fresh processes.
 
-Every arm is a :class:`qzero.train.TrainSettings` (the common flags below, plus the
+Every arm is a :class:`qzero.app.train.TrainSettings` (the common flags below, plus the
 arm's own ``key=value`` settings: workload fields such as ``engine``, ZeroConfig fields
-such as ``zero_quantized_weights``, or the short names of ``qzero.train.ZERO_ALIASES``:
-``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.qualify.run.run_arm`,
+such as ``zero_quantized_weights``, or the short names of ``qzero.vocabulary.ZERO_ALIASES``:
+``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.app.qualify.run.run_arm`,
 a fresh process with the same seed and data, once per round. Round ``r`` runs the arms
 in the order given, odd rounds in reverse (ABCD, DCBA, ABCD, ...), so slow drift of the
 machine falls on every arm alike. An arm that fails (a peer that is not installed, an
 out-of-memory) is recorded with the tail of its output and the other arms go on.
 
     python bench/steps_matrix.py --device cuda --world-size 2 --preset qwen3-1.7b \\
-        --seq-len 2048 --micro-batch 2 --steps 8 --warmup 2 --allgather-bucket 5e8 \\
-        --reduce-bucket 5e7 --lr 1e-4 --rounds 2 --peers deepspeed,fsdp2 \\
+        --seq-len 2048 --micro-batch 2 --steps 8 --warmup 2 --allgather-bucket-size 5e8 \\
+        --reduce-bucket-size 5e7 --lr 1e-4 --rounds 2 --peers deepspeed,fsdp2 \\
         --arm plain: --arm int8:quantized=true,overlap=false --arm int8_ahead:quantized=true,overlap=true \\
         --arm deepspeed:engine=deepspeed --arm fsdp2:engine=fsdp2 --out OUTDIR
 
@@ -43,11 +43,12 @@ import statistics
 import sys
 import tempfile
 
-from qzero.qualify import stats
-from qzero.qualify.env import describe
-from qzero.qualify.run import ArmFailed, run_arm
+from qzero.app.qualify import stats
+from qzero.app.qualify.env import describe
+from qzero.app.qualify.run import ArmFailed, run_arm
 from qzero.config import ZeroConfig
-from qzero.train import ZERO_ALIASES, TrainSettings, flat_settings, resolve_device, setting_name, settings_from, validate
+from qzero.vocabulary import PRECISIONS, ZERO_ALIASES
+from qzero.app.train import TrainSettings, flat_settings, resolve_device, setting_name, settings_from, validate
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -455,10 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--steps", type=int, default=d.steps)
     w.add_argument("--warmup", type=int, default=d.warmup)
     w.add_argument("--stage", type=int, choices=(1, 2), default=d.zero.stage)
-    w.add_argument("--allgather-bucket", type=float, default=d.zero.allgather_bucket_size)
-    w.add_argument("--reduce-bucket", type=float, default=d.zero.reduce_bucket_size)
+    w.add_argument("--allgather-bucket-size", type=float, default=d.zero.allgather_bucket_size,
+                   help="ZeroConfig.allgather_bucket_size of every arm (an arm's own setting wins)")
+    w.add_argument("--reduce-bucket-size", type=float, default=d.zero.reduce_bucket_size,
+                   help="ZeroConfig.reduce_bucket_size of every arm (an arm's own setting wins)")
     w.add_argument("--lr", type=float, default=d.lr)
-    w.add_argument("--precision", choices=("bf16", "fp16"), default=d.precision)
+    w.add_argument("--precision", choices=PRECISIONS, default=d.precision)
     w.add_argument("--seed", type=int, default=d.seed)
     m = p.add_argument_group("matrix")
     m.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
@@ -489,14 +492,14 @@ def compare(matrix: dict, base: str, arm: str, resamples: int = 2000) -> dict:
 
 def plan(args: argparse.Namespace, check=validate) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
     """Common settings, each arm's settings and diff, reference and peers; validated by ``check``
-    (``qzero.train.validate``; the emulated link checks them as on one rank). Raises SpecError."""
+    (``qzero.app.train.validate``; the emulated link checks them as on one rank). Raises SpecError."""
     if not args.arm:
         raise SpecError("give at least one --arm NAME:key=value,...")
     given = dict(
         device=args.device, world_size=args.world_size, preset=args.preset, model_config=args.model_config,
         data=args.data, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-        steps=args.steps, warmup=args.warmup, stage=args.stage, allgather_bucket_size=args.allgather_bucket,
-        reduce_bucket_size=args.reduce_bucket, lr=args.lr, precision=args.precision, seed=args.seed,
+        steps=args.steps, warmup=args.warmup, stage=args.stage, allgather_bucket_size=args.allgather_bucket_size,
+        reduce_bucket_size=args.reduce_bucket_size, lr=args.lr, precision=args.precision, seed=args.seed,
     )
     try:
         base = settings_from(given)

@@ -25,7 +25,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from qzero.fsdp import gather_report, quantize_weight_gathers
-from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import PRESETS, build_model, global_batch, load_corpus, model_config
 
 PRESET = "tiny"
 SEQ, MICRO_BATCH, LR = 64, 4, 3e-3

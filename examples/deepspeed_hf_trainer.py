@@ -21,7 +21,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from qzero.integrations.hf import QZeroCallback
-from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import PRESETS, build_model, global_batch, load_corpus, model_config
 
 PRESET = "tiny"
 SEQ, MICRO_BATCH = 64, 4

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from qzero.fsdp import gather_report, quantize_group_gathers, quantize_weight_gathers
-from qzero.workload import global_batch, load_corpus
+from qzero.app.workload import global_batch, load_corpus
 
 
 def main():

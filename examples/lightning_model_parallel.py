@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 
 from qzero.fsdp import gather_report, quantize_group_gathers, quantize_weight_gathers
-from qzero.workload import PRESETS, build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import PRESETS, build_model, global_batch, load_corpus, model_config
 
 PRESET = "tiny"
 SEQ, MICRO_BATCH, LR = 64, 4, 3e-3

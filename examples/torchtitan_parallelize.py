@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qzero.fsdp import gather_report, quantize_group_gathers, quantize_weight_gathers
-from qzero.workload import BYTE_VOCAB, global_batch, load_corpus
+from qzero.app.workload import BYTE_VOCAB, global_batch, load_corpus
 
 SEQ, MICRO_BATCH, LR, SMALL = 64, 4, 3e-3, 1024  # SMALL: this tiny model's matrices are quantized
 

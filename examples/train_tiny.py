@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import qzero
-from qzero.workload import load_corpus
+from qzero.app.workload import load_corpus
 
 
 class TinyLM(torch.nn.Module):
@@ -53,7 +53,7 @@ def main():
     config = qzero.ZeroConfig(stage=2, zero_quantized_weights=not args.no_quant, small_param_numel=4096)
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=config)
 
-    data = load_corpus(limit=2_000_000)  # the stdlib sources, byte tokens (qzero.workload)
+    data = load_corpus(limit=2_000_000)  # the stdlib sources, byte tokens (qzero.app.workload)
     g = torch.Generator().manual_seed(1)
     for step in range(args.steps):
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Multi-GPU results of the gather benchmark (``qzero bench gather``), built on the CPU with the
 benchmark's own record code (``multi_header``, ``size_entry``) for the tests of what reads them."""
 
-from qzero.benchmarks.gather import multi_header, size_entry
+from qzero.app.benchmarks.gather import multi_header, size_entry
 
 ENV = {"device": "test GPU", "sm_count": 1, "torch": "test torch", "triton": "test triton", "cuda": "test cuda",
        "python": "3", "date_utc": "2000-01-01 00:00"}

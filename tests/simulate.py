@@ -1,6 +1,6 @@
 """Single-process simulation of the chunked gather, and an independent numpy model of its result.
 
-``simulate_gather`` runs exactly what :mod:`qzero.engine` runs on every rank,
+``simulate_gather`` runs exactly what :mod:`qzero.wire.engine` runs on every rank,
 but for all ``world_size`` ranks in one process: per chunk, every simulated rank packs
 its payload into its slot of one shared receive buffer (so the buffer holds exactly
 what an all-gather would deliver), then every rank unpacks that buffer into its own
@@ -14,7 +14,7 @@ import torch
 
 from typing import NamedTuple
 
-from qzero.chunks import exact_index, exact_scatter, pack_chunk, unpack_chunk
+from qzero.wire.chunks import exact_index, exact_scatter, pack_chunk, unpack_chunk
 from qzero.layout import GroupRuns, PayloadKind, compact_layout, round_up
 from qzero.quant import reference
 from qzero.quant.reference import FLT_MIN

@@ -1,4 +1,4 @@
-"""What the ranks agree on before their first collective ([Note: agreement] in qzero/agreement.py).
+"""What the ranks agree on before their first collective ([Note: agreement] in qzero/wire/agreement.py).
 
 Each case runs on every rank of a gloo world of 2 and of 3 (cases of one kind share one
 process group, under a timeout: a hang fails the batch, it is never waited out). A case

@@ -539,8 +539,8 @@ class CommCounter:
     """Counts every collective qzero or DCP makes through torch.distributed while active."""
 
     def __init__(self):
-        import qzero.chunks as qchunks
-        import qzero.comm as qcomm
+        import qzero.wire.chunks as qchunks
+        import qzero.wire.comm as qcomm
         import torch.distributed.distributed_c10d as c10d
 
         self.calls: list[str] = []
@@ -759,7 +759,7 @@ def test_bad_input(c: Case):
         assert is_value_or_type, f"rank {rank} raised {name}, not ValueError/TypeError: {msg}"
         assert re.search(c.match, msg), f"rank {rank}: {name}: {msg!r} does not match {c.match!r}"
         assert res["unchanged"], f"rank {rank}: something was modified"
-        # at most the one agreement all-gather (qzero.comm.agree_or_raise), nothing else
+        # at most the one agreement all-gather (qzero.wire.comm.agree_or_raise), nothing else
         assert res["comms"] in ([], ["all_gather_into"]), f"rank {rank} communicated before raising: {res['comms']}"
         assert res["group_ok"] == len(results), f"rank {rank}: the group is broken afterwards"
 

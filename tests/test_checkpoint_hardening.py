@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
 import qzero
-import qzero.chunks as chunks
+import qzero.wire.chunks as chunks
 from qzero.optim.checkpoint import logical_pieces
 
 TIMEOUT = 90.0

@@ -274,7 +274,7 @@ def test_a_tampered_qzero_json_is_refused_before_anything_is_loaded(attempt, cas
 
 @pytest.mark.parametrize("content", ['{"auto_map": {"AutoModelForCausalLM": "x/y--m.M"}}', "[1]", "{"])
 def test_a_model_config_file_that_names_remote_code_or_is_not_an_object_is_refused(tmp_path, content):
-    from qzero.workload import WorkloadError, model_config
+    from qzero.app.workload import WorkloadError, model_config
 
     path = tmp_path / "config.json"
     path.write_text(content)

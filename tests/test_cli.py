@@ -16,7 +16,7 @@ pytest.importorskip("matplotlib")
 def qzero(*args, timeout=300):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     return subprocess.run(
-        [sys.executable, "-m", "qzero.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "qzero", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -79,7 +79,7 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--baseline", "zero_quantized_weights_format=int5"], "--baseline: .*int5"),
         (["qualify", "--candidate", "quantized=true", "--candidate", "zero_quantized_weights=false"],
          "zero_quantized_weights is already set"),
-        (["train", "--allgather-bucket", "0"], "allgather_bucket_size must be positive"),
+        (["train", "--allgather-bucket-size", "0"], "allgather_bucket_size must be positive"),
         (["qualify", "--out", "{tiny}"], "tiny.txt: exists and is not a directory"),
         (["train", "--out", "{tmp}/missing/run.json"], "missing does not exist"),
         (["train", "--out", "{tmp}"], "is a directory"),
@@ -112,7 +112,7 @@ def test_train_runs_and_records(tmp_path):
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
     import re
 
-    from qzero.cli import main
+    from qzero.app.cli import main
 
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hello world\n" * 10)
@@ -146,7 +146,7 @@ CONFIGS = {
     "layers": dict(TINY_CONFIG, num_hidden_layers=100_000),
 }
 
-#: Runs ``qzero.cli.main`` on each case in one process, each case's stderr captured, and
+#: Runs ``qzero.app.cli.main`` on each case in one process, each case's stderr captured, and
 #: prints [exit code, stderr] per case as JSON. The cases read special files: a FIFO (which
 #: blocked forever), a pipe (read by the parent, then empty for the ranks), /dev/zero (read
 #: until memory ran out), and a config too large for any machine: so they run in a process of
@@ -154,7 +154,7 @@ CONFIGS = {
 SPECIAL_FILES_DRIVER = """
 import contextlib, io, json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-from qzero.cli import main
+from qzero.app.cli import main
 read, write = os.pipe()
 os.write(write, b"hello world " * 100)
 os.close(write)
@@ -216,7 +216,7 @@ def test_bench_gather_ships_with_the_package(tmp_path):
     """``qzero bench gather`` runs from the package: ``--render`` rewrites the Markdown table of a
     saved multi-GPU result (built here by the benchmark's own record code) from its JSON alone."""
     from gather_results import gather_result
-    from qzero.cli import main
+    from qzero.app.cli import main
 
     times = {"bf16 one NCCL call": [29.0, 30.0, 31.0], "bf16": [39.0, 40.0, 41.0], "int8": [22.0, 20.0, 21.0],
              "int8 payload only": [18.5, 19.0, 19.5]}
@@ -232,7 +232,7 @@ def test_bench_gather_ships_with_the_package(tmp_path):
 
 
 def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
-    import qzero.cli as cli
+    import qzero.app.cli as cli
 
     monkeypatch.setattr(cli, "_has", lambda module: module not in ("transformers", "deepspeed"))
     assert cli.main(["train"]) == 2
@@ -243,8 +243,8 @@ def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
 
 
 def test_short_runs_get_a_shorter_warmup_and_more_ranks_than_cores_a_warning(capsys):
-    import qzero.cli as cli
-    from qzero.train import validate
+    import qzero.app.cli as cli
+    from qzero.app.train import validate
 
     args = cli.build_parser().parse_args(["train", "--steps", "3"])
     s = cli._settings(args, True)
@@ -259,7 +259,7 @@ def test_arm_settings_take_zero_config_names_and_short_names():
     """Arms are ZeroConfig settings on top of the flags': short names map onto ZeroConfig's, the
     preset's small-param threshold applies unless set, gather-ahead follows each arm's gather
     unless a flag or the arm sets it."""
-    import qzero.cli as cli
+    import qzero.app.cli as cli
 
     def arms(*argv):
         return cli._qualify_arms(cli.build_parser().parse_args(["qualify", *argv]))
@@ -276,7 +276,7 @@ def test_arm_settings_take_zero_config_names_and_short_names():
     assert c.zero.zero_quantized_weights_group_size == 128 and b.zero.zero_quantized_weights_group_size == 64
     assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap holds for both
     assert (b.zero.small_param_numel, c.zero.small_param_numel) == (4096, 0)
-    _, b, c = arms("--small-param-numel", "7", "--allgather-bucket", "5e7", "--candidate", "overlap=false")
+    _, b, c = arms("--small-param-numel", "7", "--allgather-bucket-size", "5e7", "--candidate", "overlap=false")
     assert b.zero.small_param_numel == c.zero.small_param_numel == 7
     assert c.zero.allgather_bucket_size == 50_000_000 and not c.zero.overlap_param_gather
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["qualify"].format_help()
@@ -284,7 +284,7 @@ def test_arm_settings_take_zero_config_names_and_short_names():
 
 
 def test_the_help_lists_only_the_public_commands():
-    import qzero.cli as cli
+    import qzero.app.cli as cli
 
     text = cli.build_parser().format_help()
     assert "{train,qualify,bench}" in text and "_arm" not in text and "SUPPRESS" not in text
@@ -296,8 +296,8 @@ def test_the_parameter_count_is_a_real_builds_and_the_memory_bound_is_its_formul
     the host's memory for its ranks."""
     import torch
 
-    import qzero.train as train
-    from qzero.workload import WorkloadError, build_model, model_config
+    import qzero.app.train as train
+    from qzero.app.workload import WorkloadError, build_model, model_config
 
     path = tmp_path / "tied.json"
     path.write_text(json.dumps(dict(TINY_CONFIG, tie_word_embeddings=True, num_hidden_layers=2)))
@@ -315,7 +315,7 @@ def test_the_parameter_count_is_a_real_builds_and_the_memory_bound_is_its_formul
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys\nfrom qzero.cli import main\nfor argv in (['--help'], ['train', '--help'], ['qualify', '--help']):\n"
+    code = ("import sys\nfrom qzero.app.cli import main\nfor argv in (['--help'], ['train', '--help'], ['qualify', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\nprint('torch imported:', 'torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -366,7 +366,7 @@ def test_ranks_die_with_a_sigkilled_parent(tmp_path, command):
     args = ["--steps", "100000", "--seq-len", "32", "--micro-batch", "2"]
     if command == "qualify":
         args += ["--out", str(tmp_path / "rep")]
-    parent = subprocess.Popen([sys.executable, "-m", "qzero.cli", command, *args], stdout=subprocess.DEVNULL,
+    parent = subprocess.Popen([sys.executable, "-m", "qzero", command, *args], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
     deadline = time.monotonic() + 240
     try:

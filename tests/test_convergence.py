@@ -250,7 +250,7 @@ def test_world_size_1_quantizes_the_weights(fmt, group):
 
     import qzero
     from qzero.quant.reference import dequantize, quantize
-    from qzero.workload import build_model, model_config
+    from qzero.app.workload import build_model, model_config
 
     config = model_config("tiny")
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
@@ -292,7 +292,7 @@ def test_quantization_groups_are_those_of_dp2(group):
     from transformers import AutoModelForCausalLM
 
     from qzero.layout import plan_flat_layout
-    from qzero.workload import PRESETS, model_config
+    from qzero.app.workload import PRESETS, model_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config("qwen3-125m-byte"))

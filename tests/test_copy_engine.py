@@ -16,9 +16,9 @@ import torch.distributed._symmetric_memory as symm_mem
 
 import qzero
 from qzero import ZeroConfig
-from qzero import copy_engine
-from qzero.copy_engine import check_copy_engine_support
-from qzero.optim import quantized_reduce
+from qzero.wire import copy_engine
+from qzero.wire.copy_engine import check_copy_engine_support
+from qzero.wire import quantized_reduce
 from qzero.optim.grads import MAX_IN_FLIGHT
 
 
@@ -183,7 +183,7 @@ class _GlooProvider(copy_engine.CopyEngineComm):
 
 
 def _train_with_provider(rank, world, on):
-    import qzero.chunks as chunks
+    import qzero.wire.chunks as chunks
     import qzero.optim.zero as zero_mod
 
     zero_mod.check_copy_engine_support = lambda device, group: None  # CPU stands in for CUDA here
@@ -241,8 +241,8 @@ def test_gather_and_exchange_use_the_provider_same_bits():
 @pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
 def test_the_other_engines_refuse_it(engine):
     """The FSDP2 and DeepSpeed engines run their own collectives: the setting would change nothing."""
-    from qzero.train import settings_from, validate
-    from qzero.workload import WorkloadError
+    from qzero.app.train import settings_from, validate
+    from qzero.app.workload import WorkloadError
 
     s = settings_from({"engine": engine, "copy_engine_collectives": True})
     with pytest.raises(WorkloadError, match=f"copy_engine_collectives is a setting of the qzero engine.*{engine}"):

@@ -73,7 +73,7 @@ def quantized(stage=2, **zero):
         stage,
         zero_quantized_weights=True,
         zero_quantized_weights_group_size=32,
-        zero_quantized_weights_small_param_numel=SMALL,
+        small_param_numel=SMALL,
         **zero,
     )
 
@@ -372,7 +372,12 @@ def test_moe_groups_use_their_own_process_group():
         (dict(stage=0), {}, ["stage 1 or 2", "stage 0"]),
         (dict(zero_quantized_weights_group_size=12), {}, ["multiple of 8", "12"]),
         (dict(zero_quantized_weights_format="int3"), {}, ["int3"]),
-        (dict(zero_quantized_weights_small_param_numel=-1), {}, ["-1"]),
+        (dict(small_param_numel=-1), {}, ["small_param_numel", "-1"]),
+        # a key of an earlier release: refused, naming the key that replaced it
+        (dict(zero_quantized_weights_small_param_numel=64), {}, [
+            "zero_optimization.zero_quantized_weights_small_param_numel is now small_param_numel",
+            "did you mean small_param_numel?"]),
+        (dict(zero_quantized_weights=False, zero_quantized_weights_small_param_numel=64), {}, ["small_param_numel"]),
         (dict(zero_quantized_weights="yes"), {}, ["'yes'"]),
     ],
 )
@@ -397,7 +402,8 @@ def test_prepare_config_strips_only_a_copy():
     zero = prepared.ds_config["zero_optimization"]
     assert prepared.quantize and prepared.stage == 2
     assert not any(k in zero for k in qds.QZERO_KEYS) and "zero_quantized_weights" not in zero
-    assert prepared.settings == qds.QuantizedWeightsSettings(32, "int8", SMALL)
+    assert prepared.settings == qds.QuantizedWeightsSettings(zero_quantized_weights_group_size=32,
+                                                             small_param_numel=SMALL)
     # off: qzero's keys go, DeepSpeed's own key stays, nothing to patch
     off = qds.prepare_config(ds_config(zero_quantized_weights=False, zero_quantized_weights_group_size=32))
     assert not off.quantize and off.ds_config["zero_optimization"]["zero_quantized_weights"] is False

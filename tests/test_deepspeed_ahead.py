@@ -90,7 +90,7 @@ def ahead_checks(engine, rank, tmp):
         out[f"{name}_waits"] = pending and not busy(engine)
     engine.train()
     # Reads of the weights that no hook or wrapper sees: each waits for the chunks it reads
-    # ([Note: reads wait] in qzero/overlap.py), so it returns the gathered weights.
+    # ([Note: reads wait] in qzero/wire/overlap.py), so it returns the gathered weights.
     for name, read in [
         ("engine.parameters()", lambda: [p.detach().clone() for p in engine.parameters()]),
         ("model.named_parameters()", lambda: [p.detach().clone() for _, p in model.named_parameters()]),
@@ -221,7 +221,7 @@ class _Holder(torch.nn.Module):
 
 
 def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them():
-    from qzero.overlap import GatherAhead
+    from qzero.wire.overlap import GatherAhead
 
     model = _Holder()
     ranges = [(model.lin.weight, 0, 0, 16), (model.lin.bias, 0, 16, 20), (model.box.p, 0, 90, 94),
@@ -233,7 +233,7 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
     # one hook wait per module and flat group, for the last chunk of its ranges there (chunks
     # finish in order): the root's hook for box.p (chunk 9) and plist[0] (chunk 6), then lin's
     # (1); each read of a parameter waits for its own chunk too (lin.weight, lin.bias, box.p,
-    # plist[0]: [Note: reads wait] in qzero/overlap.py), which a real gather answers at once.
+    # plist[0]: [Note: reads wait] in qzero/wire/overlap.py), which a real gather answers at once.
     first = [9, 1, 1, 1, 9, 6]
     assert handle.waited == first
     model(torch.ones(2, 4))  # the next forward waits for the same chunks (resolved once per plan)
@@ -249,8 +249,8 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
      (dict(engine="deepspeed", zero={"zero_quantized_gradients": True}), "would change nothing")],
 )
 def test_train_settings_offload_is_checked(kwargs, words):
-    from qzero.train import TrainSettings, validate
-    from qzero.workload import WorkloadError
+    from qzero.app.train import TrainSettings, validate
+    from qzero.app.workload import WorkloadError
 
     with pytest.raises(WorkloadError, match=words):
         validate(TrainSettings(device="cpu", **kwargs))

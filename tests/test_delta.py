@@ -274,12 +274,12 @@ def test_defaults_and_every_way_in():
     assert (on.zero_quantized_weights_format, on.zero_quantized_weights_group_size) == ("int4", 256)
     assert on.zero_quantized_weights_delta_resync_steps == 50
     assert qzero.ZeroConfig(**on.to_dict()) == on
-    from qzero.train import settings_from
+    from qzero.app.train import settings_from
 
     arm = settings_from({"quantized": True, "zero_quantized_weights_delta": True, "group_size": 512})
     assert arm.zero.zero_quantized_weights_delta and arm.zero.zero_quantized_weights_group_size == 512
-    from qzero.train import validate
-    from qzero.workload import WorkloadError
+    from qzero.app.train import validate
+    from qzero.app.workload import WorkloadError
 
     for engine in ("deepspeed", "fsdp2"):  # their gathers send no delta payloads: refused, not ignored
         with pytest.raises(WorkloadError, match="zero_quantized_weights_delta is a setting of the qzero engine"):
@@ -364,7 +364,7 @@ def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
     import os
     import sys
 
-    from qzero.chunks import DeltaInputs
+    from qzero.wire.chunks import DeltaInputs
     from qzero.layout import plan_gather
     from qzero.quant import reference
 

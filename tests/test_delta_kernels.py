@@ -347,8 +347,8 @@ def test_delta_kernels_compile_without_fused_multiply_add():
 def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
     """Delta gathers through the engine on the GPU: the ``streams`` schedule (each side stream
     late in turn) gives the bits of the ``inline`` one, replica and refusal flag alike."""
-    from qzero.chunks import DeltaInputs
-    from qzero.engine import CommContext, start_gather
+    from qzero.wire.chunks import DeltaInputs
+    from qzero.wire.engine import CommContext, start_gather
 
     rng = np.random.default_rng(17)
     numel = 1 << 22

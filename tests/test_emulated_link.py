@@ -361,8 +361,8 @@ def test_the_matrix_runs_arms_in_fresh_processes_on_the_cpu(tmp_path):
     config.write_text(json.dumps(MINI))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, os.path.join(BENCH, "emulated_matrix.py"), "--device", "cpu", "--model-config", str(config),
-           "--seq-len", "16", "--micro-batch", "1", "--steps", "2", "--warmup", "0", "--allgather-bucket", "200000",
-           "--reduce-bucket", "100000", "--world-size", "2", "--links", "none,pcie:time_scale=1e-3", "--rounds", "1",
+           "--seq-len", "16", "--micro-batch", "1", "--steps", "2", "--warmup", "0", "--allgather-bucket-size", "200000",
+           "--reduce-bucket-size", "100000", "--world-size", "2", "--links", "none,pcie:time_scale=1e-3", "--rounds", "1",
            "--arm", "qgrad:quantized=true,overlap=false,zero_quantized_gradients=true,small_param_numel=65536",
            "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -9,7 +9,7 @@ from distributed import run_distributed
 
 def worker(rank, world):
     eh = bench_scripts.load("engine_host")
-    from qzero.engine import CommContext, start_gather
+    from qzero.wire.engine import CommContext, start_gather
     from qzero.layout import plan_flat_layout
 
     shapes, hidden = eh.qwen_like_shapes(200_000, layers=3)

@@ -47,9 +47,9 @@ def fake_cuda(monkeypatch_like, log):
 
 
 def worker(rank, world, fmt):
-    import qzero.chunks as chunks
-    import qzero.engine as engine
-    from qzero.engine import LOOKAHEAD, CommContext, start_gather
+    import qzero.wire.chunks as chunks
+    import qzero.wire.engine as engine
+    from qzero.wire.engine import LOOKAHEAD, CommContext, start_gather
     from qzero.layout import plan_gather
 
     log = []
@@ -106,7 +106,7 @@ def worker(rank, world, fmt):
 
 @pytest.mark.parametrize("world,fmt", [(3, "int8"), (3, None), (1, "int8")])
 def test_streams_schedule_host_protocol(world, fmt):
-    from qzero.engine import LOOKAHEAD
+    from qzero.wire.engine import LOOKAHEAD
 
     for want, got, n, counts, restored, log in run_distributed(worker, world, fmt):
         assert torch.equal(want.view(torch.int16), got.view(torch.int16))
@@ -143,8 +143,8 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
     every chunk but the compute stream waits for none; the wait after the forward waits;
     leaving the arm restores the product's hooks."""
     import bench_scripts
-    from qzero import engine, overlap
-    from qzero.engine import CommContext, start_gather
+    from qzero.wire import engine, overlap
+    from qzero.wire.engine import CommContext, start_gather
     from qzero.layout import plan_gather
 
     sp = bench_scripts.load("step_profile")

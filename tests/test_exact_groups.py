@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from simulate import bits, expected_gather, simulate_gather
 
 import qzero
-from qzero.engine import stats_of
+from qzero.wire.engine import stats_of
 from qzero.layout import DEFAULT_SMALL_PARAM_NUMEL, PayloadKind, plan_flat_layout, plan_gather
 from qzero.quant import reference
 
@@ -203,7 +203,7 @@ def test_coded_groups_keep_the_codes_of_the_whole_slice():
     (chunk,) = plan.chunks
     runs = plan.group_runs(chunk, 0)
     assert runs is not None and runs.coded_groups() < -(-n // gs)
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cpu"))
     buf = torch.zeros(chunk.payload_bytes, dtype=torch.uint8)

@@ -30,7 +30,7 @@ def worker(rank, world):
     import accelerate_fsdp2 as example
 
     from qzero.fsdp.guards import wrapped_in
-    from qzero.workload import build_model, load_corpus, model_config
+    from qzero.app.workload import build_model, load_corpus, model_config
 
     corpus = load_corpus(limit=200_000)
     initial = dict(build_model(model_config(example.PRESET), torch.float32, torch.device("cpu"), 0).named_parameters())

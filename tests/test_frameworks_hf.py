@@ -33,7 +33,7 @@ def worker(rank, world, tmp, port):
     from transformers import TrainerCallback
 
     from qzero.integrations import deepspeed as qds
-    from qzero.workload import load_corpus
+    from qzero.app.workload import load_corpus
 
     corpus = load_corpus(limit=200_000)
     out = {}

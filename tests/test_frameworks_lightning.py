@@ -23,7 +23,7 @@ def worker(rank, world):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     import lightning_model_parallel as example
 
-    from qzero.workload import load_corpus
+    from qzero.app.workload import load_corpus
 
     corpus = load_corpus(limit=200_000)
     out = {}

@@ -22,7 +22,7 @@ STEPS = 10
 def worker(rank, world):
     import torchtitan_parallelize as example
 
-    from qzero.workload import load_corpus
+    from qzero.app.workload import load_corpus
 
     corpus = load_corpus(limit=200_000)
     out = {}

@@ -298,7 +298,7 @@ def test_tied_parameter_is_wrapped_once_and_state_dict_is_plain():
 
 
 def arm_worker(rank, world):
-    from qzero.train import TrainSettings, train_worker
+    from qzero.app.train import TrainSettings, train_worker
 
     records = {}
     for quantized in (False, True):

@@ -275,7 +275,7 @@ def test_bad_input_is_refused_on_every_rank_and_changes_nothing():
 
 
 def arm_worker(rank, world):
-    from qzero.train import TrainSettings, train_worker
+    from qzero.app.train import TrainSettings, train_worker
 
     records = {}
     for name, zero, quantize in (("plain", {}, "parameter"), ("group", {"zero_quantized_weights": True}, "group")):
@@ -308,8 +308,8 @@ def test_fsdp2_group_arm_of_qzero_train():
     ],
 )
 def test_fsdp_quantize_setting_is_validated(kwargs, match):
-    from qzero.train import TrainSettings, validate
-    from qzero.workload import WorkloadError
+    from qzero.app.train import TrainSettings, validate
+    from qzero.app.workload import WorkloadError
 
     with pytest.raises(WorkloadError, match=match):
         validate(TrainSettings(device="cpu", **kwargs))

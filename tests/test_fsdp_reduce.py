@@ -399,7 +399,7 @@ def test_bad_input_is_refused_on_every_rank_and_changes_nothing():
 
 
 def arm_worker(rank, world):
-    from qzero.train import TrainSettings, train_worker
+    from qzero.app.train import TrainSettings, train_worker
 
     records = {}
     for name, zero in (("plain", {}), ("qgrad", {"zero_quantized_gradients": True})):

@@ -141,7 +141,7 @@ def test_plain_gather_is_exact(world):
 
 def engine_worker(rank, world, seed):
     """The engine's two uses of one plan: synchronous, and chunk by chunk as gather-ahead does."""
-    from qzero.engine import CommContext, recv_budget_bytes, start_gather
+    from qzero.wire.engine import CommContext, recv_budget_bytes, start_gather
     from qzero.layout import plan_gather
 
     numel, gs = 64 * 30 * world, 16

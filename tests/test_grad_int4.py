@@ -476,8 +476,8 @@ def test_rotation_settings_that_differ_across_ranks_raise_on_every_rank():
 
 
 def test_error_feedback_is_refused_by_the_other_engines():
-    from qzero.train import settings_from, validate
-    from qzero.workload import WorkloadError
+    from qzero.app.train import settings_from, validate
+    from qzero.app.workload import WorkloadError
 
     s = settings_from({"engine": "fsdp2", "zero_quantized_gradients": True,
                        "zero_quantized_gradients_error_feedback": True})
@@ -489,8 +489,8 @@ def test_error_feedback_is_refused_by_the_other_engines():
 
 
 def test_qualify_candidate_takes_the_int4_format():
-    from qzero.cli import _overrides
-    from qzero.train import settings_from
+    from qzero.app.cli import _overrides
+    from qzero.app.train import settings_from
 
     got = _overrides(['zero_quantized_gradients_format="int4"', "zero_quantized_gradients=true",
                       "zero_quantized_gradients_error_feedback=true"], "--candidate")
@@ -502,9 +502,9 @@ def test_qualify_candidate_takes_the_int4_format():
 def test_report_shows_bits_per_parameter_for_weights_and_gradients():
     from test_qualify_stats import arm
 
-    from qzero.qualify import Thresholds, analyse
-    from qzero.qualify.report import markdown
-    from qzero.train import TrainSettings
+    from qzero.app.qualify import Thresholds, analyse
+    from qzero.app.qualify.report import markdown
+    from qzero.app.train import TrainSettings
 
     arms = [arm("baseline", 1, [3.0, 2.0], [1.0, 1.1], [1.0]), arm("candidate", 2, [3.0, 2.0], [0.5, 0.6], [1.0])]
     # plain bf16 gradients; INT4 g64 (0.5625 bytes an element) against 2 bytes plain
@@ -544,7 +544,7 @@ def test_deepspeed_adapter_parses_the_new_gradient_keys():
 
 
 def test_qualify_refuses_a_gradient_refinement_without_quantized_gradients(capsys):
-    from qzero.cli import main
+    from qzero.app.cli import main
 
     code = main(["qualify", "--candidate", 'zero_quantized_gradients_format="int4"', "--out", "/nonexistent/qz"])
     err = capsys.readouterr().err.strip().splitlines()

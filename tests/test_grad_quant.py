@@ -457,8 +457,8 @@ def test_reference_pack_leaves_finite_groups_alone():
 
 
 def test_qualify_candidate_takes_zero_config_keys():
-    from qzero.cli import _overrides
-    from qzero.train import settings_from
+    from qzero.app.cli import _overrides
+    from qzero.app.train import settings_from
 
     got = _overrides(["zero_quantized_gradients=true", "quantized=true"], "--candidate")
     assert got == {"zero_quantized_gradients": True, "zero_quantized_weights": True}
@@ -471,9 +471,9 @@ def test_qualify_candidate_takes_zero_config_keys():
 def test_report_shows_gradient_bytes_beside_weight_bytes():
     from test_qualify_stats import arm
 
-    from qzero.qualify import Thresholds, analyse
-    from qzero.qualify.report import markdown
-    from qzero.train import TrainSettings
+    from qzero.app.qualify import Thresholds, analyse
+    from qzero.app.qualify.report import markdown
+    from qzero.app.train import TrainSettings
 
     arms = [arm("baseline", 1, [3.0, 2.0], [1.0, 1.1], [1.0]), arm("candidate", 2, [3.0, 2.0], [0.5, 0.6], [1.0])]
     arms[0].update(grad_bytes_sent_per_step=2 * 2**20, grad_plain_bytes_per_step=2 * 2**20)

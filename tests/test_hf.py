@@ -170,6 +170,12 @@ def test_callback_refusals():
         QZeroCallback(group_size=12)
     with pytest.raises(ValueError, match="int3"):
         QZeroCallback(fmt="int3")
+    with pytest.raises(ValueError, match="zero_quantized_weights_group_size must be a positive multiple of 8"):
+        QZeroCallback(zero_quantized_weights_group_size=12)
+    # a keyword of an earlier release: refused, naming the one that replaced it
+    with pytest.raises(TypeError, match=r"QZeroCallback\(\) got an unexpected keyword argument 'bucket_numel'; "
+                                        r"did you mean allgather_bucket_size="):
+        QZeroCallback(bucket_numel=1 << 20)
     no_deepspeed = types.SimpleNamespace(hf_deepspeed_config=None)
     with pytest.raises(ValueError, match="needs the Trainer to run DeepSpeed"):
         QZeroCallback(enabled=True).on_train_begin(no_deepspeed, None, None, optimizer=None)

@@ -180,7 +180,7 @@ def test_dp4_dp8_qwen3_4b_plans(world):
     """A DP4 setting (and DP8): Qwen3-4B, 50M gather bucket, 26M reduce bucket.
     Transient gather memory stays within the bucket whatever the world size, with gather-ahead's
     two chunks in flight planned at half the bucket each."""
-    from qzero.layout import plan_reduce_buckets
+    from qzero.buckets import plan_reduce_buckets
 
     for depth in (1, 2):
         lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=50_000_000 // depth)
@@ -197,7 +197,7 @@ def test_dp4_dp8_qwen3_4b_plans(world):
 def test_interleaved_order_follows_the_model_in_every_partition(world):
     """Each partition holds its parameters in model order, and the gather chunk a parameter
     needs grows with its model position: a forward in model order meets chunks in gather order."""
-    from qzero.overlap import last_chunk_needed
+    from qzero.wire.overlap import last_chunk_needed
 
     shapes = QWEN3_4B_SHAPES[: 1 + 11 * 8]  # embedding + 8 layers
     lay = plan_flat_layout(shapes, world, bucket_numel=world * 64 * 2048, order="interleaved")

@@ -19,7 +19,7 @@ FSDP = {"filename": f"{SITE}/torch/distributed/fsdp/_fully_shard/_fsdp_collectiv
         "name": "foreach_all_gather"}
 MLP = {"filename": f"{SITE}/transformers/models/qwen3/modeling_qwen3.py", "line": 60, "name": "forward"}
 GATHER = {"filename": "/work/main/src/qzero/optim/zero.py", "line": 300, "name": "_gather"}
-TRAIN = {"filename": "/work/main/src/qzero/train.py", "line": 146, "name": "train_worker"}
+TRAIN = {"filename": "/work/main/src/qzero/app/train.py", "line": 146, "name": "train_worker"}
 SELF = {"filename": "/work/main/bench/memory_peak.py", "line": 10, "name": "main"}
 
 # innermost frame first, as the allocator records them
@@ -135,7 +135,7 @@ def test_keys():
     assert mp.site_key(WEIGHTS) == W  # contextlib (standard library) skipped
     assert mp.site_key([TORCH_CALL, SELF]) == mp.NO_USER_FRAME
     assert mp.site_key([]) == mp.NO_USER_FRAME
-    assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: src/qzero/train.py train_worker", "qzero")
+    assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: qzero/app/train.py train_worker", "qzero")
     assert mp.coarse_key([TORCH_CALL]) == ("other", "other")
     checkout = {"filename": "/home/me/qzero/bench/memory_peak.py", "line": 1, "name": "main"}  # a clone named qzero
     assert mp.coarse_key([TORCH_CALL, checkout]) == ("other", "other")

@@ -1,5 +1,5 @@
 """bench/one_gpu.py's fake world: one process is rank 0 of a DP2 run (the layout, partition
-and buckets of DP2) and trains through qzero.train's loop; the CPU stands in for the GPU."""
+and buckets of DP2) and trains through qzero.app.train's loop; the CPU stands in for the GPU."""
 
 import json
 import os
@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 from one_gpu import init_fake_world
 init_fake_world(int(sys.argv[2]))
-from qzero import engines
-from qzero.train import TrainSettings, train_worker
+from qzero.app import backends
+from qzero.app.train import TrainSettings, train_worker
 seen = {}
-make = engines.make_engine
+make = backends.make_backend
 def spy(*a, **k):
     e = make(*a, **k)
     g = e.opt.groups[0]
     seen.update(world=e.opt.world_size, partition=g.hi - g.lo, numel=g.layout.numel)
     return e
-engines.make_engine = spy
+backends.make_backend = spy
 settings = TrainSettings(preset="tiny", seq_len=32, micro_batch=2, steps=2, warmup=0, lr=1e-4, world_size=int(sys.argv[2]),
                          device="cpu", zero={"zero_quantized_weights": True, "check_finite": False,
                                              "allgather_bucket_size": 200_000, "reduce_bucket_size": 100_000})

@@ -1,4 +1,4 @@
-"""Processes qzero starts die with their parent when it is SIGKILLed (qzero.orphans), each
+"""Processes qzero starts die with their parent when it is SIGKILLed (qzero.app.orphans), each
 mechanism on its own: the kernel's parent-death signal, and the polling thread."""
 
 import os
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 CHILD = """
 import sys, time
-from qzero.orphans import die_with_parent
+from qzero.app.orphans import die_with_parent
 die_with_parent(int(sys.argv[1]), use_prctl=sys.argv[2] == "prctl", poll=float(sys.argv[3]))
 print("ready", flush=True)
 time.sleep(600)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from distributed import run_distributed
 
 import qzero
-import qzero.chunks as chunks
-import qzero.overlap as overlap
+import qzero.wire.chunks as chunks
+import qzero.wire.overlap as overlap
 from qzero.layout import plan_gather
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from qzero.qualify import Thresholds, analyse, verdict
-from qzero.qualify import stats
-from qzero.train import TrainSettings
+from qzero.app.qualify import Thresholds, analyse, verdict
+from qzero.app.qualify import stats
+from qzero.app.train import TrainSettings
 
 
 def test_speedup_is_ratio_of_medians():
@@ -84,7 +84,7 @@ def test_arms_of_one_setting_further_apart_than_the_settings_are_too_noisy():
 
 
 def test_on_a_cpu_the_verdict_says_there_is_nothing_to_save():
-    from qzero.qualify.report import markdown
+    from qzero.app.qualify.report import markdown
 
     r = synthetic(device="cpu")
     assert verdict(r).startswith("NOTHING TO SAVE ON CPU LOOPBACK") and "(-47%)" in verdict(r)
@@ -94,7 +94,7 @@ def test_on_a_cpu_the_verdict_says_there_is_nothing_to_save():
 def test_the_report_is_written_without_matplotlib(tmp_path, monkeypatch):
     import sys
 
-    from qzero.qualify import write
+    from qzero.app.qualify import write
 
     r = synthetic()
     r["environment"] = {"device": "x", "link_regime": "y", "backend": "z"}
@@ -124,7 +124,7 @@ def test_each_gate_fails_when_it_must(change, gate):
 
 
 def test_on_a_cpu_the_headline_also_says_too_noisy_when_the_report_does():
-    from qzero.qualify.report import markdown
+    from qzero.app.qualify.report import markdown
 
     r = synthetic(device="cpu", times=[0.9, 0.95, 0.85], base_times2=[1.6, 1.7, 1.5])
     assert r["noise"]["too_noisy"]
@@ -177,7 +177,7 @@ def test_the_plots_show_bytes_by_arm_the_gate_and_every_arm_and_no_speedup_title
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qzero.qualify.report import bytes_figure, loss_figure, step_figure
+    from qzero.app.qualify.report import bytes_figure, loss_figure, step_figure
 
     r = synthetic()
     for a in r["arms"]:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 
 import qzero
-import qzero.chunks as chunks
-import qzero.comm as comm
+import qzero.wire.chunks as chunks
+import qzero.wire.comm as comm
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 

@@ -1,5 +1,5 @@
 """Under gather-ahead, every public way of reading the weights after ``step()`` sees the
-gathered weights ([Note: reads wait] in qzero/overlap.py).
+gathered weights ([Note: reads wait] in qzero/wire/overlap.py).
 
 An independent parity check: in each rank, two copies of one model train side by side,
 one with the synchronous gather, one with gather-ahead, on the same data. Right after each

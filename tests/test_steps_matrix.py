@@ -316,8 +316,8 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
 
 
 def test_run_arm_sets_the_arm_environment_for_its_process_only(tmp_path, monkeypatch):
-    from qzero.qualify import run as qrun
-    from qzero.train import TrainSettings
+    from qzero.app.qualify import run as qrun
+    from qzero.app.train import TrainSettings
 
     seen = {}
 

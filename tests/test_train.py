@@ -2,9 +2,9 @@
 
 import math
 
-import qzero.train as train
+import qzero.app.train as train
 from distributed import run_distributed
-from qzero.train import TrainSettings
+from qzero.app.train import TrainSettings
 
 
 def loop(rank, world, settings):

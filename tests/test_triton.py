@@ -24,7 +24,7 @@ if not CUDA:
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 import fp64_model  # noqa: E402
-from qzero.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
+from qzero.wire.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
 from qzero.layout import PayloadKind, plan_gather  # noqa: E402
 from simulate import kernel_inputs  # noqa: E402
 from qzero.quant import REFERENCE_KERNELS, reference  # noqa: E402
@@ -312,7 +312,7 @@ def test_kernel_tuning_is_checked_and_frozen():
 @cpu_only
 def test_gather_through_kernels(monkeypatch):
     """quantized_all_gather with the kernels plugged in equals the reference path."""
-    import qzero.engine as engine
+    import qzero.wire.engine as engine
 
     gen = torch.Generator().manual_seed(3)
     flat = weights(3 * 64 * 8 + 64, torch.bfloat16, gen)
@@ -375,7 +375,7 @@ def test_gpu_large_matches_reference(fmt, group_size, soft, dtype):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_pipeline_matches_unpipelined(fmt, stage):
     """Delaying one stage's stream exposes any missing wait: the result must not move."""
-    from qzero.engine import CommContext, fitting_plan, recv_budget_bytes
+    from qzero.wire.engine import CommContext, fitting_plan, recv_budget_bytes
 
     gen = torch.Generator().manual_seed(17)
     numel = 1 << 22
@@ -495,7 +495,7 @@ def test_gpu_all_ranks_unpack_and_fast_launch(fmt):
 
 
 def check_all_ranks_unpack(fmt, dtype, device, per_rank, kernels):
-    from qzero.chunks import exact_index, exact_scatter, slot
+    from qzero.wire.chunks import exact_index, exact_scatter, slot
 
     world, gs = 3, 64
     numel = world * per_rank  # a short group at the end of every partition
@@ -615,7 +615,7 @@ def test_launchers_pass_constexprs_in_kernel_order():
     """Every weight launcher can use the compiled kernel's launch: its runtime arguments come
     first and its constexprs follow in the kernel's order."""
     from kernel_checks import checking_kernels
-    from qzero.chunks import exact_scatter
+    from qzero.wire.chunks import exact_scatter
 
     kernels = checking_kernels()
     gen = torch.Generator().manual_seed(5)

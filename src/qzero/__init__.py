@@ -17,16 +17,21 @@ _EXPORTS = {
     "FORMATS": ".quant",
     "FlatLayout": ".layout",
     "GatherPlan": ".layout",
-    "GatherStats": ".comm",
+    "GatherStats": ".wire.comm",
     "ZeroConfig": ".config",
     "ZeroOptimizer": ".optim",
-    "all_gather": ".comm",
+    "all_gather": ".wire.comm",
     "plan_flat_layout": ".layout",
     "plan_gather": ".layout",
-    "quantized_all_gather": ".comm",
+    "quantized_all_gather": ".wire.comm",
 }
 
 __all__ = sorted(_EXPORTS)
+
+# The library's modules, found as attributes on first use. Not the application (``qzero.app``:
+# the ``qzero`` command, its backends and benchmarks), which the library never imports: it is
+# imported only by name (``import qzero.app.cli``, ``python -m qzero``).
+_LIBRARY = ("config", "fsdp", "integrations", "layout", "optim", "quant", "wire")
 
 
 def __getattr__(name: str):
@@ -34,11 +39,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value
         return value
-    try:  # a submodule, as ``import qzero; qzero.optim`` found it when everything was imported eagerly
+    if name in _LIBRARY:  # a subpackage, as ``import qzero; qzero.optim`` found it when everything was imported eagerly
         return importlib.import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

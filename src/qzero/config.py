@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .aliases import ZERO_ALIASES
-from .choices import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS, KERNELS,
-                      REDUCE_DTYPES)
 from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
 from .quant.formats import check_group_size, get_format
 from .quant.gradients import check_rotation_block
+from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS, KERNELS,
+                         REDUCE_DTYPES, ZERO_ALIASES)
+
 #: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``bench/grad_quant.md``).
 DEFAULT_ROTATION_BLOCK = 32
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
@@ -32,7 +32,7 @@ MAX_SCALE_POWER = 64
 DEFAULT_FORMAT = "int8"
 DEFAULT_GROUP_SIZE = 64
 #: The delta payload's defaults (see ``zero_quantized_weights_delta``; its formats are
-#: ``qzero.choices.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
+#: ``qzero.vocabulary.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
 DELTA_FORMAT = "int4"
 DELTA_GROUP_SIZE = 256
 
@@ -45,6 +45,21 @@ _DEEPSPEED_FIXED = {
     "elastic_checkpoint": None,  # checkpoints always reshard; either value accepted
     "load_from_fp32_weights": True,  # loading always rebuilds weights from fp32 masters
 }
+#: ``zero_optimization`` keys of earlier releases and the ZeroConfig fields that replaced them:
+#: refused by name ([Note: vocabulary] in :mod:`qzero.vocabulary`), never silently ignored.
+RENAMED_KEYS = {
+    "zero_quantized_weights_small_param_numel": "small_param_numel",
+}
+
+
+def refuse_renamed_keys(zero: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the new key if ``zero`` (a ``zero_optimization`` dict) uses a
+    key of :data:`RENAMED_KEYS`."""
+    for key in zero:
+        if key in RENAMED_KEYS:
+            new = RENAMED_KEYS[key]
+            raise ValueError(f"zero_optimization.{key} is now {new} (qzero's keys are ZeroConfig's field names); "
+                             f"did you mean {new}?")
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -177,7 +192,7 @@ class ZeroConfig:
     stream's kernels; ``inline`` packs
     and unpacks on the current stream and launches the collectives asynchronously (the
     only schedule off CUDA); ``auto`` is ``streams`` on CUDA and ``inline`` elsewhere.
-    See ``[Note: the gather engine]`` in :mod:`qzero.engine`."""
+    See ``[Note: the gather engine]`` in :mod:`qzero.wire.engine`."""
 
     sliced_update: bool = True
     """Adam/AdamW, from the second step: update the master shard in slices as the gather
@@ -366,6 +381,7 @@ class ZeroConfig:
         if not isinstance(d, dict):
             raise TypeError(f"expected a dict of zero_optimization settings, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
+        refuse_renamed_keys(d)
         kwargs = {}
         for key, value in d.items():
             if key in known:
@@ -375,7 +391,10 @@ class ZeroConfig:
                 if want is not None and value != want:
                     raise ValueError(f"zero_optimization.{key}={value!r} is not supported: qzero always behaves as {want!r}")
             else:
-                raise ValueError(f"unknown zero_optimization key {key!r}; known keys: {sorted(known | set(_DEEPSPEED_FIXED))}")
+                close = difflib.get_close_matches(key, [*known, *_DEEPSPEED_FIXED], n=1)
+                raise ValueError(f"unknown zero_optimization key {key!r}"
+                                 + (f"; did you mean {close[0]}?" if close else "")
+                                 + f"; known keys: {sorted(known | set(_DEEPSPEED_FIXED))}")
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -400,10 +419,10 @@ def keyword_settings(function: Callable, given: dict[str, Any], extra: Mapping[s
     """The settings of a call to ``function``, whose keyword arguments are named as ZeroConfig's
     fields: ``given`` (those arguments, by name) with ``extra`` (the call's other keywords)
     folded in. An extra keyword that is a short name of one of ``given``'s fields
-    (:data:`qzero.aliases.ZERO_ALIASES`: ``fmt``, ``group_size``, ...) is that field; any other
+    (:data:`qzero.vocabulary.ZERO_ALIASES`: ``fmt``, ``group_size``, ...) is that field; any other
     is refused with a ``TypeError`` naming the keyword to use (``renamed``: a former keyword ->
     its field; else the closest of ``given``'s names)."""
-    name = getattr(function, "__qualname__", function.__name__)
+    name = getattr(function, "__qualname__", function.__name__).removesuffix(".__init__")
     defaults = _defaults_of(function)
     out = dict(given)
     for key, value in extra.items():

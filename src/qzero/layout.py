@@ -11,7 +11,8 @@ checked on a laptop. Two plans are built:
 
 The bucket rule is a requirement, not a tuning knob: what one chunk gathers across
 all ranks is bounded, ``world_size * chunk_numel <= bucket_numel``. The terms (flat
-buffer, partition, chunk, payload, exact range, window) are defined in ``docs/design.md``.
+buffer, partition, chunk, payload, exact range) are defined in ``docs/design.md``; the
+gradient reduction's buckets and windows are planned in :mod:`qzero.buckets`.
 
 [Note: exact groups]
 
@@ -63,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .choices import DELTA_FORMATS, FLAT_ORDERS
+from .vocabulary import DELTA_FORMATS, FLAT_ORDERS
 from .quant.formats import SCALE_BYTES, QuantFormat, check_group_size, get_format
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
@@ -441,8 +442,8 @@ def plan_gather(
     """
     if delta and fmt not in DELTA_FORMATS:
         raise ValueError(f"a delta payload is one of the formats {list(DELTA_FORMATS)}, got {fmt!r}")
-    _check_positive_int("world_size", world_size)
-    _check_positive_int("bucket_numel", bucket_numel)
+    check_positive_int("world_size", world_size)
+    check_positive_int("bucket_numel", bucket_numel)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
     if numel % world_size:
@@ -497,7 +498,7 @@ def _payload_layout(numel: int, value_bytes: int, groups: int, exact_numel: int,
     return PayloadLayout(0, scales_offset, exact_offset, exact_numel, nbytes)
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
@@ -595,12 +596,12 @@ def plan_flat_layout(
     Parameters with at most ``small_param_numel`` elements become exact ranges. ``delta``
     plans delta payloads (see :func:`plan_gather`).
     """
-    _check_positive_int("world_size", world_size)
+    check_positive_int("world_size", world_size)
     if fmt is not None:
         check_group_size(group_size)
         get_format(fmt)
     alignment = group_size if alignment is None else alignment
-    _check_positive_int("alignment", alignment)
+    check_positive_int("alignment", alignment)
     if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
         raise ValueError(f"small_param_numel must be an integer >= 0, got {small_param_numel!r}")
     sizes, shapes_t = [], []
@@ -673,150 +674,3 @@ def merge_adjacent(ranges: Sequence[Range]) -> list[Range]:
         else:
             out.append((a, b))
     return out
-
-
-# --------------------------------------------------------------------------- gradient buckets
-
-
-@dataclass(frozen=True)
-class ReduceBucket:
-    """A contiguous flat range whose gradient is reduced as one unit, and the
-    parameters (slot indices) that must deliver their gradients before it can go."""
-
-    index: int
-    start: int
-    stop: int
-    slots: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
-def plan_reduce_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ReduceBucket, ...]:
-    """Cut the span the parameters occupy into buckets of at most ``bucket_numel`` elements
-    (padding between partitions rides along as zeros).
-
-    Buckets are formed from the end of the buffer backwards, because backward
-    produces the last parameters' gradients first. Bucket edges fall on parameter
-    edges, except inside a parameter larger than the bucket, which is split.
-    """
-    _check_positive_int("bucket_numel", bucket_numel)
-    in_flat_order = sorted((s for s in layout.slots if s.numel), key=lambda s: s.start)
-    if not in_flat_order:
-        return ()
-    edges = [in_flat_order[-1].stop]  # descending; the open bucket is [?, edges[-1])
-    for s in reversed(in_flat_order):
-        if edges[-1] - s.start <= bucket_numel:
-            continue  # fits in the open bucket
-        if edges[-1] > s.stop:
-            edges.append(s.stop)  # close the open bucket at this parameter's end
-        while edges[-1] - s.start > bucket_numel:
-            edges.append(edges[-1] - bucket_numel)  # split a parameter larger than the bucket
-    if edges[-1] != 0:
-        edges.append(0)
-    buckets = []
-    for i in range(len(edges) - 1):
-        stop, start = edges[i], edges[i + 1]
-        if start == stop:
-            continue
-        slots = tuple(s.index for s in layout.slots if s.numel and s.start < stop and start < s.stop)
-        buckets.append(ReduceBucket(len(buckets), start, stop, slots))
-    return tuple(buckets)
-
-
-def bucket_pieces(bucket: ReduceBucket, start: int, stop: int) -> list[tuple[int, int, int]]:
-    """``(a, b, offset)``: the part of flat ``[start, stop)`` inside the bucket, and where it
-    sits in the bucket's staging buffer."""
-    a, b = max(start, bucket.start), min(stop, bucket.stop)
-    return [(a, b, a - bucket.start)] if a < b else []
-
-
-def owners(start: int, stop: int, partition_numel: int) -> list[tuple[int, int, int]]:
-    """``(rank, a, b)`` for every partition that ``[start, stop)`` overlaps."""
-    out = []
-    r = start // partition_numel
-    while start < stop:
-        b = min(stop, (r + 1) * partition_numel)
-        out.append((r, start, b))
-        start, r = b, r + 1
-    return out
-
-
-@dataclass(frozen=True)
-class ScatterBucket:
-    """The same window ``[lo, hi)`` of local offsets in every partition, reduce-scattered as
-    one unit: rank ``r`` receives the summed gradient of flat ``[r P + lo, r P + hi)``.
-
-    Every rank sends and receives ``(world - 1) / world`` of the window at once, so the link
-    carries traffic both ways; a reduce to one owner at a time uses one direction only.
-    """
-
-    index: int
-    lo: int
-    hi: int
-    slots: tuple[int, ...]
-
-    @property
-    def width(self) -> int:
-        return self.hi - self.lo
-
-
-def scatter_pieces(bucket: ScatterBucket, start: int, stop: int, partition_numel: int) -> list[tuple[int, int, int]]:
-    """``(a, b, offset)`` for the parts of flat ``[start, stop)`` inside the bucket's windows:
-    flat ``[a, b)`` sits at ``offset`` of the bucket's ``[world, width]`` staging buffer."""
-    out = []
-    for r, a, b in owners(start, stop, partition_numel):
-        base = r * partition_numel
-        a, b = max(a, base + bucket.lo), min(b, base + bucket.hi)
-        if a < b:
-            out.append((a, b, r * bucket.width + a - base - bucket.lo))
-    return out
-
-
-def scatter_window_numel(partition_numel: int, world_size: int, bucket_numel: int) -> int:
-    """Window width of a scatter bucket: ``world * width <= bucket_numel`` (at least one
-    element, at most the partition)."""
-    _check_positive_int("bucket_numel", bucket_numel)
-    return min(max(bucket_numel // world_size, 1), max(partition_numel, 1))
-
-
-def solo_slots(layout: FlatLayout, bucket_numel: int) -> tuple[int, ...]:
-    """Parameters whose gradient is reduced to its owner on its own instead of in windows:
-    those that start a partition and span more than one window (the embedding, typically).
-
-    In the interleaved order such a parameter shares its windows with several layers of
-    every other partition. Its gradient comes last in backward (it is used first, and a
-    tied embedding accumulates a second gradient at the very end), so those windows, with
-    ``world`` rows each, would be staged from the first of those layers' gradients until
-    the end of backward: ``world x`` its size. Reduced alone, from its own gradient, it
-    needs no staging and does not hold the windows back."""
-    p = layout.partition_numel
-    width = scatter_window_numel(p, layout.world_size, bucket_numel)
-    return tuple(s.index for s in layout.slots if s.numel > width and s.start % p == 0 and s.stop <= s.start + p)
-
-
-def plan_scatter_buckets(layout: FlatLayout, bucket_numel: int, exclude: Sequence[int] = ()) -> tuple[ScatterBucket, ...]:
-    """Cut the partitions into windows for reduce-scatter, last window first (backward
-    produces the last parameters' gradients first; in the interleaved order a window is
-    one stretch of the model). Windows no parameter touches on any rank are left out, and
-    so are the parameters in ``exclude`` (reduced on their own: :func:`solo_slots`)."""
-    p, world = layout.partition_numel, layout.world_size
-    width = scatter_window_numel(p, world, bucket_numel)
-    n = -(-p // width)
-    touching: list[list[int]] = [[] for _ in range(n)]
-    skip = set(exclude)
-    for s in layout.slots:
-        if not s.numel or s.index in skip:
-            continue
-        for _, a, b in owners(s.start, s.stop, p):
-            local = a % p
-            for k in range(local // width, (local + b - a - 1) // width + 1):
-                if not touching[k] or touching[k][-1] != s.index:
-                    touching[k].append(s.index)
-    buckets = []
-    for k in reversed(range(n)):
-        if touching[k]:
-            slots = tuple(sorted(set(touching[k])))
-            buckets.append(ScatterBucket(len(buckets), k * width, min((k + 1) * width, p), slots))
-    return tuple(buckets)

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import local_outcome
 from ..config import ZeroConfig
+from ..wire.comm import local_outcome
 from ..layout import is_small_param
 from ._comms import (DeferredAgreement, agree_install, distributed, installer_config, log_report, mesh_group,
                      settings_of, stored_report)

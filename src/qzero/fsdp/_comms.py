@@ -11,7 +11,7 @@ attribute, so a torch that lays them out differently is refused with a clear err
 half-converted).
 
 Every installer agrees with its peers before it changes anything ([Note: agreement] in
-qzero/agreement.py): its local work (checks, the report) runs first, any failure is kept as
+qzero/wire/agreement.py): its local work (checks, the report) runs first, any failure is kept as
 this rank's error, then :func:`agree_install` exchanges the settings (by their
 :class:`qzero.ZeroConfig` names: the format, the group size, ``small_param_numel``, the
 rotation) and a digest of what the report says travels how, over the process group of
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..agreement import canonical, digest
-from ..comm import agree_or_raise
 from ..config import ZeroConfig, keyword_settings
+from ..wire.agreement import canonical, digest
+from ..wire.comm import agree_or_raise
 
 
 _log = logging.getLogger("qzero.fsdp")

@@ -10,7 +10,7 @@ the compute stream waits for before it copies the parameters out.
 ``FSDPModule.set_custom_all_gather`` replaces that object.
 
 :class:`GroupQuantizedAllGather` is such an object. Instead of gathering the buffer as
-it is, it runs qzero's gather engine over it (:func:`qzero.engine.start_gather`, the
+it is, it runs qzero's gather engine over it (:func:`qzero.wire.engine.start_gather`, the
 ``inline`` schedule, on the stream FSDP2 called it on, so the quantizing and
 dequantizing kernels run off the compute stream): each rank's input is quantized in
 groups of ``zero_quantized_weights_group_size`` consecutive elements (counted from the start of the rank's
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..agreement import canonical
-from ..comm import local_outcome
-from ..engine import CommContext, start_gather
+from ..wire.agreement import canonical
+from ..wire.comm import local_outcome
+from ..wire.engine import CommContext, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
 from ..config import ZeroConfig
 from ..quant import kernels_for
@@ -119,7 +119,7 @@ def quantize_group_gathers(
     except a group whose parameters would be gathered in mixed dtypes or a non-floating
     dtype, which keeps FSDP2's own all-gather (the report says which and why). The fp32
     masters, the optimizer, gradients and state dicts are untouched. ``quant_kernels``: as
-    :class:`qzero.engine.CommContext` takes them (``auto``, ``triton``, ``reference``);
+    :class:`qzero.wire.engine.CommContext` takes them (``auto``, ``triton``, ``reference``);
     compute dtypes other than bf16/fp16 always use the reference kernels.
 
     Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
@@ -191,7 +191,7 @@ class GroupQuantizedAllGather(_AllGather):
         n = input_tensor.numel()
         if not self._quantizable(output_tensor, n, world):
             self.calls["plain"] += 1
-            from ..chunks import all_gather_into
+            from ..wire.chunks import all_gather_into
 
             return all_gather_into(output_tensor, input_tensor, group=group, async_op=async_op)
         mine = output_tensor.narrow(0, rank * n, n)

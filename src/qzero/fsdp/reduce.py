@@ -13,8 +13,8 @@ after itself; or ``set_force_sum_reduction_for_comms``) or ``PREMUL_SUM(1 / fact
 object; a custom one excludes ``set_symm_mem`` and ``set_allocate_memory_from_process_group``.
 
 :class:`GroupQuantizedReduceScatter` is such an object, with the arithmetic of qzero's
-quantized gradient reduction (:mod:`qzero.optim.quantized_reduce`, the
-:class:`~qzero.optim.quantized_reduce.QuantizedExchange` the ZeroOptimizer uses): rank
+quantized gradient reduction (:mod:`qzero.wire.quantized_reduce`, the
+:class:`~qzero.wire.quantized_reduce.QuantizedExchange` the ZeroOptimizer uses): rank
 ``r``'s part is one piece, the parts other ranks own are packed (symmetric groups of
 ``group_size`` counted from the start of each part, so no group spans two owners; one fp32
 scale each; the shards of parameters with at most ``small_param_numel`` elements verbatim
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..agreement import canonical
-from ..comm import local_outcome
 from ..config import ZeroConfig
+from ..wire.agreement import canonical
+from ..wire.comm import local_outcome
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
@@ -236,7 +236,7 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         return merge_adjacent([(r * n + a, r * n + b) for r in range(world) for a, b in exact])
 
     def _exchange(self, n: int, world: int, rank: int, group, like: torch.Tensor):
-        from ..optim.quantized_reduce import GradientQuantization, QuantizedExchange
+        from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
 
         key = (n, world, rank, id(group), like.dtype, like.device)
         ex = self._exchanges.get(key)
@@ -268,7 +268,7 @@ def _op_kind(op, name: str):
 
 
 def _describe(name, pg, comm: GroupQuantizedReduceScatter) -> GroupReduce:
-    from ..optim.quantized_reduce import plan_pieces
+    from ..wire.quantized_reduce import plan_pieces
 
     params = list(pg.fsdp_params)
     world = pg.mesh_info.shard_mesh_size if hasattr(pg.mesh_info, "shard_mesh_size") else 1

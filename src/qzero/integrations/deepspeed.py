@@ -35,6 +35,7 @@ without qzero, bit for bit.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 import weakref
 from typing import Any, NamedTuple
@@ -42,14 +43,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
-from ..engine import CommContext, start_gather
+from ..wire.comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
+from ..wire.engine import CommContext, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
+from ..config import ZeroConfig, keyword_settings
 from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class
 from .deepspeed_config import (  # noqa: F401  (re-exported: the adapter's settings and keys)
-    DEFAULT_FORMAT,
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_SMALL_PARAM_NUMEL,
     ENABLE_KEY,
     GROUP_SIZE_KEY,
     QZERO_KEYS,
@@ -193,14 +192,14 @@ def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettin
     offsets, numels = layout.offsets[index], layout.numels[index]
     _check_param_spans(offsets, numels, flat.numel(), index)
     exact = exact_ranges_of(offsets, numels, settings.small_param_numel)
-    bucket = settings.bucket_numel if settings.bucket_numel is not None else layout.allgather_bucket_size
+    bucket = settings.allgather_bucket_size
     plan = plan_gather(
         flat.numel(),
         world,
         elem_size=flat.element_size(),
-        bucket_numel=bucket,
-        fmt=settings.fmt,
-        group_size=settings.group_size,
+        bucket_numel=bucket if bucket is not None else layout.allgather_bucket_size,
+        fmt=settings.zero_quantized_weights_format,
+        group_size=settings.zero_quantized_weights_group_size,
         exact_ranges=exact,
     )
     return GroupGather(index, group, plan), _fields(plan, flat.dtype, settings)
@@ -401,14 +400,21 @@ def is_patched() -> bool:
 def enable(
     target: Any,
     *,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    fmt: str = DEFAULT_FORMAT,
-    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
-    bucket_numel: int | None = None,
+    zero_quantized_weights_group_size: int | None = ZeroConfig.zero_quantized_weights_group_size,
+    zero_quantized_weights_format: str | None = ZeroConfig.zero_quantized_weights_format,
+    small_param_numel: int = ZeroConfig.small_param_numel,
+    allgather_bucket_size: int | None = None,
     overlap_param_gather: bool = False,
     model: torch.nn.Module | None = None,
+    **short,
 ) -> QuantizedGather:
     """Quantize the post-step weight gather of an existing DeepSpeed ZeRO-1/2 engine.
+
+    The settings are :class:`qzero.ZeroConfig`'s, by name, default and check (its short names
+    ``fmt`` and ``group_size`` are taken too; another keyword raises ``TypeError`` naming the
+    one to use, e.g. ``bucket_numel=`` of earlier releases), except two defaults:
+    ``allgather_bucket_size`` None is DeepSpeed's own (the key of that name in its config), and
+    ``overlap_param_gather`` is off unless asked for.
 
     ``target`` is the engine, its optimizer, or a wrapper holding it in ``.optimizer``.
     Collective: call it on every rank. Calling it again replaces the settings. The
@@ -423,18 +429,22 @@ def enable(
     opt = find_zero_optimizer(target)
 
     def prepare():  # every other check is agreed on ([Note: agreement]): one rank's error raises on all
-        settings = QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel, overlap_param_gather)
+        settings = QuantizedWeightsSettings(**keyword_settings(enable, dict(
+            zero_quantized_weights_group_size=zero_quantized_weights_group_size,
+            zero_quantized_weights_format=zero_quantized_weights_format, small_param_numel=small_param_numel,
+            allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather), short,
+            {"bucket_numel": "allgather_bucket_size"}))
         check_deepspeed_version()
         _check_optimizer_state(flat_groups(opt))
         engine = target if isinstance(target, torch.nn.Module) and isinstance(target._modules.get("module"),
                                                                               torch.nn.Module) else None
         trained = engine._modules["module"] if model is None and engine is not None else model
-        if overlap_param_gather and not isinstance(trained, torch.nn.Module):
+        if settings.overlap_param_gather and not isinstance(trained, torch.nn.Module):
             raise ValueError(
                 "overlap_param_gather=True needs the model the engine trains, to hook its modules: pass the engine "
                 f"as target or model=..., got model={trained!r}"
             )
-        if overlap_param_gather:  # refuse a model that is not the engine's before anything changes
+        if settings.overlap_param_gather:  # refuse a model that is not the engine's before anything changes
             from .deepspeed_ahead import model_ranges
 
             model_ranges(opt, trained)
@@ -444,7 +454,7 @@ def enable(
     settings, engine, model = prepared if prepared is not None else (None, None, model)
     gather = QuantizedGather(opt, settings, error)
     _unregister(opt)
-    if overlap_param_gather:
+    if settings.overlap_param_gather:
         from .deepspeed_ahead import AheadWiring
 
         gather.wiring = AheadWiring(gather, opt, model, engine)
@@ -482,9 +492,9 @@ def initialize(*args, **kwargs):
     Same arguments and return value (``engine, optimizer, dataloader, lr_scheduler``).
     The config (``config=``, ``config_params=`` or ``args.deepspeed_config``; a dict or a
     path) is read for ``zero_optimization.zero_quantized_weights`` and qzero's keys
-    ``zero_quantized_weights_group_size`` / ``_format`` / ``_small_param_numel``, which are
-    removed from a copy before DeepSpeed validates it, as is ``overlap_param_gather``
-    (gather-ahead; off unless true). At ZeRO stage 1 or 2 with
+    ``zero_quantized_weights_group_size`` / ``_format`` and ``small_param_numel`` (ZeroConfig's
+    field names), which are removed from a copy before DeepSpeed validates it, as is
+    ``overlap_param_gather`` (gather-ahead; off unless true). At ZeRO stage 1 or 2 with
     quantization on, the engine's post-step gather is replaced; otherwise nothing is.
     """
     import deepspeed
@@ -516,8 +526,7 @@ def initialize(*args, **kwargs):
     if prepared.quantize:
         engine = result[0]
         s = prepared.settings
-        enable(engine, group_size=s.group_size, fmt=s.fmt, small_param_numel=s.small_param_numel,
-               overlap_param_gather=s.overlap_param_gather)
+        enable(engine, **dataclasses.asdict(s))
     return result
 
 

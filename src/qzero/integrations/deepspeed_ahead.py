@@ -3,7 +3,7 @@
 With ``zero_optimization.overlap_param_gather: true`` the adapter's post-step gather
 (:class:`qzero.integrations.deepspeed.QuantizedGather`) is started at the end of
 DeepSpeed's optimizer step and not waited for; the next forward's modules each wait for
-the chunks holding their own parameters (:class:`qzero.overlap.GatherAhead`, given every
+the chunks holding their own parameters (:class:`qzero.wire.overlap.GatherAhead`, given every
 parameter's range in DeepSpeed's flat groups). Everything else that reads or writes the
 weights finishes the whole gather first:
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..overlap import GatherAhead
+from ..wire.overlap import GatherAhead
 from .deepspeed_layout import flat_groups
 
 #: Optimizer methods that finish a running gather before they run.

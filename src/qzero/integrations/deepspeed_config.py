@@ -11,15 +11,16 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, ZeroConfig, _as_int
+from ..config import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, ZeroConfig, _as_int, refuse_renamed_keys
 
 # The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.
 DEFAULT_SMALL_PARAM_NUMEL = ZeroConfig.small_param_numel
 
+# qzero's keys are ZeroConfig's field names ([Note: vocabulary] in qzero/vocabulary.py)
 ENABLE_KEY = "zero_quantized_weights"
 GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
 FORMAT_KEY = "zero_quantized_weights_format"
-SMALL_PARAM_KEY = "zero_quantized_weights_small_param_numel"
+SMALL_PARAM_KEY = "small_param_numel"
 OVERLAP_KEY = "overlap_param_gather"
 #: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
 #: so they are taken out of (a copy of) the config before DeepSpeed sees it.
@@ -42,37 +43,42 @@ DELTA_KEYS = ("zero_quantized_weights_delta", "zero_quantized_weights_delta_resy
 
 @dataclass(frozen=True)
 class QuantizedWeightsSettings:
-    """How the post-step weight gather is quantized and scheduled. Validated on construction,
-    by :class:`qzero.ZeroConfig` (whose fields of the same meaning these are)."""
+    """How the post-step weight gather is quantized and scheduled: :class:`qzero.ZeroConfig`'s
+    fields of the same names, validated by it on construction (``None`` group size and format
+    resolved as it resolves them)."""
 
-    group_size: int = DEFAULT_GROUP_SIZE
-    fmt: str = DEFAULT_FORMAT
-    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
-    bucket_numel: int | None = None
-    """Elements one chunk gathers across all ranks; None: DeepSpeed's ``allgather_bucket_size``."""
+    zero_quantized_weights_group_size: int | None = ZeroConfig.zero_quantized_weights_group_size
+    zero_quantized_weights_format: str | None = ZeroConfig.zero_quantized_weights_format
+    small_param_numel: int = ZeroConfig.small_param_numel
+    allgather_bucket_size: int | None = None
+    """Elements one chunk gathers across all ranks; None (here): DeepSpeed's own
+    ``allgather_bucket_size``, the key of the same name in its config."""
     overlap_param_gather: bool = False
     """Gather-ahead: start the gather at the end of the optimizer step and let each module of
     the next forward wait for its own chunks (:mod:`qzero.integrations.deepspeed_ahead`).
     Off by default here: DeepSpeed users opt in with ``zero_optimization.overlap_param_gather``."""
 
     def __post_init__(self) -> None:
-        core = self.zero_config()
-        object.__setattr__(self, "small_param_numel", core.small_param_numel)
-        if self.bucket_numel is not None:
-            bucket = _as_int("bucket_numel", self.bucket_numel)
+        if self.allgather_bucket_size is not None:
+            bucket = _as_int("allgather_bucket_size", self.allgather_bucket_size)
             if bucket <= 0:
-                raise ValueError(f"bucket_numel must be positive, got {self.bucket_numel!r}")
-            object.__setattr__(self, "bucket_numel", bucket)
+                raise ValueError(f"allgather_bucket_size must be positive, got {self.allgather_bucket_size!r}")
+            object.__setattr__(self, "allgather_bucket_size", bucket)
+        core = self.zero_config()
+        for name in ("zero_quantized_weights_group_size", "zero_quantized_weights_format", "small_param_numel"):
+            object.__setattr__(self, name, getattr(core, name))
 
     def zero_config(self) -> ZeroConfig:
         """These settings as the core's :class:`qzero.ZeroConfig` (which validates them)."""
+        group = self.zero_quantized_weights_group_size
         return ZeroConfig(
             zero_quantized_weights=True,
-            zero_quantized_weights_group_size=self.group_size,
-            zero_quantized_weights_format=self.fmt,
+            zero_quantized_weights_group_size=group,
+            zero_quantized_weights_format=self.zero_quantized_weights_format,
             small_param_numel=self.small_param_numel,
             overlap_param_gather=self.overlap_param_gather,
-            allgather_bucket_size=max(self.bucket_numel or 0, self.group_size),
+            allgather_bucket_size=max(self.allgather_bucket_size or 0, group if isinstance(group, int) else 0,
+                                      DEFAULT_GROUP_SIZE),
         )
 
     def is_default(self) -> bool:
@@ -105,6 +111,7 @@ def prepare_config(config: dict) -> PreparedConfig:
     zero = ds_config.get("zero_optimization")
     if not isinstance(zero, dict):  # absent, or the deprecated boolean form: nothing for qzero
         return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
+    refuse_renamed_keys(zero)
     settings = _settings_from(zero)
     _check_gradient_keys(zero, _stage_of(zero))
     _check_delta_keys(zero)
@@ -142,12 +149,7 @@ def _settings_from(zero: dict) -> QuantizedWeightsSettings:
     """Pop qzero's keys from ``zero`` (a copy) and validate them."""
     values = {key: zero.pop(key) for key in QZERO_KEYS if key in zero}
     try:
-        return QuantizedWeightsSettings(
-            group_size=values.get(GROUP_SIZE_KEY, DEFAULT_GROUP_SIZE),
-            fmt=values.get(FORMAT_KEY, DEFAULT_FORMAT),
-            small_param_numel=values.get(SMALL_PARAM_KEY, DEFAULT_SMALL_PARAM_NUMEL),
-            overlap_param_gather=values.get(OVERLAP_KEY, False),
-        )
+        return QuantizedWeightsSettings(**values)  # the keys are the fields' names
     except ValueError as e:
         raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
 
@@ -208,10 +210,10 @@ def _stage_of(zero: dict) -> int:
 def _describe_non_default(settings: QuantizedWeightsSettings) -> str:
     default = QuantizedWeightsSettings()
     parts = []
-    if settings.group_size != default.group_size:
-        parts.append(f"{GROUP_SIZE_KEY}={settings.group_size}")
-    if settings.fmt != default.fmt:
-        parts.append(f"{FORMAT_KEY}={settings.fmt!r}")
+    if settings.zero_quantized_weights_group_size != default.zero_quantized_weights_group_size:
+        parts.append(f"{GROUP_SIZE_KEY}={settings.zero_quantized_weights_group_size}")
+    if settings.zero_quantized_weights_format != default.zero_quantized_weights_format:
+        parts.append(f"{FORMAT_KEY}={settings.zero_quantized_weights_format!r}")
     if settings.small_param_numel != default.small_param_numel:
         parts.append(f"{SMALL_PARAM_KEY}={settings.small_param_numel}")
     if settings.overlap_param_gather != default.overlap_param_gather:

@@ -25,11 +25,13 @@ elsewhere raises instead of training on with the plain gather unnoticed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from transformers import TrainerCallback
 
+from ..config import ZeroConfig, keyword_settings
 from . import deepspeed as qds
 
 __all__ = ["QZeroCallback"]
@@ -43,24 +45,29 @@ class QZeroCallback(TrainerCallback):
     ``enabled``: None follows ``zero_optimization.zero_quantized_weights`` of the Trainer's
     DeepSpeed config; True/False force it (True without DeepSpeed ZeRO-1/2 is an error).
     After training begins, ``gather`` is the engine's
-    :class:`~qzero.integrations.deepspeed.QuantizedGather` (None when not enabled).
+    :class:`~qzero.integrations.deepspeed.QuantizedGather` (None when not enabled). The other
+    keywords are :func:`~qzero.integrations.deepspeed.enable`'s (ZeroConfig's field names).
     """
 
     def __init__(
         self,
         *,
         enabled: bool | None = None,
-        group_size: int = qds.DEFAULT_GROUP_SIZE,
-        fmt: str = qds.DEFAULT_FORMAT,
-        small_param_numel: int = qds.DEFAULT_SMALL_PARAM_NUMEL,
-        bucket_numel: int | None = None,
+        zero_quantized_weights_group_size: int | None = ZeroConfig.zero_quantized_weights_group_size,
+        zero_quantized_weights_format: str | None = ZeroConfig.zero_quantized_weights_format,
+        small_param_numel: int = ZeroConfig.small_param_numel,
+        allgather_bucket_size: int | None = None,
         overlap_param_gather: bool = False,
+        **short,
     ):
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"enabled must be None, True or False, got {enabled!r}")
         # validated now, so a bad value fails when the Trainer is built, not mid-launch
-        self.settings = qds.QuantizedWeightsSettings(group_size, fmt, small_param_numel, bucket_numel,
-                                                     overlap_param_gather)
+        self.settings = qds.QuantizedWeightsSettings(**keyword_settings(QZeroCallback.__init__, dict(
+            zero_quantized_weights_group_size=zero_quantized_weights_group_size,
+            zero_quantized_weights_format=zero_quantized_weights_format, small_param_numel=small_param_numel,
+            allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather), short,
+            {"bucket_numel": "allgather_bucket_size"}))
         self.enabled = enabled
         self.gather: qds.QuantizedGather | None = None
         self._optimizer = None  # DeepSpeed's optimizer, for its overflow flag
@@ -74,17 +81,9 @@ class QZeroCallback(TrainerCallback):
                 "QZeroCallback(enabled=True) needs the Trainer to run DeepSpeed ZeRO stage 1 or 2 "
                 "(TrainingArguments(deepspeed=...))"
             )
-        s = self.settings
-        # the Trainer passes Accelerate's wrapper; enable() finds DeepSpeed's optimizer inside it
-        self.gather = qds.enable(
-            optimizer,
-            group_size=s.group_size,
-            fmt=s.fmt,
-            small_param_numel=s.small_param_numel,
-            bucket_numel=s.bucket_numel,
-            overlap_param_gather=s.overlap_param_gather,
-            model=model,  # the module DeepSpeed trains: gather-ahead hooks its modules
-        )
+        # the Trainer passes Accelerate's wrapper; enable() finds DeepSpeed's optimizer inside it;
+        # model: the module DeepSpeed trains (gather-ahead hooks its modules)
+        self.gather = qds.enable(optimizer, **dataclasses.asdict(self.settings), model=model)
         self._optimizer = qds.find_zero_optimizer(optimizer)
         self._calls = self.gather.calls
 

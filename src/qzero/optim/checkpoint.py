@@ -8,8 +8,8 @@ replicated. A small JSON file beside it (``qzero.json``) records the parameter
 names and shapes, the state's keys and the hyperparameters; it is checked before
 anything is read, so a checkpoint of another model is refused by name.
 
-A checkpoint directory is untrusted input. ``qzero.json`` is JSON, read bounded (no
-link, no FIFO, at most :data:`MAX_META_BYTES`), checked field by field, and the optimizer
+A checkpoint directory is untrusted input. ``qzero.json`` is JSON, read bounded and checked
+field by field (:mod:`qzero.optim.checkpoint_meta`), then against this optimizer: the optimizer
 state it declares must be what the inner optimizer keeps ([Note: the state an optimizer
 keeps]). DCP's index (``.metadata``, a pickle) is read once by
 :mod:`qzero.optim.checkpoint_index`, which calls nothing while unpickling and rebuilds the
@@ -37,16 +37,15 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..agreement import digest
+from ..wire.agreement import digest
 from . import error_feedback
-from .checkpoint_index import INDEX_FILE, IndexedReader, castable, read_index, read_regular_file, show
+from .checkpoint_index import INDEX_FILE, IndexedReader, castable, read_index, show
+from .checkpoint_meta import FORMAT_VERSION, META_FILE, STATE_DTYPES, read_metadata, write_metadata
 
 if TYPE_CHECKING:
     from .flat import FlatGroup
     from .zero import ZeroOptimizer
 
-META_FILE = "qzero.json"
-FORMAT_VERSION = 1
 TMP_SUFFIX = ".saving"
 OLD_SUFFIX = ".replaced"
 
@@ -161,16 +160,20 @@ def _json_default(v):
 def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     """Write aside, then rename into place: a save killed at any point leaves the previous
     checkpoint at ``path`` (or, between the two renames, at ``path + ".replaced"``, which
-    :func:`load_checkpoint` falls back to)."""
+    :func:`load_checkpoint` falls back to). What rank 0 does on its own (clearing a killed
+    save's leftovers, the metadata file, the renames) ends in one exchange with the other
+    ranks, so that its failure (a full disk, a permission) raises on every rank instead of
+    leaving them waiting in the next collective."""
     path = os.path.abspath(path).rstrip(os.sep)
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     meta = _metadata(opt)
-    if opt.rank == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # left by a save that was killed
-    _barrier(opt)
-    dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
-    if opt.rank == 0:
-        _write_json(os.path.join(tmp, META_FILE), meta)  # last: its presence marks a complete checkpoint
+
+    def clear():
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a save that was killed
+
+    def publish():
+        write_metadata(tmp, meta)  # last: its presence marks a complete checkpoint
         _fsync_dir(tmp)
         if os.path.exists(path):
             if os.path.exists(old):
@@ -180,14 +183,32 @@ def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
         _fsync_dir(os.path.dirname(path))
         if os.path.exists(old):
             shutil.rmtree(old)
-    _barrier(opt)
+
+    _on_rank_0(opt, clear, f"save_checkpoint({path!r}): rank 0 could not clear {tmp!r}; nothing was written")
+    dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
+    _on_rank_0(opt, publish, f"save_checkpoint({path!r}): rank 0 could not put the checkpoint in place (its "
+                             f"error says why); {path!r} holds the previous checkpoint, if there was one")
 
 
-def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+def _on_rank_0(opt: ZeroOptimizer, work, failed: str) -> None:
+    """Run ``work`` on rank 0 alone, then let every rank learn whether it succeeded (one
+    1-element all-reduce, in place of a barrier): rank 0 raises its own error, every other
+    rank a ``RuntimeError`` saying ``failed``."""
+    error = None
+    if opt.rank == 0:
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+            error = e
+    failure = error is not None
+    if opt.world_size > 1:
+        flag = torch.tensor([int(failure)], dtype=torch.int64, device=opt.groups[0].master.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group)
+        failure = bool(flag.item())
+    if error is not None:
+        raise error
+    if failure:
+        raise RuntimeError(failed)
 
 
 def _fsync_dir(path: str) -> None:
@@ -196,11 +217,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _barrier(opt: ZeroOptimizer) -> None:
-    if opt.world_size > 1:
-        dist.barrier(group=opt.process_group)
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -213,116 +229,6 @@ def resolve_checkpoint(path: str) -> str:
         warnings.warn(f"{path} is missing (a save was interrupted); loading the previous checkpoint {old}", stacklevel=3)
         return old
     return path
-
-
-# --------------------------------------------------------------------------- qzero.json
-
-#: The largest ``qzero.json`` read (a genuine one holds about 100 bytes per parameter).
-MAX_META_BYTES = 16 << 20
-#: How deeply ``qzero.json`` may nest (a genuine one: 6 levels).
-MAX_META_DEPTH = 16
-
-
-def read_metadata(path: str) -> dict:
-    """``qzero.json`` of the checkpoint at ``path``, checked field by field."""
-    if not os.path.lexists(os.path.join(path, META_FILE)):
-        raise ValueError(f"{path!r} is not a qzero checkpoint: {META_FILE} is missing")
-    raw = read_regular_file(path, META_FILE, MAX_META_BYTES, repr(path))
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
-        raise ValueError(f"{path!r}: {META_FILE} is not valid JSON ({type(e).__name__}: {show(str(e))})") from None
-    _check_plain(meta, path)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{path!r}: checkpoint format {show(got)} is not {FORMAT_VERSION}")
-    _check_schema(meta, path)
-    return meta
-
-
-def _field(parts: tuple) -> str:
-    """A field of qzero.json by its path, for a message: ``groups[0].state.step``."""
-    out = ""
-    for p in parts[:MAX_META_DEPTH + 1]:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif p.isidentifier() and len(p) <= 40:
-            out += f".{p}" if out else p
-        else:
-            out += f"[{show(p, 40)}]"
-    return out + ("..." if len(parts) > MAX_META_DEPTH + 1 else "")
-
-
-def _check_plain(meta, path: str) -> None:
-    """Every value nests at most :data:`MAX_META_DEPTH` deep and every integer fits 64 bits
-    (walked without recursion), so nothing later recurses or overflows on it."""
-    stack = [((), meta)]
-    while stack:
-        parts, v = stack.pop()
-        if len(parts) > MAX_META_DEPTH:
-            raise ValueError(f"{path!r}: {META_FILE} {_field(parts)} is nested deeper than {MAX_META_DEPTH} levels")
-        if type(v) is int and not -(2**63) <= v < 2**63:
-            raise ValueError(f"{path!r}: {META_FILE} {_field(parts)} is {show(v)}, an integer outside 64 bits")
-        if type(v) is dict:
-            stack.extend((parts + (k,), x) for k, x in v.items())
-        elif type(v) is list:
-            stack.extend((parts + (i,), x) for i, x in enumerate(v))
-
-
-#: Dtypes a checkpoint's optimizer state may declare (resolved by this table, never by getattr).
-STATE_DTYPES = {
-    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8")
-}
-_SCHEMA = {"optimizer": str, "module_state": dict, "loss_scaler": dict, "groups": list, "world_size": int}
-_GROUP_SCHEMA = {"names": list, "shapes": list, "used_numel": int, "state": dict, "hyperparameters": dict}
-_SCALER_INTS = ("clean_steps", "hysteresis_left", "skipped_steps")
-
-
-def _check_schema(meta: dict, path: str) -> None:
-    """Every field load_checkpoint reads is present and of the right type."""
-
-    def fail(field: tuple, v, expected: str) -> ValueError:
-        return ValueError(f"{path!r}: {META_FILE} {_field(field)} is {show(v)}, expected {expected}")
-
-    def need(obj: dict, schema: dict, at: tuple) -> None:
-        for key, kind in schema.items():
-            if not isinstance(obj.get(key), kind):
-                raise ValueError(
-                    f"{path!r}: {META_FILE} lacks a valid {_field(at + (key,))} ({kind.__name__} expected)"
-                )
-
-    def sizes(v) -> bool:
-        return type(v) is list and all(type(d) is int and d >= 0 for d in v)
-
-    need(meta, _SCHEMA, ())
-    for i, g in enumerate(meta["groups"]):
-        if not isinstance(g, dict):
-            raise ValueError(f"{path!r}: {META_FILE} group {i} is not an object")
-        at = ("groups", i)
-        need(g, _GROUP_SCHEMA, at)
-        if not all(type(n) is str for n in g["names"]) or len(g["names"]) != len(g["shapes"]):
-            raise fail(at + ("names",), g["names"], f"{len(g['shapes'])} parameter names (one per shape)")
-        for k, shape in enumerate(g["shapes"]):
-            if not sizes(shape):
-                raise fail(at + ("shapes", k), shape, "a list of non-negative ints")
-        for key, spec in g["state"].items():
-            where = at + ("state", key)
-            if not isinstance(spec, dict):
-                raise fail(where, spec, "an object of sharded / shape / dtype")
-            if type(spec.get("dtype")) is not str or spec["dtype"] not in STATE_DTYPES:
-                raise fail(where + ("dtype",), spec.get("dtype"), f"one of {sorted(STATE_DTYPES)}")
-            if not sizes(spec.get("shape")):
-                raise fail(where + ("shape",), spec.get("shape"), "a list of non-negative ints")
-            if type(spec.get("sharded")) is not bool:
-                raise fail(where + ("sharded",), spec.get("sharded"), "true or false")
-    scaler = meta["loss_scaler"]
-    for key in _SCALER_INTS:
-        if type(scaler.get(key)) is not int or scaler[key] < 0:
-            raise fail(("loss_scaler", key), scaler.get(key), "a non-negative int")
-    scale = scaler.get("scale")
-    if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
-        raise fail(("loss_scaler", "scale"), scale, "a positive number")
-    error_feedback.check_metadata(meta, path)
 
 
 def read_checked_index(path: str):
@@ -548,7 +454,7 @@ def check_state(opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]], pat
 
 def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
     """See [Note: all or nothing]."""
-    from ..comm import agree_or_raise
+    from ..wire.comm import agree_or_raise
 
     error, fields, meta, index, load = None, None, None, None, None
     try:
@@ -637,8 +543,8 @@ class _PendingLoad:
 
     def agree_after_read(self, path: str) -> None:
         """Finite masters and state; the same replicated tensors on every rank (one exchange,
-        [Note: agreement] in qzero/agreement.py: a differing tensor is named by its details)."""
-        from ..comm import agree_or_raise
+        [Note: agreement] in qzero/wire/agreement.py: a differing tensor is named by its details)."""
+        from ..wire.comm import agree_or_raise
 
         replicated = dict(_module_state(self.opt))
         for i, state in enumerate(self.states):

@@ -30,7 +30,7 @@ import enum
 
 import torch
 
-from ..chunks import DeltaInputs
+from ..wire.chunks import DeltaInputs
 from ..quant.reference import NOT_REFUSED, refusal_flag
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import GatherStats
+from ..wire.comm import GatherStats
 from ..config import ZeroConfig
-from ..engine import CommContext, GatherHandle, start_gather
+from ..wire.engine import CommContext, GatherHandle, start_gather
 from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
 from .delta import DeltaLoop
 
@@ -46,7 +46,7 @@ class FlatGroup:
         quantized = config.zero_quantized_weights
         delta = quantized and config.zero_quantized_weights_delta
         # The bucket bounds every receive buffer alive at once; where a schedule keeps two
-        # chunks in flight, the engine runs the plan cut to fit (qzero.engine.fitting_plan).
+        # chunks in flight, the engine runs the plan cut to fit (qzero.wire.engine.fitting_plan).
         bucket = config.allgather_bucket_size
         self.layout: FlatLayout = plan_flat_layout(
             [tuple(p.shape) for p in params],

@@ -15,7 +15,7 @@ A *reducer* says what a gradient bucket is and which collective moves it:
 Either way each owner adds its part (in fp32, divided by the world size) into its
 gradient shard. With :attr:`qzero.ZeroConfig.zero_quantized_gradients` the same buckets
 (and solo parameters) travel instead as quantized pieces in one all-to-all each
-(:mod:`qzero.optim.quantized_reduce`), at the same points of the step.
+(:mod:`qzero.wire.quantized_reduce`), at the same points of the step.
 
 [Note: landing shard] In stage 2 a plain reduction in a 16-bit reduce dtype does not add
 each bucket's sum into the fp32 gradient shard as it arrives. The sums land, in the reduce
@@ -51,10 +51,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import peer_failure
-from ..layout import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
+from ..wire.comm import peer_failure
+from ..buckets import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
-from .quantized_reduce import GradientQuantization, QuantizedExchange
+from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Stage 2 keeps at most this many reduced buckets waiting to be consumed.
@@ -225,7 +225,7 @@ class OwnerReducer(_Reducer):
 
 class ScatterReducer(_Reducer):
     """Buckets are windows of every partition; each is one ``reduce_scatter``. Parameters
-    that start a partition and span several windows (:func:`qzero.layout.solo_slots`) are,
+    that start a partition and span several windows (:func:`qzero.buckets.solo_slots`) are,
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
     def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False, quant=None, dtype=None,

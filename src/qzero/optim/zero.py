@@ -22,21 +22,22 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..agreement import digest, optimizer_fields
-from ..comm import GatherStats, agree_or_raise, world_or_default
+from ..wire.agreement import digest, optimizer_fields
+from ..wire.comm import GatherStats, agree_or_raise, world_or_default
 from ..config import ZeroConfig
-from ..copy_engine import CopyEngineComm, check_copy_engine_support
-from ..engine import DEPTH as OVERLAP_DEPTH
-from ..engine import CommContext
-from ..overlap import GatherAhead
+from ..wire.copy_engine import CopyEngineComm, check_copy_engine_support
+from ..wire.engine import DEPTH as OVERLAP_DEPTH
+from ..wire.engine import CommContext
+from ..wire.overlap import GatherAhead
 from .error_feedback import ErrorFeedback
 from ..quant.reference import NOT_REFUSED
 from .delta import refusal_error
 from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
-from .quantized_reduce import GradientQuantization
+from ..wire.quantized_reduce import GradientQuantization
 from . import update as sliced_update
 from .scaler import LossScaler
+from ..vocabulary import WEIGHT_FORMATS
 
 FLAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -88,7 +89,7 @@ class ZeroOptimizer:
             inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
             if not isinstance(inner, torch.optim.Optimizer):
                 raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
-            # What every rank must have alike ([Note: agreement] in qzero/agreement.py): the delta
+            # What every rank must have alike ([Note: agreement] in qzero/wire/agreement.py): the delta
             # settings by name first (a mismatch is reported by them), the whole config, the
             # model, and the inner optimizer as built (class, every group's hyperparameters).
             # Later changes to param_groups (an LR scheduler's) are the caller's to keep alike.
@@ -130,7 +131,7 @@ class ZeroOptimizer:
             for g, ef in zip(self.groups, self.error_feedback)
         ]
         # Under gather-ahead every read of a weight through the model waits for its chunks
-        # ([Note: reads wait] in qzero/overlap.py).
+        # ([Note: reads wait] in qzero/wire/overlap.py).
         self.ahead = GatherAhead(model, self.groups) if config.overlap_param_gather else None
         self.scaler = LossScaler(config, enabled=self.groups[0].dtype == torch.float16)
         self.grad_norm: torch.Tensor | None = None
@@ -450,7 +451,7 @@ def _delta_fields(config: ZeroConfig) -> dict[str, int]:
     """The delta settings as integers, by their ZeroConfig names (agreed on across ranks)."""
     return {
         "zero_quantized_weights_delta": int(config.zero_quantized_weights_delta),
-        "zero_quantized_weights_format": 1 + sorted(("fp8", "int4", "int8")).index(config.zero_quantized_weights_format),
+        "zero_quantized_weights_format": 1 + sorted(WEIGHT_FORMATS).index(config.zero_quantized_weights_format),
         "zero_quantized_weights_group_size": config.zero_quantized_weights_group_size,
         "zero_quantized_weights_delta_resync_steps": config.zero_quantized_weights_delta_resync_steps,
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..choices import KERNELS
+from ..vocabulary import KERNELS
 from . import reference
 from .formats import FORMATS, SCALE_BYTES, QuantFormat, check_group_size, get_format
 from .kernel_set import REFERENCE_KERNELS, GatherKernels, GradientKernels

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..choices import WEIGHT_FORMATS
+from ..vocabulary import WEIGHT_FORMATS
 
 #: Scales are fp32, one per group.
 SCALE_BYTES = 4
@@ -37,7 +37,7 @@ class QuantFormat:
         return self.bits / 8 + SCALE_BYTES / group_size
 
 
-#: The formats of :data:`qzero.choices.WEIGHT_FORMATS`, described.
+#: The formats of :data:`qzero.vocabulary.WEIGHT_FORMATS`, described.
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
     QuantFormat("int8", 8, 127.0, "symmetric INT8, round half to even"),
     QuantFormat("fp8", 8, 448.0, "FP8 e4m3 (finite, no NaN saturation) with a group scale"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..choices import DELTA_FORMATS
+from ..vocabulary import DELTA_FORMATS
 from .formats import get_format
 from .reference import FLT_MIN
 from .triton_launch import FMT_CODES, PACK_OPTIONS, At, Launcher, tl, triton

@@ -47,7 +47,7 @@ def _driver() -> str | None:
 
 
 def describe(device: str) -> dict:
-    from .. import __version__
+    from ... import __version__
 
     info = {
         "command": " ".join(shlex.quote(a) for a in ["qzero", *sys.argv[1:]]),

@@ -5,7 +5,7 @@ the same numel on every rank; rank ``r`` owns ``flat.chunk(world_size)[r]``; on
 return every rank holds the gathered buffer, bit-identical on all ranks. They
 validate their arguments, agree on them across ranks (a mismatch raises on every
 rank instead of hanging), then run a static :class:`~qzero.layout.GatherPlan` on the
-gather engine (:mod:`qzero.engine`). Callers that keep a plan (the optimizer, the
+gather engine (:mod:`qzero.wire.engine`). Callers that keep a plan (the optimizer, the
 DeepSpeed adapter) start the engine directly and skip the checks.
 """
 
@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .agreement import MAX_FIELDS, check_fields, describe_mismatch, digest
 from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (public names)
 from .engine import CommContext, GatherStats, start_gather, stats_of, world_and_rank  # noqa: F401
-from .layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
+from ..layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
+from ..vocabulary import WEIGHT_FORMATS
 
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -105,7 +106,7 @@ def run_gather(
 ) -> GatherStats:
     """Run ``plan`` on ``flat`` synchronously (no argument checks: the plan was validated when
     built): ``start_gather(...).wait()`` on ``context`` (a new one for ``flat``'s device if
-    None). ``prepare`` as in :func:`qzero.engine.start_gather`."""
+    None). ``prepare`` as in :func:`qzero.wire.engine.start_gather`."""
     context = CommContext(flat.device) if context is None else context
     handle = start_gather(flat, plan, group, context, prepare=prepare)
     handle.wait()
@@ -207,7 +208,7 @@ def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
     return {
         "flat numel": plan.numel,
         "flat dtype": _DTYPE_CODES.get(dtype, 99),
-        "format": 0 if plan.fmt is None else 1 + sorted(("fp8", "int4", "int8")).index(plan.fmt),
+        "format": 0 if plan.fmt is None else 1 + sorted(WEIGHT_FORMATS).index(plan.fmt),
         "group size": plan.group_size,
         "bucket_numel": plan.bucket_numel,
         "exact ranges": digest(repr(plan.exact_ranges)),

@@ -5,7 +5,7 @@ Every public entry point of qzero that runs collectives (the two gathers, the
 ``ZeroOptimizer`` constructor, ``load_checkpoint``, the DeepSpeed adapter, the
 ``qzero.fsdp`` installers) first does all of its local work that can fail (argument
 checks, planning, building the inner optimizer), catching *any* exception as this rank's
-local error. Then every rank takes part in one exchange, :func:`qzero.comm.agree_or_raise`:
+local error. Then every rank takes part in one exchange, :func:`qzero.wire.comm.agree_or_raise`:
 a row of named 64-bit integers (the *fields*: settings, or digests of them) plus an ok flag.
 A rank whose local work failed still sends its row (flag off), so the other ranks raise
 too instead of waiting for it in a collective; when every rank is ok, any field that

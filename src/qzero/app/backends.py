@@ -1,4 +1,4 @@
-"""Training engines an arm of ``qzero train``/``qualify`` can use, behind one small interface.
+"""Training backends an arm of ``qzero train``/``qualify`` can use, behind one small interface.
 
 * ``qzero`` — :class:`qzero.ZeroOptimizer` (plain or quantized gather, gather-ahead).
 * ``deepspeed`` — DeepSpeed ZeRO-1/2 as users install it, unmodified (or, with
@@ -11,7 +11,7 @@
   (:func:`qzero.fsdp.quantize_group_gathers`); with ``zero_quantized_gradients``, its gradient
   reduce-scatter is quantized per ``fully_shard`` module (:func:`qzero.fsdp.quantize_group_reduces`).
 
-Each engine builds the model itself (FSDP2 wants fp32 parameters, the others the
+Each backend builds the model itself (FSDP2 wants fp32 parameters, the others the
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
 ``zero_grad``, ``grad_norm``, ``gathered_bytes`` and ``reduced_bytes`` (sent, plain: weight
 gather and gradient reduction) of the last step,
@@ -27,12 +27,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-ENGINES = ("qzero", "deepspeed", "fsdp2")
+from ..vocabulary import BACKENDS  # noqa: F401  (the names of the backends below; make_backend maps them)
 
 
-class QZeroEngine:
+class QZeroBackend:
     def __init__(self, settings, build, dtype, device):
-        from .optim import ZeroOptimizer
+        from ..optim import ZeroOptimizer
 
         self.model = build(dtype)
         # fused on CUDA, as the peers' arms use it (one kernel over each master shard)
@@ -67,11 +67,11 @@ class QZeroEngine:
         return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
 
 
-class DeepSpeedEngine:
+class DeepSpeedBackend:
     def __init__(self, settings, build, dtype, device):
         import deepspeed
 
-        from .integrations import deepspeed as qds
+        from ..integrations import deepspeed as qds
 
         self.model = build(dtype)
         world = dist.get_world_size()
@@ -95,7 +95,7 @@ class DeepSpeedEngine:
                 zero_quantized_weights=True,
                 zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
                 zero_quantized_weights_format=zero.zero_quantized_weights_format,
-                zero_quantized_weights_small_param_numel=zero.small_param_numel,
+                small_param_numel=zero.small_param_numel,
                 # gather-ahead as for the qzero engine: on by default when quantized
                 overlap_param_gather=zero.overlap_param_gather,
             )
@@ -156,7 +156,7 @@ class DeepSpeedEngine:
         return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
 
 
-class FSDP2Engine:
+class FSDP2Backend:
     def __init__(self, settings, build, dtype, device):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -166,12 +166,12 @@ class FSDP2Engine:
         zero = settings.zero
         group = zero.zero_quantized_weights and settings.fsdp_quantize == "group"
         if zero.zero_quantized_weights and not group:
-            from .fsdp import quantize_weight_gathers
+            from ..fsdp import quantize_weight_gathers
 
             quantize_weight_gathers(
                 self.model,
-                group_size=zero.zero_quantized_weights_group_size,
-                fmt=zero.zero_quantized_weights_format,
+                zero_quantized_weights_format=zero.zero_quantized_weights_format,
+                zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
                 small_param_numel=zero.small_param_numel,
                 mesh=mesh,
             )
@@ -184,27 +184,28 @@ class FSDP2Engine:
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         if group:
-            from .fsdp import quantize_group_gathers
+            from ..fsdp import quantize_group_gathers
 
             report = quantize_group_gathers(
                 self.model,
-                group_size=zero.zero_quantized_weights_group_size,
-                fmt=zero.zero_quantized_weights_format,
+                zero_quantized_weights_format=zero.zero_quantized_weights_format,
+                zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
                 small_param_numel=zero.small_param_numel,
+                quant_kernels=zero.quant_kernels,
             )
             self._bytes = _group_gather_bytes(report, settings)
         self._reduce_comms = []
         if zero.zero_quantized_gradients:
-            from .fsdp import quantize_group_reduces
+            from ..fsdp import quantize_group_reduces
 
             quantize_group_reduces(
                 self.model,
-                group_size=zero.zero_quantized_gradients_group_size,
-                fmt=zero.zero_quantized_gradients_format,
+                zero_quantized_gradients_format=zero.zero_quantized_gradients_format,
+                zero_quantized_gradients_group_size=zero.zero_quantized_gradients_group_size,
+                zero_quantized_gradients_rotation=zero.zero_quantized_gradients_rotation,
+                zero_quantized_gradients_rotation_block=zero.zero_quantized_gradients_rotation_block,
                 small_param_numel=zero.small_param_numel,
-                kernels=zero.quant_kernels,
-                rotation=zero.zero_quantized_gradients_rotation,
-                rotation_block=zero.zero_quantized_gradients_rotation_block,
+                quant_kernels=zero.quant_kernels,
             )
             self._reduce_comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
                                   for m in self.model.modules() if hasattr(m, "_get_fsdp_state")]
@@ -268,8 +269,8 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
     parameter once in forward, the decoder layers' again in backward when they are resharded
     after forward; parameters marked for the quantized gather as qzero's payload, the others
     at 2 bytes an element (bf16/fp16)."""
-    from .fsdp.tensor import QuantizedGatherTensor, carries
-    from .layout import quantized_payload_layout
+    from ..fsdp.tensor import QuantizedGatherTensor, carries
+    from ..layout import quantized_payload_layout
 
     zero = settings.zero
     layers = getattr(getattr(model, "model", None), "layers", [])
@@ -312,6 +313,6 @@ def _sample_params(params, index: torch.Tensor, materialise) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0)
 
 
-def make_engine(settings, build, dtype, device):
-    kinds = {"qzero": QZeroEngine, "deepspeed": DeepSpeedEngine, "fsdp2": FSDP2Engine}
+def make_backend(settings, build, dtype, device):
+    kinds = {"qzero": QZeroBackend, "deepspeed": DeepSpeedBackend, "fsdp2": FSDP2Backend}
     return kinds[settings.engine](settings, build, dtype, device)

@@ -6,10 +6,10 @@
 ``handle.wait_until(k)`` makes the work queued on the current stream from then on see
 chunks ``0..k`` in ``flat``; ``handle.wait()`` does it for every chunk. The synchronous
 gather is ``start_gather(...).wait()``; gather-ahead keeps the handle and lets each
-module's forward pre-hook wait for its own chunks (:mod:`qzero.overlap`); the DeepSpeed
+module's forward pre-hook wait for its own chunks (:mod:`qzero.wire.overlap`); the DeepSpeed
 adapter uses either form on DeepSpeed's flat buffers. Chunks finish strictly in order, and the bits do not
 depend on the schedule: every schedule packs and unpacks the same groups with the same
-functions (:mod:`qzero.chunks`).
+functions (:mod:`qzero.wire.chunks`).
 
 Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
 
@@ -24,7 +24,7 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
         unpack stream          U0 ...     Uk waits for Gk (the collective's work.wait())
 
     Per chunk the host launches the pack, the collective, one unpack over every source
-    rank's payload and one scatter of their exact elements (:mod:`qzero.chunks`), switches
+    rank's payload and one scatter of their exact elements (:mod:`qzero.wire.chunks`), switches
     the current stream twice and records one event (after the unpack); the Triton kernels
     are launched through their compiled form (:func:`qzero.quant.triton._launch`).
 
@@ -75,10 +75,10 @@ import torch.distributed as dist
 
 from . import chunks
 from .chunks import DeltaInputs, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk
-from .layout import GatherPlan, plan_gather
-from .quant import kernels_for
+from ..vocabulary import GATHER_SCHEDULES
+from ..layout import GatherPlan, plan_gather
+from ..quant import kernels_for
 
-SCHEDULES = ("auto", "streams", "inline")
 STAGES = ("pack", "gather", "unpack")
 #: Chunks the ``inline`` schedule keeps in flight under gather-ahead.
 DEPTH = 2
@@ -137,13 +137,15 @@ class CommContext:
     ``schedule``: ``auto`` (``streams`` on CUDA, ``inline`` elsewhere), ``streams`` or
     ``inline`` (see the note above). ``kernels``: ``auto`` (the fused Triton kernels on
     CUDA where Triton is installed, the torch reference elsewhere), ``triton`` or
-    ``reference``; both produce the same bytes.
+    ``reference``, or a kernel set used as it is (a :class:`qzero.quant.triton.TritonKernels`
+    of another tuning, say: [Note: kernel set] in :mod:`qzero.quant.kernel_set`); all produce
+    the same bytes.
     """
 
-    def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels: str = "auto"):
+    def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels="auto"):
         device = torch.device(device)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"gather schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule not in GATHER_SCHEDULES:
+            raise ValueError(f"gather schedule must be one of {GATHER_SCHEDULES}, got {schedule!r}")
         if schedule == "streams" and device.type != "cuda":
             raise ValueError(f"gather schedule 'streams' needs CUDA tensors, got device {device}")
         self.device = device
@@ -154,7 +156,7 @@ class CommContext:
         # gather's compete for the SMs, the gather's go first (the forward waits for them).
         self.streams = ({s: torch.cuda.Stream(device, priority=-1) for s in ("pack", "unpack")}
                         if self.schedule == "streams" else {})
-        #: A :class:`qzero.copy_engine.CopyEngineComm` (``ZeroConfig.copy_engine_collectives``), set
+        #: A :class:`qzero.wire.copy_engine.CopyEngineComm` (``ZeroConfig.copy_engine_collectives``), set
         #: by the owner: the gathers then run on its group, their receive buffers from its memory.
         self.copy_engine = None
         #: GPU clock cycles to spin before each step of a stage (the collective's: on the pack
@@ -254,7 +256,7 @@ def start_gather(
     ``ahead``: the caller will wait chunk by chunk (gather-ahead): the ``inline``
     schedule then keeps ``DEPTH`` chunks in flight instead of one. ``delta``: what a delta
     plan's payloads are made from besides ``flat`` (the replica): the target and the
-    refusal flag (:class:`qzero.chunks.DeltaInputs`); required by a delta plan, and only by one."""
+    refusal flag (:class:`qzero.wire.chunks.DeltaInputs`); required by a delta plan, and only by one."""
     if plan.delta != (delta is not None):
         raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), and only a delta plan")
     if context.copy_engine is not None:

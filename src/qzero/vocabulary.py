@@ -1,10 +1,26 @@
-"""The values qzero's settings take, each enumeration defined once.
+"""qzero's vocabulary of settings: ZeroConfig's short names, and the values settings take.
 
-Everything that names one of these values (``ZeroConfig``'s checks, the format table, the
-kernel dispatch, the ``qzero`` command's choices, the bench scripts) imports it from here. A
-module of its own, free of torch, so that ``qzero --help`` can list the choices without
-importing it.
+[Note: vocabulary]
+A setting has one name everywhere: its :class:`qzero.ZeroConfig` field name (the DeepSpeed
+``zero_optimization`` key, the FSDP2 installers' keyword argument, the ``qzero`` command's
+flag with ``-`` for ``_``, the ``KEY=VALUE`` of an arm). :data:`ZERO_ALIASES` is the one table
+of shorter names, accepted where settings are typed by hand (``KEY=VALUE`` arms, the gather
+installers' keywords) and nowhere else; records and reports use ZeroConfig's own names.
+Each enumeration of values is defined here once, and everything that names one of them
+(ZeroConfig's checks, the format table, the kernel dispatch, the command's choices, the bench
+scripts) imports it. A module of its own, free of torch, so that ``qzero --help`` lists them
+without importing it.
 """
+
+#: Short names of ZeroConfig fields.
+ZERO_ALIASES = {
+    "quantized": "zero_quantized_weights",
+    "overlap": "overlap_param_gather",
+    "fmt": "zero_quantized_weights_format",
+    "group_size": "zero_quantized_weights_group_size",
+    "allgather_bucket": "allgather_bucket_size",
+    "reduce_bucket": "reduce_bucket_size",
+}
 
 #: Payload formats of the weight gather (``ZeroConfig.zero_quantized_weights_format``); the
 #: format table :data:`qzero.quant.formats.FORMATS` describes each, in this order.

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from .aliases import ZERO_ALIASES
+from ..vocabulary import BACKENDS, PRECISIONS, REDUCE_DTYPES, WEIGHT_FORMATS, ZERO_ALIASES
 
 if TYPE_CHECKING:
     from .train import TrainSettings
@@ -32,7 +32,18 @@ DEFAULT_WARMUP = 2
 MAX_ERROR_CHARS = 400
 #: ZeroConfig fields that only the quantized weight gather reads: setting one where that gather
 #: is off changes nothing, so it is refused as a mistake.
-QUANTIZED_ONLY = {"zero_quantized_weights_format": "--format", "zero_quantized_weights_group_size": "--group-size"}
+QUANTIZED_ONLY = {"zero_quantized_weights_format": "--zero-quantized-weights-format",
+                  "zero_quantized_weights_group_size": "--zero-quantized-weights-group-size"}
+#: Flags of earlier releases and the flags that replaced them: a ZeroConfig setting's flag is its
+#: field name with ``-`` for ``_`` ([Note: vocabulary] in qzero/vocabulary.py). Refused, naming the new one.
+RENAMED_FLAGS = {
+    "--group-size": "--zero-quantized-weights-group-size",
+    "--format": "--zero-quantized-weights-format",
+    "--allgather-bucket": "--allgather-bucket-size",
+    "--reduce-bucket": "--reduce-bucket-size",
+    "--overlap": "--overlap-param-gather",
+    "--no-overlap": "--no-overlap-param-gather",
+}
 
 # the optional packages each part needs, and the extra of qzero that installs them
 NEEDS = {
@@ -103,14 +114,14 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     from .workload import PRESETS
 
     w = p.add_argument_group("workload")
-    w.add_argument("--engine", choices=("qzero", "deepspeed", "fsdp2"), default="qzero",
+    w.add_argument("--engine", choices=BACKENDS, default="qzero",
                    help="qzero (default), or a peer for side-by-side arms: deepspeed (ZeRO-1/2), fsdp2")
     w.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default: tiny)")
     w.add_argument("--model-config", metavar="JSON", help="a transformers config JSON instead of a preset")
     w.add_argument("--data", metavar="FILE", help="train on this text file (default: the Python stdlib sources)")
     w.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun; default 2)")
     w.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    w.add_argument("--precision", choices=("bf16", "fp16"), default="bf16")
+    w.add_argument("--precision", choices=PRECISIONS, default="bf16")
     w.add_argument("--seq-len", type=int, default=64)
     w.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     w.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
@@ -119,25 +130,39 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
                    help=f"steps excluded from timing (default {DEFAULT_WARMUP}, fewer when --steps is small)")
     w.add_argument("--lr", type=float, default=1e-3)
     w.add_argument("--seed", type=int, default=0)
-    # each flag sets the ZeroConfig field it is stored under (dest); not given: ZeroConfig's default
+    # each flag is the ZeroConfig field it sets, with - for _; not given: ZeroConfig's default
     z = p.add_argument_group("ZeRO (qzero.ZeroConfig fields)")
     z.add_argument("--stage", type=int, choices=(1, 2), help="stage (default 2)")
-    z.add_argument("--group-size", dest="zero_quantized_weights_group_size", type=int, metavar="N",
-                   help="zero_quantized_weights_group_size (default 64)")
-    z.add_argument("--format", dest="zero_quantized_weights_format", choices=("int8", "fp8", "int4"),
-                   help="zero_quantized_weights_format (default int8)")
+    z.add_argument("--zero-quantized-weights-group-size", type=int, metavar="N",
+                   help="elements per fp32 scale (default 64)")
+    z.add_argument("--zero-quantized-weights-format", choices=WEIGHT_FORMATS, help="payload format (default int8)")
     z.add_argument("--small-param-numel", type=int, metavar="N", help="exact-parameter threshold (default: the preset's)")
-    z.add_argument("--allgather-bucket", dest="allgather_bucket_size", type=float, metavar="N",
-                   help="allgather_bucket_size: elements across all ranks (default 5e8)")
-    z.add_argument("--reduce-bucket", dest="reduce_bucket_size", type=float, metavar="N", help="reduce_bucket_size (default 5e8)")
-    z.add_argument("--reduce-dtype", choices=("bf16", "fp16", "fp32"), help="reduce_dtype (default: the model's)")
-    z.add_argument("--overlap", dest="overlap_param_gather", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap_param_gather, gather-ahead: overlap the weight gather with the next forward "
-                   "(default: on when quantized)")
+    z.add_argument("--allgather-bucket-size", type=float, metavar="N",
+                   help="elements one chunk of the weight gather moves across all ranks (default 5e8)")
+    z.add_argument("--reduce-bucket-size", type=float, metavar="N", help="elements reduced per collective (default 5e8)")
+    z.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="dtype of the gradient reduction (default: the model's)")
+    z.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=None,
+                   help="gather-ahead: overlap the weight gather with the next forward (default: on when quantized)")
+    for old, new in RENAMED_FLAGS.items():
+        z.add_argument(old, action=_Renamed, new=new)
+
+
+class _Renamed(argparse.Action):
+    """A flag of an earlier release: parsing it records an error naming its new spelling,
+    raised as the command's one-line error (:func:`_dispatch`). Not listed in ``--help``."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest="renamed_flag", nargs="?", default=None, help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if namespace.renamed_flag is None:
+            namespace.renamed_flag = (f"{option_string} is now {self.new} (a ZeroConfig setting's flag is its field "
+                                      "name, - for _)")
 
 
 def _given(args: argparse.Namespace, quantized: bool) -> dict:
-    """The settings the parsed flags give, flat (:func:`qzero.train.settings_from`): every flag
+    """The settings the parsed flags give, flat (:func:`qzero.app.train.settings_from`): every flag
     stored under the name of a TrainSettings or ZeroConfig field; ZeroConfig fields only where
     the flag was given, so that the others keep ZeroConfig's defaults (and ``small_param_numel``
     the preset's threshold, ``overlap_param_gather`` its dependence on the quantized gather)."""
@@ -160,7 +185,7 @@ def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
 
 def _overrides(items: list[str], flag: str) -> dict:
     """``KEY=VALUE`` pairs naming TrainSettings or ZeroConfig fields, or a short name of one
-    (:data:`qzero.train.ZERO_ALIASES`), as a flat dict by field name; values parsed as JSON
+    (:data:`qzero.vocabulary.ZERO_ALIASES`), as a flat dict by field name; values parsed as JSON
     when they can be."""
     from .train import setting_name
 
@@ -313,6 +338,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             die_with_parent(args.parent)
         launch(TrainSettings(**json.loads(args.settings_json)), args.out, show_progress=False)
         return 0
+    if getattr(args, "renamed_flag", None):
+        raise ValueError(args.renamed_flag)
     if args.command == "train":
         moot = [flag for name, flag in QUANTIZED_ONLY.items() if getattr(args, name) is not None]
         if moot and not args.quantized:

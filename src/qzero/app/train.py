@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .config import ZeroConfig
-from .layout import DEFAULT_SMALL_PARAM_NUMEL
+from ..config import ZeroConfig
+from ..layout import DEFAULT_SMALL_PARAM_NUMEL
 
 SAMPLE_SIZE = 4096
 
 
-from .aliases import ZERO_ALIASES  # noqa: F401 (re-exported: the short names of ZeroConfig fields)
+from ..vocabulary import BACKENDS, PRECISIONS, ZERO_ALIASES
 
 
 @dataclass
@@ -48,7 +48,7 @@ class TrainSettings:
     zero: ZeroConfig | dict = field(default_factory=dict)
     """A :class:`qzero.ZeroConfig`, used as it is, or a dict of its fields by name: the fields
     not named take ZeroConfig's defaults, except ``small_param_numel``, which takes the
-    preset's own threshold (``qzero.workload.PRESETS``; 65,536 with ``model_config``).
+    preset's own threshold (``qzero.app.workload.PRESETS``; 65,536 with ``model_config``).
     Always a ZeroConfig after construction (which validates it)."""
     reshard_after_forward: bool = False  # fsdp2 only: free unsharded layers after forward (gather again in backward)
     fsdp_quantize: str = "parameter"
@@ -161,10 +161,9 @@ def validate(settings: TrainSettings) -> None:
             raise WorkloadError(
                 f"world size {settings.world_size} is larger than the {torch.cuda.device_count()} visible GPU(s)"
             )
-    from .engines import ENGINES
 
-    if settings.engine not in ENGINES:
-        raise WorkloadError(f"engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
+    if settings.engine not in BACKENDS:
+        raise WorkloadError(f"engine must be one of {', '.join(BACKENDS)}, got {settings.engine!r}")
     if settings.reshard_after_forward and settings.engine != "fsdp2":
         raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 engine, not of {settings.engine!r}")
     if settings.fsdp_quantize not in FSDP_QUANTIZE:
@@ -190,8 +189,8 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
         raise WorkloadError(f"offload_optimizer is a setting of the deepspeed engine, not of {settings.engine!r}")
-    if settings.precision not in ("bf16", "fp16"):
-        raise WorkloadError(f"precision must be bf16 or fp16, got {settings.precision!r}")
+    if settings.precision not in PRECISIONS:
+        raise WorkloadError(f"precision must be one of {', '.join(PRECISIONS)}, got {settings.precision!r}")
     lr = settings.lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
         raise WorkloadError(f"lr must be a finite number >= 0, got {lr!r}")
@@ -263,7 +262,7 @@ def _size(n: float) -> str:
 
 def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
     """Run the training loop on this rank (process group already initialised)."""
-    from .engines import make_engine
+    from .backends import make_backend
     from .workload import build_model, global_batch, load_corpus, model_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -277,7 +276,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
     corpus = load_corpus(settings.data)
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
-    engine = make_engine(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
+    engine = make_backend(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
     model = engine.model
     loss_sums, norms, marks, skipped, gathered = [], [], [], 0, []
     bar = _progress(settings.steps) if rank == 0 and show_progress else None

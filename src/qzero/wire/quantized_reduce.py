@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import peer_failure
+from .comm import peer_failure
 from ..layout import PayloadLayout, _clip_ranges, merge_adjacent, _payload_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
@@ -110,7 +110,7 @@ class QuantizedExchange:
         #: :class:`qzero.optim.error_feedback.ErrorFeedback` of this rank, or None.
         self.error_feedback = error_feedback
         # ZeroConfig.copy_engine_collectives: the all-to-all on the zero-CTA group, its payloads
-        # in symmetric memory ([Note: copy-engine collectives] in qzero/copy_engine.py).
+        # in symmetric memory ([Note: copy-engine collectives] in qzero/wire/copy_engine.py).
         self.copy_engine = group.context.copy_engine
         if self.copy_engine is not None:
             self.pg = self.copy_engine.group

@@ -5,7 +5,7 @@ Two settings (the common ones, each with its arm's own on top) run as arms in th
 fresh process with the same seed and data. Arms of one setting must reproduce
 each other exactly. The speedup is the ratio of the median measured step times
 (warm-up excluded), with a 95% interval from a two-level bootstrap (arms, then
-steps within arms: :func:`qzero.qualify.stats.bootstrap_ci_arms`), so that it
+steps within arms: :func:`qzero.app.qualify.stats.bootstrap_ci_arms`), so that it
 shows the spread between runs of one setting and not only between the steps of
 one run; the gates check accuracy, replica identity and memory (:class:`Thresholds`).
 """
@@ -54,7 +54,7 @@ def run_arm(settings: TrainSettings, out_path: str, log_path: str, env: dict[str
     """Run one arm in a fresh Python process (which starts its own ranks); ``env`` adds
     environment variables for that process only."""
     # --parent: the arm (and with it its ranks) dies with this process, even when it is SIGKILLed
-    cmd = [sys.executable, "-m", "qzero.cli", "_arm", json.dumps(dataclasses.asdict(settings)), out_path,
+    cmd = [sys.executable, "-m", "qzero", "_arm", json.dumps(dataclasses.asdict(settings)), out_path,
            "--parent", str(os.getpid())]
     extra, env = env or {}, dict(os.environ)
     env.update(extra)
@@ -80,7 +80,7 @@ def qualify(
     thresholds: Thresholds | None = None,
     progress=None,
 ) -> dict:
-    """Run the arms and build the report (a dict; see :func:`qzero.qualify.report.write`).
+    """Run the arms and build the report (a dict; see :func:`qzero.app.qualify.report.write`).
     ``base`` holds the settings common to both arms (what the report's scope describes);
     ``baseline`` and ``candidate`` are the arms' whole settings."""
     thresholds = thresholds or Thresholds()

@@ -1,12 +1,12 @@
 """Microbenchmark of the quantized weight gather and its kernels.
 
-One GPU (``qzero bench gather``, or ``python -m qzero.benchmarks.gather``): for each format and flat size, the
+One GPU (``qzero bench gather``, or ``python -m qzero.app.benchmarks.gather``): for each format and flat size, the
 pack (quantize) and unpack (dequantize) kernel times and bandwidth (bytes read +
 written) against the device copy bandwidth measured in the same run, the eager
 torch reference for comparison, and the world-size-1 gather end to end
 (``quantized_all_gather``, pipelined and not, against ``all_gather``).
 
-Several GPUs (``torchrun --nproc_per_node=2 -m qzero.benchmarks.gather``): the gather
+Several GPUs (``torchrun --nproc_per_node=2 -m qzero.app.benchmarks.gather``): the gather
 itself, plain bf16 against each quantized format, arms interleaved round by round,
 medians of CUDA-event times, plus the payload-only collective. Set the link regime
 with NCCL's environment (``bench/regimes.sh`` has the table) and name it with ``--regime``;
@@ -30,12 +30,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from qzero.qualify.env import link_regime
-from qzero.comm import all_gather, quantized_all_gather, run_gather
-from qzero.engine import CommContext
+from qzero.app.qualify.env import link_regime
+from qzero.wire.comm import all_gather, quantized_all_gather, run_gather
+from qzero.wire.engine import CommContext
 from qzero.layout import plan_gather
-from qzero.quant import get_format, reference
-from qzero.quant import triton as kernels
+from qzero.quant import REFERENCE_KERNELS, get_format
+from qzero.quant.triton import AVAILABLE, DEFAULT_KERNELS, DEFAULT_TUNING, KernelTuning, Launcher, TritonKernels
+from qzero.vocabulary import PRECISIONS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -45,9 +46,13 @@ def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="qzero bench gather", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2048Mi,256Mi", help="flat sizes in parameters, e.g. 2048Mi,256Mi")
     ap.add_argument("--formats", default="int8,fp8,int4")
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--bucket", type=int, default=500_000_000, help="allgather bucket (elements)")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--zero-quantized-weights-group-size", dest="group_size", type=int, default=64,
+                    help="ZeroConfig.zero_quantized_weights_group_size (default 64)")
+    ap.add_argument("--allgather-bucket-size", dest="bucket", type=int, default=500_000_000,
+                    help="ZeroConfig.allgather_bucket_size: elements one chunk gathers across all ranks")
+    for old, new in (("--group-size", "--zero-quantized-weights-group-size"), ("--bucket", "--allgather-bucket-size")):
+        ap.add_argument(old, nargs="?", help=argparse.SUPPRESS, action=_renamed(new))
+    ap.add_argument("--dtype", default="bf16", choices=PRECISIONS)
     ap.add_argument("--regime", default=None, help="label of the link regime (default: from NCCL env)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (multi-GPU)")
     ap.add_argument("--tune", default="1024x4,2048x4,2048x8", help="block_elems x num_warps to sweep")
@@ -56,6 +61,16 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the Markdown of a saved result")
     return ap.parse_args(argv)
+
+
+def _renamed(new: str) -> type:
+    """The action of a flag of an earlier release: an error naming ``new``, the ZeroConfig field's flag."""
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string} is now {new} (the flag of a ZeroConfig setting is its field name)")
+
+    return Renamed
 
 
 def parse_size(text: str) -> int:
@@ -136,14 +151,14 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
     ranges = exact_ranges_for(n) if exact else []
     plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
     layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
     src = random_flat(n, dtype, 2)
     payload = torch.empty(chunk.payload_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    reps = reps_for(n) if impl is kernels else 3
+    reps = 3 if impl is REFERENCE_KERNELS else reps_for(n)
     t_pack = median_ms(lambda: impl.pack_payload(src, payload, layout, gs, fmt, idx, runs), reps=reps, warmup=2)
     t_unpack = median_ms(lambda: impl.unpack_payload(payload, dst, layout, gs, fmt, idx, runs), reps=reps, warmup=2)
     f = get_format(fmt)
@@ -168,39 +183,40 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     ranges = exact_ranges_for(n)
     plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
-    from qzero.chunks import exact_index
+    from qzero.wire.chunks import exact_index
 
     idx = exact_index(plan, chunk, 0, torch.device("cuda"))
     layout, runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0)
     src = random_flat(n, dtype, 3) * torch.logspace(-3, 3, n, device="cuda").to(dtype)
     a = torch.randint(0, 256, (chunk.payload_bytes,), dtype=torch.uint8, device="cuda")
     b = a.clone()
-    reference.pack_payload(src, a, layout, gs, fmt, idx, runs)
-    kernels.pack_payload(src, b, layout, gs, fmt, idx, runs)
+    REFERENCE_KERNELS.pack_payload(src, a, layout, gs, fmt, idx, runs)
+    DEFAULT_KERNELS.pack_payload(src, b, layout, gs, fmt, idx, runs)
     da, db = torch.full_like(src, 7.0), torch.full_like(src, -3.0)
-    reference.unpack_payload(a, da, layout, gs, fmt, idx, runs)
-    kernels.unpack_payload(a, db, layout, gs, fmt, idx, runs)
+    REFERENCE_KERNELS.unpack_payload(a, da, layout, gs, fmt, idx, runs)
+    DEFAULT_KERNELS.unpack_payload(a, db, layout, gs, fmt, idx, runs)
     return bool(torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
 
 
-def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> list[dict]:
-    """Sweep launch shapes for payloads without and with exact elements and keep the
-    fastest (pack + unpack) of each in ``kernels.TUNING``."""
-    rows = []
+def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> tuple[list[dict], KernelTuning]:
+    """Sweep launch shapes for payloads without and with exact elements: the rows, and the
+    :class:`~qzero.quant.triton_launch.KernelTuning` with the fastest (pack + unpack) of each."""
+    rows, best = [], DEFAULT_TUNING
     for exact in (False, True):
         for block, warps in shapes:
-            if exact:
-                kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = block, warps
-            else:
-                kernels.TUNING.block_elems, kernels.TUNING.num_warps = block, warps
-            r = kernel_case(n, fmt, gs, dtype, exact, kernels)
+            fields = dict(exact_block_elems=block, exact_num_warps=warps) if exact else dict(block_elems=block,
+                                                                                               num_warps=warps)
+            r = kernel_case(n, fmt, gs, dtype, exact, tuned(dataclasses.replace(best, **fields)))
             rows.append({"exact": exact, "block_elems": block, "num_warps": warps, **r})
-        best = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
-        if exact:
-            kernels.TUNING.exact_block_elems, kernels.TUNING.exact_num_warps = best["block_elems"], best["num_warps"]
-        else:
-            kernels.TUNING.block_elems, kernels.TUNING.num_warps = best["block_elems"], best["num_warps"]
-    return rows
+        top = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
+        best = dataclasses.replace(best, **(dict(exact_block_elems=top["block_elems"], exact_num_warps=top["num_warps"])
+                                            if exact else dict(block_elems=top["block_elems"], num_warps=top["num_warps"])))
+    return rows, best
+
+
+def tuned(tuning: KernelTuning) -> TritonKernels:
+    """A Triton kernel set of ``tuning`` (its own launch caches)."""
+    return TritonKernels(Launcher(tuning))
 
 
 def gather_plan(n: int, world: int, fmt: str | None, gs: int, bucket: int):
@@ -210,12 +226,14 @@ def gather_plan(n: int, world: int, fmt: str | None, gs: int, bucket: int):
     return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=fmt, group_size=gs, exact_ranges=exact_ranges_for(n))
 
 
-def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True) -> dict:
+def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True,
+                kernels=DEFAULT_KERNELS) -> dict:
     """World-size-1 gather through ``run_gather`` with a prebuilt plan (the optimizer's path),
-    and the public ``quantized_all_gather``/``all_gather`` (which validate arguments each call)."""
+    and the public ``quantized_all_gather``/``all_gather`` (which validate arguments each call,
+    with the default kernels)."""
     flat = random_flat(n, dtype, 4)
     plan = gather_plan(n, 1, fmt, gs, bucket)
-    context = CommContext(flat.device, schedule="streams" if pipelined else "inline")
+    context = CommContext(flat.device, schedule="streams" if pipelined else "inline", kernels=kernels)
     if fmt is None:
         api = lambda: all_gather(flat, bucket_numel=bucket)  # noqa: E731
     else:
@@ -248,9 +266,9 @@ def single_gpu(args) -> dict:
     out["tuning"] = {}
     best = {}
     for fmt in formats:
+        best[fmt] = DEFAULT_TUNING
         if shapes:
-            out["tuning"][fmt] = tune(small, fmt, gs, dtype, shapes)
-        best[fmt] = dataclasses.replace(kernels.TUNING)
+            out["tuning"][fmt], best[fmt] = tune(small, fmt, gs, dtype, shapes)
         print(f"tuning {fmt}: {best[fmt]}", flush=True)
 
     out["sizes"] = []
@@ -260,14 +278,14 @@ def single_gpu(args) -> dict:
         print(f"[{size_label(n)}] copy {entry['copy']['ms']:.3f} ms, {copy_bw:.0f} GB/s", flush=True)
         entry["plain_gather"] = gather_case(n, None, gs, dtype, args.bucket)
         for fmt in formats:
-            kernels.TUNING = best[fmt]
+            kernels = tuned(best[fmt])
             r = {"launch": dataclasses.asdict(best[fmt])}
             r["kernel"] = kernel_case(n, fmt, gs, dtype, False, kernels)
             r["kernel_exact"] = kernel_case(n, fmt, gs, dtype, True, kernels)
             if not args.no_reference:
-                r["reference"] = kernel_case(n, fmt, gs, dtype, False, reference)
-            r["gather_pipelined"] = gather_case(n, fmt, gs, dtype, args.bucket, True)
-            r["gather_serial"] = gather_case(n, fmt, gs, dtype, args.bucket, False)
+                r["reference"] = kernel_case(n, fmt, gs, dtype, False, REFERENCE_KERNELS)
+            r["gather_pipelined"] = gather_case(n, fmt, gs, dtype, args.bucket, True, kernels)
+            r["gather_serial"] = gather_case(n, fmt, gs, dtype, args.bucket, False, kernels)
             for key in ("kernel", "kernel_exact"):
                 r[key]["pack_frac_copy"] = r[key]["pack_GBps"] / copy_bw
                 r[key]["unpack_frac_copy"] = r[key]["unpack_GBps"] / copy_bw
@@ -357,8 +375,10 @@ def timed(fn) -> float:
     return t.item()
 
 
-def multi_header(world: int, regime: str, group_size: int, dtype: str, bucket: int, env: dict) -> dict:
-    """A multi-GPU result before its sizes: the run's settings and ``env`` (:func:`versions`)."""
+def multi_header(world: int, regime: str, group_size: int, dtype: str, bucket: int, env: dict,
+                 tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+    """A multi-GPU result before its sizes: the run's settings, the kernels' ``tuning`` and
+    ``env`` (:func:`versions`)."""
     return {
         "mode": "multi",
         "world_size": world,
@@ -367,7 +387,7 @@ def multi_header(world: int, regime: str, group_size: int, dtype: str, bucket: i
         "group_size": group_size,
         "dtype": dtype,
         "bucket_numel": bucket,
-        "launch": dataclasses.asdict(kernels.TUNING),
+        "launch": dataclasses.asdict(tuning),
         **env,
         "sizes": [],
     }
@@ -469,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             fh.write(md)
         print(md)
         return 0
-    if not torch.cuda.is_available() or not kernels.AVAILABLE:
+    if not torch.cuda.is_available() or not AVAILABLE:
         print("needs a CUDA device and Triton", file=sys.stderr)
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))

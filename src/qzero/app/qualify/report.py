@@ -40,7 +40,7 @@ def verdict(r: dict) -> str:
 
 
 def _ci_scope(r: dict) -> str:
-    """What the interval spans, in two words (:func:`qzero.qualify.stats.interval_covers`)."""
+    """What the interval spans, in two words (:func:`qzero.app.qualify.stats.interval_covers`)."""
     roles = [a["role"] for a in r.get("arms", [])]
     if not roles:
         return ""

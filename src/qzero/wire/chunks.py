@@ -1,6 +1,6 @@
 """Chunk primitives of the weight gather: pack one rank's slice, gather, unpack every slice.
 
-These are the only functions that touch payload bytes; :mod:`qzero.engine` schedules
+These are the only functions that touch payload bytes; :mod:`qzero.wire.engine` schedules
 them and nothing else does. The vocabulary (partition, chunk, payload, exact range) is
 defined in ``docs/design.md``; what a payload holds (coded and exact groups, side
 elements, the payload kinds) in ``[Note: exact groups]`` in :mod:`qzero.layout`.
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .layout import ChunkPlan, GatherPlan, PayloadKind
+from ..layout import ChunkPlan, GatherPlan, PayloadKind
 
 # torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

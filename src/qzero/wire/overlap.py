@@ -1,7 +1,7 @@
 """Gather-ahead: let the post-step weight gather run under the next forward.
 
 ``step()`` starts the gather of every flat group on the gather engine
-(:func:`qzero.engine.start_gather`) and returns with the handles. Forward pre-hooks
+(:func:`qzero.wire.engine.start_gather`) and returns with the handles. Forward pre-hooks
 make each module wait only until the chunks holding its own parameters have arrived
 (``handle.wait_until``), which also launches or enqueues the next chunks, so later
 chunks keep flowing while earlier layers compute. Everything that reads weights
@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from .engine import GatherHandle
-from .layout import GatherPlan
+from ..layout import GatherPlan
 #: Modules may run this many places before their registration order without a warning
 #: (a transformer layer runs its input norm, registered last, before its projections).
 REORDER_TOLERANCE = 16

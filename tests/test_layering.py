@@ -1,0 +1,212 @@
+"""The layering of qzero's packages, read from the source (``docs/design.md``, "Modules").
+
+[Note: floors]
+Every module of ``src/qzero`` sits on a floor (:data:`FLOORS`). A module may import any
+module of its own package, and modules of packages on lower floors; never one on its own
+floor in another package (siblings are independent: ``fsdp`` and ``integrations`` know
+nothing of each other) and never one above. So a call only goes down, and a file's package
+says what it may touch. The application (``qzero.app``, with ``python -m qzero``'s
+``qzero/__main__.py``) is the top floor: the library never imports it, neither at import time
+nor from inside a function.
+
+Imports are read with ``ast`` from every ``.py`` file, at any depth (top level, inside
+functions, under ``if TYPE_CHECKING``): ``import``, ``from ... import`` (relative and
+absolute), ``importlib.import_module("...")`` and ``__import__("...")`` with a literal name,
+and the lazy tables of ``qzero/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+#: Packages by floor, lowest first (a name is ``qzero.<first part>``; ``""`` is ``qzero/__init__.py``).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("vocabulary",),              # setting names and the values they take ([Note: vocabulary]); no torch
+    ("quant",),                   # formats, the reference quantizer (the specification), kernels
+    ("layout",),                  # the pure planner: flat layouts, chunks, payload layouts, buckets
+    ("buckets", "config"),        # the gradient reduction's plan; ZeroConfig: the settings and their names
+    ("wire",),                    # chunks, the gather engine, the gradient exchange, agreement
+    ("optim",),                   # ZeroOptimizer: flat groups, gradients, update, checkpoints
+    ("fsdp", "integrations"),     # FSDP2 extensions; the DeepSpeed adapter and HF callback
+    ("",),                        # qzero/__init__.py: the public names, imported lazily
+    ("app",),                     # the qzero command: train, qualify, backends, benchmarks
+    ("__main__",),                # python -m qzero: runs qzero.app.cli
+)
+FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}
+APP = ("app", "__main__")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """``qzero.wire.engine`` -> ``wire``; ``qzero`` -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _resolve(name: str, level: int, importer: str, is_package: bool) -> str:
+    if not level:
+        return name
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def imports_of(path: pathlib.Path, source: str | None = None) -> list[tuple[int, str]]:
+    """``(line, module)`` for every qzero module the file at ``path`` imports, at any depth."""
+    me = module_name(path)
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module or "", node.level, me, is_package)
+            for a in node.names:  # ``from . import chunks`` imports the module qzero.wire.chunks
+                sub = f"{base}.{a.name}"
+                spec_path = SRC / sub.replace(".", "/")
+                found.append((node.lineno, sub if spec_path.with_suffix(".py").exists() or spec_path.is_dir() else base))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__"):
+                name = node.args[0].value
+                level = len(name) - len(name.lstrip("."))
+                found.append((node.lineno, _resolve(name.lstrip("."), level, me, True) if level else name))
+    return [(line, m) for line, m in found if m == "qzero" or m.startswith("qzero.")]
+
+
+def all_imports() -> list[tuple[str, pathlib.Path, int, str]]:
+    """``(importer, path, line, imported)`` over src/qzero, plus the lazy tables of qzero/__init__.py."""
+    edges = [(module_name(p), p, line, m) for p in sorted((SRC / "qzero").rglob("*.py")) for line, m in imports_of(p)]
+    root = SRC / "qzero" / "__init__.py"
+    names = _root_tables(root)
+    edges += [("qzero", root, 0, _resolve(name.lstrip("."), len(name) - len(name.lstrip(".")), "qzero", True))
+              for name in names]
+    return edges
+
+
+def _root_tables(root: pathlib.Path) -> list[str]:
+    """The module names in qzero/__init__.py's ``_EXPORTS`` (values) and ``_LIBRARY`` (subpackages)."""
+    names = []
+    for node in ast.parse(root.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+            if target == "_EXPORTS":
+                names += [v.value for v in value.values]
+            elif target == "_LIBRARY":
+                names += ["." + e.value for e in value.elts]
+    assert names, "qzero/__init__.py has no _EXPORTS/_LIBRARY tables to check"
+    return names
+
+
+def violations(edges) -> list[str]:
+    """What breaks [Note: floors], one line each, or nothing."""
+    out = []
+    for importer, path, line, imported in edges:
+        mine, theirs = package_of(importer), package_of(imported)
+        if mine not in FLOOR or theirs not in FLOOR:
+            out.append(f"{path.relative_to(SRC)}:{line}: {importer} -> {imported}: "
+                       f"package {mine if mine not in FLOOR else theirs!r} has no floor in FLOORS")
+        elif mine != theirs and FLOOR[theirs] >= FLOOR[mine]:
+            where = "its own floor" if FLOOR[theirs] == FLOOR[mine] else "a floor above"
+            out.append(f"{path.relative_to(SRC)}:{line}: {importer} -> {imported} ({where})")
+    return out
+
+
+def test_every_package_has_a_floor():
+    packages = {package_of(module_name(p)) for p in (SRC / "qzero").rglob("*.py")}
+    assert packages <= set(FLOOR), f"packages without a floor: {sorted(packages - set(FLOOR))}"
+    assert set(FLOOR) - {""} <= packages, f"floors naming no package: {sorted(set(FLOOR) - {''} - packages)}"
+
+
+def test_the_library_never_imports_the_app():
+    edges = all_imports()
+    assert any(package_of(i) == "app" for _, _, _, i in edges), "found no import of qzero.app at all: the scan is broken"
+    bad = [f"{p.relative_to(SRC)}:{line}: {importer} -> {imported}" for importer, p, line, imported in edges
+           if package_of(importer) not in APP and package_of(imported) in APP]
+    assert not bad, "the library imports the application:\n" + "\n".join(bad)
+
+
+def test_imports_only_go_down_a_floor():
+    edges = all_imports()
+    assert len(edges) > 100, f"only {len(edges)} imports found: the scan is broken"
+    bad = violations(edges)
+    assert not bad, "imports that break [Note: floors] in tests/test_layering.py:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source, found", [
+    ("from ..app import cli", "qzero.app.cli"),                        # relative, at the top
+    ("def f():\n    from ..app.train import launch", "qzero.app.train"),  # inside a function
+    ("import qzero.app.backends as b", "qzero.app.backends"),          # absolute
+    ("import importlib\nimportlib.import_module('qzero.app.cli')", "qzero.app.cli"),
+    ("from qzero.app import workload", "qzero.app.workload"),
+    ("from .. import optim", "qzero.optim"),
+])
+def test_the_scan_finds_every_form_of_import(source, found):
+    path = SRC / "qzero" / "wire" / "engine.py"  # read as if written there
+    assert found in [m for _, m in imports_of(path, source)]
+    edges = [("qzero.wire.engine", path, line, m) for line, m in imports_of(path, source)]
+    assert violations(edges), f"{source!r} in qzero/wire/engine.py is an upward import, not reported"
+
+
+def test_a_sibling_import_is_reported():
+    path = SRC / "qzero" / "fsdp" / "group.py"
+    edges = [("qzero.fsdp.group", path, 1, "qzero.integrations.deepspeed")]
+    assert violations(edges) == ["qzero/fsdp/group.py:1: qzero.fsdp.group -> qzero.integrations.deepspeed (its own floor)"]
+
+
+def test_importing_the_library_leaves_the_app_unimported():
+    """In a fresh interpreter: import the library's ways in (those whose optional dependencies
+    are installed), resolve every public name, and find no ``qzero.app`` module loaded."""
+    modules = ["qzero", "qzero.optim", "qzero.fsdp", "qzero.wire", "qzero.integrations"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        modules.append("qzero.integrations.deepspeed")
+        if importlib.util.find_spec("transformers") is not None:
+            modules.append("qzero.integrations.hf")
+    code = textwrap.dedent(f"""
+        import importlib, sys
+        for m in {modules!r}:
+            importlib.import_module(m)
+        import qzero
+        for name in qzero.__all__:
+            getattr(qzero, name)
+        for name in qzero._LIBRARY:
+            getattr(qzero, name)
+        app = sorted(m for m in sys.modules if m == "qzero.app" or m.startswith("qzero.app.") or m == "qzero.__main__")
+        print("APP", app)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "APP []" in res.stdout, f"importing {modules} loaded the application: {res.stdout.strip()}"
+
+
+def test_the_app_is_no_attribute_of_the_library():
+    """``qzero.<name>`` finds the library's subpackages on first use, never the application,
+    which is imported by name only."""
+    code = ("import sys, qzero\n"
+            "assert not hasattr(qzero, 'app'), 'qzero.app found as an attribute'\n"
+            "assert not hasattr(qzero, 'cli')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('qzero.app')))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]"
