@@ -143,7 +143,7 @@ def ds_config(args, stage, quant=None):
         zero.update(overlap_comm=True, round_robin_gradients=True, contiguous_gradients=True)
     if quant is not None:
         zero.update(zero_quantized_weights=quant, zero_quantized_weights_group_size=64,
-                    zero_quantized_weights_small_param_numel=small_param_numel(args))
+                    small_param_numel=small_param_numel(args))
         if quant and args.overlap:
             zero["overlap_param_gather"] = True
     if args.offload != "none":

@@ -74,8 +74,15 @@ def test_train_runs_and_records(tmp_path):
         (["train", "--data", "{tiny}", "--seq-len", "4096"], "longer than the data"),
         (["qualify", "--order", "BBB"], "--order"),
         (["qualify", "--candidate", "colour=blue"], "unknown setting .colour.; KEY is a workload setting"),
-        (["train", "--group-size", "12"], "group_size"),
-        (["qualify", "--candidate", "group_size=12"], "--candidate: group_size must be a positive multiple of 8"),
+        (["train", "--zero-quantized-weights-group-size", "12"], "zero_quantized_weights_group_size must be"),
+        # the flags of earlier releases: one line naming the flag that replaced each
+        (["train", "--group-size", "12"], "^qzero: error: --group-size is now --zero-quantized-weights-group-size "),
+        (["train", "--format", "int4"], "--format is now --zero-quantized-weights-format"),
+        (["train", "--allgather-bucket", "5e7"], "--allgather-bucket is now --allgather-bucket-size"),
+        (["qualify", "--reduce-bucket", "5e7"], "--reduce-bucket is now --reduce-bucket-size"),
+        (["qualify", "--overlap"], "--overlap is now --overlap-param-gather"),
+        (["qualify", "--no-overlap", "--preset", "tiny"], "--no-overlap is now --no-overlap-param-gather"),
+        (["qualify", "--candidate", "group_size=12"], "--candidate: zero_quantized_weights_group_size must be a positive multiple of 8"),
         (["qualify", "--baseline", "zero_quantized_weights_format=int5"], "--baseline: .*int5"),
         (["qualify", "--candidate", "quantized=true", "--candidate", "zero_quantized_weights=false"],
          "zero_quantized_weights is already set"),
@@ -99,7 +106,8 @@ def test_train_runs_and_records(tmp_path):
         (["train", "--model-config", "{cfg:layers}"], "num_hidden_layers 100,000 is more than the 4,096"),
         (["train", "--lr", "nan"], "lr must be a finite number >= 0, got nan"),
         (["train", "--lr", "-1"], "lr must be a finite number >= 0, got -1.0"),
-        (["train", "--no-quantized", "--format", "int4"], "--format is a setting of the quantized weight gather"),
+        (["train", "--no-quantized", "--zero-quantized-weights-format", "int4"],
+         "--zero-quantized-weights-format is a setting of the quantized weight gather"),
         (["qualify", "--repeats", "0"], "^qzero: error: --repeats must be at least 1, got 0$"),
         (["qualify", "--tolerance", "-1"], "--tolerance must be a finite number >= 0, got -1.0"),
         (["qualify", "--max-loss-diff", "nan"], "--max-loss-diff must be a finite number >= 0, got nan"),
@@ -269,12 +277,12 @@ def test_arm_settings_take_zero_config_names_and_short_names():
     assert (b.zero.overlap_param_gather, c.zero.overlap_param_gather) == (False, True)
     assert b.zero.small_param_numel == c.zero.small_param_numel == 1024  # the tiny preset's threshold
     assert base.zero == b.zero
-    _, b, c = arms("--no-overlap", "--preset", "small", "--baseline", "fmt=int4", "--baseline", "quantized=true",
+    _, b, c = arms("--no-overlap-param-gather", "--preset", "small", "--baseline", "fmt=int4", "--baseline", "quantized=true",
                    "--candidate", "zero_quantized_weights_format=fp8", "--candidate", "group-size=128",
                    "--candidate", "small_param_numel=0", "--candidate", "quantized=true")
     assert (b.zero.zero_quantized_weights_format, c.zero.zero_quantized_weights_format) == ("int4", "fp8")
     assert c.zero.zero_quantized_weights_group_size == 128 and b.zero.zero_quantized_weights_group_size == 64
-    assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap holds for both
+    assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap-param-gather holds for both
     assert (b.zero.small_param_numel, c.zero.small_param_numel) == (4096, 0)
     _, b, c = arms("--small-param-numel", "7", "--allgather-bucket-size", "5e7", "--candidate", "overlap=false")
     assert b.zero.small_param_numel == c.zero.small_param_numel == 7

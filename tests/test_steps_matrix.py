@@ -256,7 +256,7 @@ TINY = ["--device", "cpu", "--world-size", "2", "--preset", "tiny", "--seq-len",
 @pytest.mark.parametrize("args, named", [
     (["--arm", "plain:", "--arm", "x:quantized=true,colour=blue"], "colour"),
     (["--arm", "plain:", "--arm", "x:engine=nope"], "engine"),
-    (["--arm", "plain:", "--arm", "x:group_size=12"], "x: group_size must be a positive multiple of 8"),
+    (["--arm", "plain:", "--arm", "x:group_size=12"], "x: zero_quantized_weights_group_size must be a positive multiple of 8"),
     (["--arm", "plain:", "--arm", "plain:quantized=true"], "twice"),
     (["--arm", "plain:", "--reference", "other"], "other"),
     (["--arm", "plain:", "--peers", "deepspeed"], "deepspeed"),

@@ -310,18 +310,21 @@ def test_kernel_tuning_is_checked_and_frozen():
 
 
 @cpu_only
-def test_gather_through_kernels(monkeypatch):
-    """quantized_all_gather with the kernels plugged in equals the reference path."""
-    import qzero.wire.engine as engine
+def test_gather_through_kernels():
+    """The gather with the Triton kernel set passed in (as a kernel set, through its context:
+    small tiles, many programs) equals the reference path."""
+    from qzero.wire.engine import CommContext
 
     gen = torch.Generator().manual_seed(3)
     flat = weights(3 * 64 * 8 + 64, torch.bfloat16, gen)
     exact = [(0, 10), (500, 700), (1500, 1600)]
+    plan = plan_gather(flat.numel(), 1, fmt="int8", group_size=64, exact_ranges=exact, bucket_numel=512)
     want = flat.clone()
-    quantized_all_gather(want, exact_ranges=exact, bucket_numel=512)
-    monkeypatch.setattr(engine, "kernels_for", lambda device, choice="auto": kernels)
+    quantized_all_gather(want, exact_ranges=exact, bucket_numel=512)  # the reference kernels, on the CPU
     got = flat.clone()
-    quantized_all_gather(got, exact_ranges=exact, bucket_numel=512)
+    context = CommContext("cpu", kernels=tuned(block_elems=64, exact_block_elems=64))
+    assert context.kernels.tuning.block_elems == 64
+    run_gather(got, plan, context=context)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .layout import DEFAULT_BUCKET_NUMEL, DEFAULT_SMALL_PARAM_NUMEL
-from .quant.formats import check_group_size, get_format
+from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, check_group_size, get_format
 from .quant.gradients import check_rotation_block
 from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS, KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
@@ -28,9 +28,8 @@ from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_
 DEFAULT_ROTATION_BLOCK = 32
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
 MAX_SCALE_POWER = 64
-#: The weight payload's defaults (``zero_quantized_weights_format``/``_group_size`` left as None).
-DEFAULT_FORMAT = "int8"
-DEFAULT_GROUP_SIZE = 64
+#: The weight payload's defaults (``zero_quantized_weights_format``/``_group_size`` left as None):
+#: ``DEFAULT_FORMAT``, ``DEFAULT_GROUP_SIZE`` of :mod:`qzero.quant.formats`.
 #: The delta payload's defaults (see ``zero_quantized_weights_delta``; its formats are
 #: ``qzero.vocabulary.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
 DELTA_FORMAT = "int4"
@@ -221,10 +220,10 @@ class ZeroConfig:
     half the bytes until the backward ends ([Note: landing shard] in ``qzero/optim/grads.py``).
     Off: the plain reduction, bit for bit."""
 
-    zero_quantized_gradients_group_size: int = 64
+    zero_quantized_gradients_group_size: int = DEFAULT_GROUP_SIZE
     """Gradient elements that share one fp32 scale; a positive multiple of 8."""
 
-    zero_quantized_gradients_format: str = "int8"
+    zero_quantized_gradients_format: str = DEFAULT_FORMAT
     """Gradient payload format: ``int8`` (round half to even), ``fp8`` (e4m3) or ``int4`` (round
     half to even, two values a byte; 4.5 bits an element with 64-element groups; meant to be
     used with the Hadamard rotation, its default)."""

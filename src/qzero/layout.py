@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .vocabulary import DELTA_FORMATS, FLAT_ORDERS
-from .quant.formats import SCALE_BYTES, QuantFormat, check_group_size, get_format
+from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, SCALE_BYTES, QuantFormat, check_group_size, get_format
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 DEFAULT_SMALL_PARAM_NUMEL = 65_536
@@ -429,8 +429,8 @@ def plan_gather(
     *,
     elem_size: int = 2,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    fmt: str | None = "int8",
-    group_size: int = 64,
+    fmt: str | None = DEFAULT_FORMAT,
+    group_size: int = DEFAULT_GROUP_SIZE,
     exact_ranges: Sequence[Range] = (),
     delta: bool = False,
 ) -> GatherPlan:
@@ -577,10 +577,10 @@ def plan_flat_layout(
     *,
     elem_size: int = 2,
     alignment: int | None = None,
-    group_size: int = 64,
+    group_size: int = DEFAULT_GROUP_SIZE,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    fmt: str | None = "int8",
+    fmt: str | None = DEFAULT_FORMAT,
     order: str = "contiguous",
     delta: bool = False,
 ) -> FlatLayout:

@@ -13,6 +13,10 @@ from ..vocabulary import WEIGHT_FORMATS
 
 #: Scales are fp32, one per group.
 SCALE_BYTES = 4
+#: The payload's format and group size where none is given (``ZeroConfig``'s defaults, the
+#: planner's, the reference quantizer's, the public gathers').
+DEFAULT_FORMAT = "int8"
+DEFAULT_GROUP_SIZE = 64
 
 
 @dataclass(frozen=True)

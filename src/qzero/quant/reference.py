@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import SCALE_BYTES, QuantFormat, get_format
+from .formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, SCALE_BYTES, QuantFormat, get_format
 
 FLT_MIN = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal fp32
 #: The refusal flag of delta payloads while no group has been refused ([Note: delta payload]).
@@ -89,8 +89,8 @@ def group_scales(x32: torch.Tensor, group_size: int, fmt: QuantFormat) -> torch.
 
 def quantize(
     x: torch.Tensor,
-    group_size: int = 64,
-    fmt: str = "int8",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    fmt: str = DEFAULT_FORMAT,
     exact_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 1-D tensor group-wise.
@@ -201,8 +201,8 @@ def dequantize(
     values: torch.Tensor,
     scales: torch.Tensor,
     numel: int,
-    group_size: int = 64,
-    fmt: str = "int8",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    fmt: str = DEFAULT_FORMAT,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize` (exact elements come back as zeros)."""

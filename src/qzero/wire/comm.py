@@ -21,6 +21,7 @@ from .agreement import MAX_FIELDS, check_fields, describe_mismatch, digest
 from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (public names)
 from .engine import CommContext, GatherStats, start_gather, stats_of, world_and_rank  # noqa: F401
 from ..layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
+from ..quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE
 from ..vocabulary import WEIGHT_FORMATS
 
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16)
@@ -33,10 +34,10 @@ def quantized_all_gather(
     flat: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    group_size: int = 64,
+    group_size: int = DEFAULT_GROUP_SIZE,
     exact_ranges=(),
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    fmt: str = "int8",
+    fmt: str = DEFAULT_FORMAT,
 ) -> GatherStats:
     """Quantize every rank's partition of ``flat`` chunk by chunk, gather, dequantize in place.
 

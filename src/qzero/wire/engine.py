@@ -26,7 +26,7 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
     Per chunk the host launches the pack, the collective, one unpack over every source
     rank's payload and one scatter of their exact elements (:mod:`qzero.wire.chunks`), switches
     the current stream twice and records one event (after the unpack); the Triton kernels
-    are launched through their compiled form (:func:`qzero.quant.triton._launch`).
+    are launched through their compiled form (:meth:`qzero.quant.triton_launch.Launcher.launch`).
 
     The host *enqueues* chunks lazily: the first ``LOOKAHEAD`` at the start, and each
     ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
