@@ -88,12 +88,13 @@ try:
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from qzero.vocabulary import DELTA_FORMATS, GRADIENT_FORMATS  # noqa: E402
+from qzero.vocabulary import WEIGHT_FORMATS as FORMATS  # noqa: E402
+
 DEFAULT_ARMS = "bf16,int8-g64,int8-g8192,fp8-g64,int4-g64"
 DP_ARMS = "bf16,int8-g64,int8-g64+gq-int8-g64,int8-g64+gq-int8-g256"  # the gradient study, --world-size 2
 #: The delta study (docs/delta-gathers.md): --world-size 2 --share-gpu --arms "$DELTA_ARMS"
 DELTA_ARMS = "bf16,int8-g64,int4-g64,int4-delta-g256,int4-delta-g2048"
-FORMATS = ("int8", "fp8", "int4")
-DELTA_FORMATS = ("int4", "int8")
 TARGET_ARM, TARGET_PCT = "int8-g64", 0.5  # INT8 g64 must finish within 0.5% of bf16
 DELTA_TARGET_PCT = 0.25  # a delta arm must finish within 0.25% of bf16 (closer than INT8 weights)
 MARK = "@@conv"  # progress lines a worker prints on stdout
@@ -178,7 +179,6 @@ def parse_arm(name: str) -> Arm:
     said explicitly) and ``-ef`` (error feedback), e.g. ``int8-g64+gq-int8-g64``,
     ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``, ``int8-g64+gq-int4-g64-noh``,
     ``int8-g64+gq-int4-g64-h32-ef``."""
-    from qzero.config import GRADIENT_FORMATS
 
     name = name.strip()
     weights, plus, grads = name.partition("+")

@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from qzero.vocabulary import WEIGHT_FORMATS
 from qzero.wire import chunks
 from qzero.wire.chunks import pack_chunk, unpack_chunk
 from qzero.wire.engine import CommContext, fitting_plan, start_gather
@@ -139,9 +140,10 @@ def time_whole(flat, plan, group, context) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=float, default=2e9, help="flat buffer elements (bf16)")
-    ap.add_argument("--bucket", type=float, default=5e7, help="gather bucket (elements across all ranks)")
-    ap.add_argument("--fmt", default="int8")
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--bucket", type=float, default=5e7,
+                    help="ZeroConfig.allgather_bucket_size: gather bucket (elements across all ranks)")
+    ap.add_argument("--fmt", default="int8", choices=WEIGHT_FORMATS, help="ZeroConfig.zero_quantized_weights_format")
+    ap.add_argument("--group-size", type=int, default=64, help="ZeroConfig.zero_quantized_weights_group_size")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", default=None)
