@@ -3,8 +3,9 @@
 [Note: profiler labels]
 A trace of a training run (``torch.profiler.profile()``, Kineto, Nsight through NVTX) shows
 qzero's time under these names, defined here once. Each is a host-side range around the work
-it names; on CUDA the kernels it launches appear under it. A range costs a few microseconds of
-host time when no profiler runs (``record_function`` checks whether one is recording).
+it names; on CUDA the kernels it launches appear under it. When no profiler is recording
+(``torch.profiler.profile``, ``torch.autograd.profiler.emit_nvtx``...), :func:`label` opens no
+range at all: one check, well under a microsecond, instead of a ``record_function`` call.
 
 ========================  ================================================================
 ``qzero::step``           one optimizer step (``ZeroOptimizer.step``): update and gather
@@ -24,6 +25,9 @@ side streams, not where the device runs it (the kernels inside are on the stream
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch.profiler import record_function
 
 STEP = "qzero::step"
@@ -38,6 +42,12 @@ REDUCE_GRADIENTS = "qzero::reduce_gradients"
 LABELS = (STEP, UPDATE, GATHER, PACK, ALL_GATHER, UNPACK, REDUCE_GRADIENTS)
 
 
-def label(name: str) -> record_function:
-    """The profiler range ``name`` (one of :data:`LABELS`), as a context manager."""
+_NO_RANGE = contextlib.nullcontext()
+
+
+def label(name: str):
+    """The profiler range ``name`` (one of :data:`LABELS`), as a context manager; nothing while
+    no profiler records."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NO_RANGE
     return record_function(name)
