@@ -23,12 +23,11 @@ from ..layout import ChunkPlan, GatherPlan, GroupRuns, PayloadKind, PayloadLayou
 from .labels import PACK, UNPACK, label
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """torch.distributed's flat-output all-gather: every rank's ``input`` into ``output``, rank by
-    rank (torch 2.13 renamed it ``all_gather_single``; older releases only have the old name).
-    Looked up on ``torch.distributed`` at each call."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=async_op)
+#: torch.distributed's flat-output all-gather, ``(output, input, group=, async_op=)``: every
+#: rank's ``input`` into ``output``, rank by rank (torch 2.13 renamed it ``all_gather_single``;
+#: older releases only have the old name). The default collective of a
+#: :class:`~qzero.wire.engine.CommContext`, which takes another as its argument.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class GatherCache:

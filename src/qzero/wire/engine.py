@@ -78,8 +78,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .chunks import (DeltaInputs, GatherCache, all_gather_into, pack_chunk, peer_failure,  # noqa: F401
-                     unpack_chunk, exact_index, exact_scatter)
+from . import chunks
+from .chunks import DeltaInputs, GatherCache, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk  # noqa: F401
 from .labels import ALL_GATHER, GATHER, label
 from ..config import GATHER_SCHEDULES
 from ..layout import GatherPlan, plan_gather
@@ -178,7 +178,7 @@ class CommContext:
         #: by the owner: the gathers then run on its group, their receive buffers from its memory.
         self.copy_engine = None
         #: The collective every chunk runs.
-        self.all_gather = all_gather_into if all_gather is None else all_gather
+        self.all_gather = chunks.all_gather_into if all_gather is None else all_gather
         #: Cycles to spin before each stage (see above).
         self.delays = {stage: int(delays.get(stage, 0)) for stage in STAGES}
         #: What running plans derives, kept for as long as this context lives.
