@@ -144,12 +144,13 @@ def _decoding_as_rank0(unpack_chunk):
     same kernels and launches as on a real world; the tables are built once per chunk."""
     import torch
 
-    from qzero.wire.chunks import exact_index
+    from qzero.wire.chunks import GatherCache, exact_index
     from qzero.layout import GroupRuns, PayloadKind
 
+    kept = GatherCache()  # for as long as the wrapper is installed
+
     def rank0_everywhere(plan, chunk, device):
-        key = ("emulated: rank 0's payload everywhere", chunk.index, device)
-        if key not in plan._cache:
+        def make():
             w, pb, es, p = plan.world_size, chunk.payload_bytes, plan.elem_size, plan.partition_numel
             layout = plan.payload_of(chunk, 0)
             runs = GroupRuns(chunk.numel, plan.group_size, (chunk.runs[0],) * w, (layout,) * w, pb)
@@ -158,12 +159,13 @@ def _decoding_as_rank0(unpack_chunk):
             side = torch.arange(idx.numel())
             src = torch.cat([(r * pb + layout.exact_offset) // es + side for r in range(w)])
             dst = torch.cat([r * p + chunk.offset + idx for r in range(w)])
-            plan._cache[key] = runs, (src.to(device), dst.to(device))
-        return plan._cache[key]
+            return runs, (src.to(device), dst.to(device))
 
-    def unpack(flat, plan, chunk, rank, buf, kernels, delta=None):
+        return kept.get(plan, ("emulated: rank 0's payload everywhere", chunk.index, device), make)
+
+    def unpack(flat, plan, chunk, rank, buf, kernels, delta=None, cache=None):
         if chunk.kind is not PayloadKind.PER_RANK:
-            return unpack_chunk(flat, plan, chunk, rank, buf, kernels, delta)
+            return unpack_chunk(flat, plan, chunk, rank, buf, kernels, delta, cache)
         runs, exact = rank0_everywhere(plan, chunk, flat.device)
         args = (buf, flat, plan.partition_numel, chunk.offset, chunk.numel, plan.world_size, None, plan.group_size,
                 plan.fmt, exact)

@@ -23,6 +23,10 @@ import qzero
 from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
 
+#: Set by install_delays: wraps each optimizer's collective (CommContext.all_gather).
+_DELAYED = None
+
+
 def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank)
@@ -33,7 +37,9 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
                            reduce_bucket_size=60_000, **cfg_kwargs)  # small windows: the embedding spans many
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3, fused=True), config=cfg)
     if delay_stage is not None:  # one side stream late: exposes a missing wait between streams
-        opt.context.delay_cycles[delay_stage] = 2_000_000
+        opt.context.delays[delay_stage] = 2_000_000
+    if _DELAYED is not None:
+        opt.context.all_gather = _DELAYED(opt.context.all_gather)
     corpus = load_corpus()
     losses = []
     for step in range(steps):
@@ -57,13 +63,11 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
 
 
 def install_delays(seed: int) -> None:
-    """Random GPU sleeps before every collective launch and wait."""
+    """Random GPU sleeps before every collective launch and wait (of the optimizers run() makes from now on)."""
     import random
 
-    import qzero.wire.chunks as chunks
-
+    global _DELAYED
     rng = random.Random(seed)
-    real = chunks.all_gather_into
 
     class SlowWork:
         def __init__(self, work):
@@ -73,12 +77,15 @@ def install_delays(seed: int) -> None:
             torch.cuda._sleep(rng.randrange(0, 2_000_000))
             return self.work.wait()
 
-    def delayed(out, inp, group=None, async_op=False):
-        torch.cuda._sleep(rng.randrange(0, 2_000_000))
-        work = real(out, inp, group=group, async_op=async_op)
-        return SlowWork(work) if async_op else work
+    def wrap(real):
+        def delayed(out, inp, group=None, async_op=False):
+            torch.cuda._sleep(rng.randrange(0, 2_000_000))
+            work = real(out, inp, group=group, async_op=async_op)
+            return SlowWork(work) if async_op else work
 
-    chunks.all_gather_into = delayed
+        return delayed
+
+    _DELAYED = wrap
 
 
 def delta_checks(check, plain_by_stage, steps=8) -> None:

@@ -363,9 +363,7 @@ def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
         return flat, int(refused.item())
 
     want = gather(CommContext("cuda", schedule="inline"))
-    streams = CommContext("cuda", schedule="streams")
-    if stage is not None:
-        streams.delay_cycles[stage] = 2_000_000
+    streams = CommContext("cuda", schedule="streams", delays={} if stage is None else {stage: 2_000_000})
     for _ in range(2):
         got = gather(streams)
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from distributed import run_distributed
 
 import qzero
-import qzero.wire.chunks as chunks
 import qzero.wire.overlap as overlap
 from qzero.layout import plan_gather
 
@@ -35,10 +34,11 @@ class Net(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def install_delays(seed):
-    """Random sleeps around every gather launch and wait, to shake out missing waits."""
+def install_delays(opt, seed):
+    """Random sleeps around every gather launch and wait, to shake out missing waits (the
+    optimizer's gathers run the collective of its context)."""
     rng = random.Random(seed)
-    real = chunks.all_gather_into
+    real = opt.context.all_gather
 
     class SlowWork:
         def __init__(self, work):
@@ -53,15 +53,15 @@ def install_delays(seed):
         work = real(out, inp, group=group, async_op=async_op)
         return SlowWork(work) if async_op else work
 
-    chunks.all_gather_into = delayed
+    opt.context.all_gather = delayed
 
 
 def run(rank, world, cfg_kwargs, steps, reverse=False, delays=False):
-    if delays:
-        install_delays(1000 + rank)
     torch.manual_seed(rank)
     model = Net(reverse).bfloat16()
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=qzero.ZeroConfig(**cfg_kwargs))
+    if delays:
+        install_delays(opt, 1000 + rank)
     losses, pending_seen = [], False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -387,9 +387,7 @@ def test_gpu_pipeline_matches_unpipelined(fmt, stage):
     plan = plan_gather(numel, 1, fmt=fmt, group_size=64, exact_ranges=exact, bucket_numel=1 << 19)
     want = flat.clone()
     run_gather(want, plan, context=CommContext(flat.device, schedule="inline"))
-    streams = CommContext(flat.device, schedule="streams")
-    if stage is not None:
-        streams.delay_cycles[stage] = 2_000_000
+    streams = CommContext(flat.device, schedule="streams", delays={} if stage is None else {stage: 2_000_000})
     assert fitting_plan(plan, 2) is not None
     for _ in range(2):
         got = flat.clone()

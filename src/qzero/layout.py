@@ -167,8 +167,10 @@ class GatherPlan:
     exact_ranges: tuple[Range, ...]
     delta: bool = False
     """The payload carries quantized differences against the replica ([Note: delta payload] in
-    :mod:`qzero.quant.reference`); the same sections and layout as a weight payload."""
-    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    :mod:`qzero.quant.reference`); the same sections and layout as a weight payload.
+
+    A pure value: what running it derives (device index tensors, group runs) is kept by the
+    object that runs it (:class:`qzero.wire.chunks.GatherCache`)."""
 
     @property
     def partition_numel(self) -> int:
@@ -236,20 +238,15 @@ class GatherPlan:
         """What the kernels need of a ``PER_RANK`` chunk: the group runs and layouts of every
         rank's payload (``rank=None``: rows in rank order, for the unpack) or of ``rank``'s
         alone (one row, for its pack; None when that rank codes every group). None for the
-        other kinds. Cached on the plan."""
+        other kinds. A new object each call (a runner keeps it: :class:`qzero.wire.chunks.GatherCache`)."""
         if chunk.kind is not PayloadKind.PER_RANK:
             return None
-        key = ("group_runs", chunk.index, rank)
-        if key not in self._cache:
-            if rank is None:
-                runs = GroupRuns(chunk.numel, self.group_size, chunk.runs, chunk.layouts, chunk.payload_bytes)
-            elif any(first < 0 for _, _, first in chunk.runs[rank]):
-                runs = GroupRuns(chunk.numel, self.group_size, (chunk.runs[rank],), (chunk.layouts[rank],),
-                                 chunk.payload_bytes)
-            else:
-                runs = None
-            self._cache[key] = runs
-        return self._cache[key]
+        if rank is None:
+            return GroupRuns(chunk.numel, self.group_size, chunk.runs, chunk.layouts, chunk.payload_bytes)
+        if any(first < 0 for _, _, first in chunk.runs[rank]):
+            return GroupRuns(chunk.numel, self.group_size, (chunk.runs[rank],), (chunk.layouts[rank],),
+                             chunk.payload_bytes)
+        return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -258,7 +255,8 @@ class GroupRuns:
     and layouts of one or more payloads of one ``PER_RANK`` chunk, each ``payload_bytes``
     apart in a receive buffer (see [Note: exact groups]). The Triton launcher derives device
     tables from them (:meth:`qzero.quant.triton_launch.Launcher.runs_table`), kept as long as
-    this object lives (the plan that caches it)."""
+    this object lives: as long as the :class:`qzero.wire.chunks.GatherCache` that keeps it,
+    that is as long as the owner of the gathers."""
 
     numel: int
     group_size: int

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..wire.agreement import canonical
 from ..wire.comm import local_outcome
-from ..wire.engine import CommContext, start_gather
+from ..wire.engine import CommContext, finish_gather, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
 from ..config import ZeroConfig
 from ..quant import kernels_for
@@ -200,7 +200,7 @@ class GroupQuantizedAllGather(_AllGather):
         plan = self._plan(n, world, output_tensor.element_size())
         # On the stream FSDP2 called us on (its all-gather stream in forward and backward):
         # FSDP2 records its event there after we return, and the compute stream waits for it.
-        start_gather(output_tensor, plan, group, self._context(output_tensor)).wait()
+        finish_gather(start_gather(output_tensor, plan, group, self._context(output_tensor)))
         self.calls["quantized"] += 1
         return None  # nothing left in flight: FSDP2 then relies on its event alone
 

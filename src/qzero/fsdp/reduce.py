@@ -38,6 +38,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..wire.agreement import canonical
 from ..wire.comm import local_outcome
+from ..wire.labels import REDUCE_GRADIENTS, label
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
@@ -207,8 +208,9 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         parts = [(r, r * n, n, r * n) for r in range(world)]
         # On the stream FSDP2 called us on (its reduce-scatter stream): FSDP2 records its
         # event there after we return, and the stream that reads the output waits for it.
-        pending, sent = exchange.launch(input_tensor, n, parts)
-        total, _ = exchange.finish(pending, n)
+        with label(REDUCE_GRADIENTS):
+            pending, sent = exchange.launch(input_tensor, n, parts)
+            total, _ = exchange.finish(pending, n)
         if kind == "avg":
             total.mul_(1.0 / world)  # as the ZeroOptimizer averages its fp32 sums
         output_tensor.copy_(total)

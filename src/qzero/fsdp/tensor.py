@@ -6,6 +6,9 @@ tensors to all-gather, ``fsdp_post_all_gather`` turns what came back into the
 unsharded parameter used for compute. :class:`QuantizedGatherTensor` wraps the fp32
 master and implements both:
 
+Both run the wire's chunk unit (:func:`qzero.wire.chunks.pack_shard`, :func:`~qzero.wire.chunks.unpack_shards`:
+a whole shard as one payload with no side channel); FSDP2 runs the all-gather between them.
+
 * pre: quantize the rank's fp32 shard, flattened, in groups of ``group_size``
   (fp32 scales, round half to even: :mod:`qzero.quant.reference`, the Triton kernels
   on CUDA, the same bytes) into one uint8 payload ``[values | scales]``
@@ -47,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from ..layout import quantized_payload_layout
 from ..quant import kernels_for, reference
+from ..wire.chunks import pack_shard, unpack_shards
 
 aten = torch.ops.aten
 
@@ -226,9 +230,8 @@ class QuantizedGatherTensor(torch.Tensor):
         n = shard.numel()
         layout = quantized_payload_layout(n, self._format.group_size, self._format.fmt)
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=shard.device)
-        kernels_for(shard.device).pack_payload(
-            shard.detach().reshape(-1), payload, layout, self._format.group_size, self._format.fmt, None
-        )
+        pack_shard(shard.detach().reshape(-1), payload, layout, self._format.group_size, self._format.fmt,
+                   kernels_for(shard.device))
         return (payload,), (n, layout)
 
     def fsdp_post_all_gather(
@@ -268,8 +271,7 @@ class QuantizedGatherTensor(torch.Tensor):
         at ``dst[r * n:][:n]``)."""
         kernels = kernels_for(dst.device) if dst.dtype in _KERNEL_DTYPES else reference
         world = payloads.shape[0]
-        kernels.unpack_payloads(payloads.reshape(-1), dst, n, 0, n, world, layout, self._format.group_size,
-                                self._format.fmt, None)
+        unpack_shards(payloads, dst, n, world, layout, self._format.group_size, self._format.fmt, kernels)
 
 
 def shard_shape(full: tuple[int, ...], world: int) -> tuple[int, ...]:

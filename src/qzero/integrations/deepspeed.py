@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire.comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
-from ..wire.engine import CommContext, start_gather
+from ..wire.engine import CommContext, finish_gather, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
 from ..config import ZeroConfig, keyword_settings
 from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class
@@ -309,9 +309,9 @@ class QuantizedGather:
             handle = start_gather(flat, g.plan, g.process_group, self.context, ahead=ahead)
             if ahead:
                 self.wiring.ahead.start(g.index, handle)
+                stats.append(handle.stats)
             else:
-                handle.wait()
-            stats.append(handle.stats)
+                stats.append(finish_gather(handle))
         self.calls += 1
         self.bytes_sent += sum(s.bytes_sent for s in stats)
         self.plain_bytes += sum(s.plain_bytes for s in stats)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..wire.comm import GatherStats
 from ..config import ZeroConfig
-from ..wire.engine import CommContext, GatherHandle, start_gather
+from ..wire.engine import CommContext, GatherHandle, finish_gather, start_gather
 from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
 from .delta import DeltaLoop
 
@@ -130,9 +130,7 @@ class FlatGroup:
         ``update(start, stop)``, if given, steps the master shard's ``[start, stop)`` first;
         the gather asks for it chunk by chunk (:meth:`prepare`), so the first chunks leave
         before the whole update has run (sliced update)."""
-        handle = self.start_gather(update)
-        handle.wait()
-        return handle.stats
+        return finish_gather(self.start_gather(update))
 
     def start_gather(self, update: Callable[[int, int], None] | None = None, ahead: bool = False) -> GatherHandle:
         """Copy the master shard into the partition and start the gather without waiting
@@ -186,15 +184,14 @@ class FlatGroup:
         its padding, gather the partitions as they are (plainly) and take up the saved loop."""
         for a, b in self.layout.padding_ranges(self.lo, self.hi):
             self.own[a:b].zero_()
-        start_gather(self.flat, self.exact_plan, self.process_group, self.context).wait()
+        finish_gather(start_gather(self.flat, self.exact_plan, self.process_group, self.context))
         self.delta.load_state_dict(loop_state)
 
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization): with delta
         gathers, an exact resync."""
         self.own.copy_(self.master)
-        handle = start_gather(self.flat, self.exact_plan, self.process_group, self.context)
-        handle.wait()
+        stats = finish_gather(start_gather(self.flat, self.exact_plan, self.process_group, self.context))
         if self.delta is not None:
             self.delta.gathered(exact=True)
-        return handle.stats
+        return stats

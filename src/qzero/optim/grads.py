@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire.comm import peer_failure
+from ..wire.labels import REDUCE_GRADIENTS, label
 from ..buckets import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
 from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
@@ -340,13 +341,16 @@ class Stage1Grads:
     def before_step(self) -> None:
         pending: deque = deque()
         for launch, finish, unit, buf in self._units():
-            pending.append((finish, launch(buf, unit), buf, unit))
+            with label(REDUCE_GRADIENTS):
+                pending.append((finish, launch(buf, unit), buf, unit))
             if len(pending) > MAX_IN_FLIGHT:
                 done, works, b, u = pending.popleft()
-                done(works, b, u)
+                with label(REDUCE_GRADIENTS):
+                    done(works, b, u)
         while pending:
             done, works, b, u = pending.popleft()
-            done(works, b, u)
+            with label(REDUCE_GRADIENTS):
+                done(works, b, u)
 
     def take_stats(self) -> ReduceStats:
         return self.reducer.take_stats()
@@ -427,13 +431,15 @@ class Stage2Grads:
     def _launch(self, bucket) -> None:
         buf = self._staging_for(bucket)  # zeros if backward delivered nothing to it
         del self._staging[bucket.index]
-        self._pending.append((self.reducer.finish, self.reducer.launch(buf, bucket), buf, bucket))
+        with label(REDUCE_GRADIENTS):
+            self._pending.append((self.reducer.finish, self.reducer.launch(buf, bucket), buf, bucket))
         self._launched.add(bucket.index)
         self._bound_in_flight()
 
     def _launch_solo(self, slot_index: int, buf: torch.Tensor) -> None:
         slot = self.group.layout.slots[slot_index]
-        self._pending.append((self.reducer.finish_solo, self.reducer.launch_solo(buf, slot), buf, slot))
+        with label(REDUCE_GRADIENTS):
+            self._pending.append((self.reducer.finish_solo, self.reducer.launch_solo(buf, slot), buf, slot))
         self._solo_sent.add(slot_index)
         self._bound_in_flight()
 
@@ -443,7 +449,8 @@ class Stage2Grads:
 
     def _finish_oldest(self) -> None:
         finish, works, buf, unit = self._pending.popleft()
-        finish(works, buf, unit)
+        with label(REDUCE_GRADIENTS):
+            finish(works, buf, unit)
 
     def after_backward(self) -> None:
         """Reduce what backward left (buckets and solo parameters without a gradient count

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch.optim import optimizer as optim_module
 
+from ..wire.labels import UPDATE, label
+
 SLICEABLE = (torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -74,7 +76,8 @@ class SlicedUpdate:
             for i, g in enumerate(groups):
                 g["params"] = [view] if i == gi else []
             self.optimizer.state[view] = sliced
-            self.optimizer.step()
+            with label(UPDATE):
+                self.optimizer.step()
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params

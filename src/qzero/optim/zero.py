@@ -28,6 +28,7 @@ from ..config import ZeroConfig
 from ..wire.copy_engine import CopyEngineComm, check_copy_engine_support
 from ..wire.engine import DEPTH as OVERLAP_DEPTH
 from ..wire.engine import CommContext
+from ..wire.labels import STEP, UPDATE, label
 from ..wire.overlap import GatherAhead
 from .error_feedback import ErrorFeedback
 from ..quant.reference import NOT_REFUSED
@@ -188,6 +189,10 @@ class ZeroOptimizer:
         With ``overlap_param_gather`` the gather is started, not finished: the next
         forward's modules each wait for their own chunks.
         """
+        with label(STEP):
+            return self._step()
+
+    def _step(self) -> bool:
         self.wait_for_weights()
         for grads in self.grads:
             grads.before_step()
@@ -232,7 +237,8 @@ class ZeroOptimizer:
             sliced = sliced_update.SlicedUpdate(self.optimizer, masters)
             updates = [functools.partial(sliced.update, i) for i in range(len(self.groups))]
         else:
-            self.optimizer.step()
+            with label(UPDATE):
+                self.optimizer.step()
             if self.config.check_finite:
                 self._check_finite(masters, "weights", "nothing was gathered, so no replica received them")
             sliced, updates = None, [None] * len(self.groups)

@@ -5,8 +5,10 @@ them and nothing else does. The vocabulary (partition, chunk, payload, exact ran
 defined in ``docs/design.md``; what a payload holds (coded and exact groups, side
 elements, the payload kinds) in ``[Note: exact groups]`` in :mod:`qzero.layout`.
 
-``all_gather_into`` is looked up through this module by every caller, so a test can
-replace it in one place (to inject delays around every collective launch and wait).
+What running a plan derives from it (device index tensors, group runs with the kernels'
+tables, plans cut to fit) is kept in a :class:`GatherCache` owned by whoever runs the plan (a
+:class:`~qzero.wire.engine.CommContext`); a :class:`~qzero.layout.GatherPlan` itself is a pure
+value. The collective is :func:`all_gather_into` unless the context was given another one.
 """
 
 from __future__ import annotations
@@ -17,10 +19,52 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..layout import ChunkPlan, GatherPlan, PayloadKind
+from ..layout import ChunkPlan, GatherPlan, GroupRuns, PayloadKind, PayloadLayout
+from .labels import PACK, UNPACK, label
 
-# torch 2.13 renamed the flat-output all-gather; older releases only have the old name.
+
+#: torch.distributed's flat-output all-gather, ``(output, input, group=, async_op=)``: every
+#: rank's ``input`` into ``output``, rank by rank (torch 2.13 renamed it ``all_gather_single``;
+#: older releases only have the old name). The default collective of a
+#: :class:`~qzero.wire.engine.CommContext`, which takes another as its argument.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GatherCache:
+    """What running plans derives from them, per plan, owned by the object that runs them.
+
+    Entries are keyed by the plan's identity and keep the plan alive, so an entry never outlives
+    its owner nor answers for another plan: device index tensors (:func:`exact_index`,
+    :func:`exact_scatter`, copied to the device once, never inside a running gather), the
+    :class:`~qzero.layout.GroupRuns` of ``PER_RANK`` chunks (whose own cache holds the Triton
+    kernels' device tables), and plans derived from a plan (cut to fit, or whole). An owner runs a
+    handful of plans (its groups' gather and exact plans, and the ones derived from them), so it
+    holds a handful of entries."""
+
+    def __init__(self):
+        self._plans: dict[int, tuple[GatherPlan, dict]] = {}
+
+    def get(self, plan: GatherPlan, key, make):
+        """The entry ``key`` of ``plan``, made by ``make()`` the first time."""
+        hit = self._plans.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            hit = self._plans[id(plan)] = (plan, {})
+        entries = hit[1]
+        if key not in entries:
+            entries[key] = make()
+        return entries[key]
+
+    def exact_index(self, plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device):
+        return self.get(plan, ("exact_index", chunk.index, rank, device), lambda: exact_index(plan, chunk, rank, device))
+
+    def exact_scatter(self, plan: GatherPlan, chunk: ChunkPlan, device: torch.device):
+        return self.get(plan, ("exact_scatter", chunk.index, device), lambda: exact_scatter(plan, chunk, device))
+
+    def group_runs(self, plan: GatherPlan, chunk: ChunkPlan, rank: int | None = None) -> GroupRuns | None:
+        return self.get(plan, ("group_runs", chunk.index, rank), lambda: plan.group_runs(chunk, rank))
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 class PeerFailure(RuntimeError):
@@ -89,8 +133,14 @@ class DeltaInputs(NamedTuple):
 
 
 def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,
-               delta: DeltaInputs | None = None):
-    """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot."""
+               delta: DeltaInputs | None = None, cache: GatherCache | None = None):
+    """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot.
+    ``cache``: where the chunk's index tensors and group runs are kept (None: made for this call)."""
+    with label(PACK):
+        return _pack_chunk(flat, plan, chunk, rank, buf, kernels, delta, cache or GatherCache())
+
+
+def _pack_chunk(flat, plan, chunk, rank, buf, kernels, delta, cache: GatherCache):
     p = plan.partition_numel
     mine = slot(plan, chunk, rank, buf)
     src = flat[rank * p + chunk.offset : rank * p + chunk.offset + chunk.numel]
@@ -99,8 +149,8 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
         out = mine[: chunk.numel * plan.elem_size].view(flat.dtype)
         out.copy_(src if not plan.delta else delta.target[chunk.offset : chunk.offset + chunk.numel])
         return mine
-    layout, runs = plan.payload_of(chunk, rank), plan.group_runs(chunk, rank)
-    index = exact_index(plan, chunk, rank, flat.device)
+    layout, runs = plan.payload_of(chunk, rank), cache.group_runs(plan, chunk, rank)
+    index = cache.exact_index(plan, chunk, rank, flat.device)
     if plan.delta:
         target = delta.target[chunk.offset : chunk.offset + chunk.numel]
         kernels.pack_delta_payload(target, src, mine, layout, plan.group_size, plan.fmt, index, runs)
@@ -110,18 +160,23 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
 
 
 def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int, buf: torch.Tensor, kernels,
-                 delta: DeltaInputs | None = None) -> None:
+                 delta: DeltaInputs | None = None, cache: GatherCache | None = None) -> None:
     """Write every source rank's payload of ``chunk`` into the flat buffer (this rank's own
     included when quantized, so that all replicas hold the same bits): one dequantizing
     pass over all ranks' payloads (a delta payload's is added into the replica in place),
-    then one scatter of all their exact elements."""
+    then one scatter of all their exact elements. ``cache`` as in :func:`pack_chunk`."""
+    with label(UNPACK):
+        _unpack_chunk(flat, plan, chunk, buf, kernels, delta, cache or GatherCache())
+
+
+def _unpack_chunk(flat, plan, chunk, buf, kernels, delta, cache: GatherCache) -> None:
     p, w = plan.partition_numel, plan.world_size
     if chunk.kind is PayloadKind.PLAIN:
         # one strided copy for every rank's slice (this rank's own slot holds its own bits)
         src = buf[: w * chunk.payload_bytes].view(flat.dtype).view(w, -1)[:, : chunk.numel]
         flat.view(w, p)[:, chunk.offset : chunk.offset + chunk.numel].copy_(src)
         return
-    exact, runs = exact_scatter(plan, chunk, flat.device), plan.group_runs(chunk)
+    exact, runs = cache.exact_scatter(plan, chunk, flat.device), cache.group_runs(plan, chunk)
     if plan.delta:
         kernels.unpack_delta_payloads(buf, flat, p, chunk.offset, chunk.numel, w, chunk.payload, plan.group_size,
                                       plan.fmt, exact, delta.refused, runs)
@@ -132,42 +187,47 @@ def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: i
 
 def exact_index(plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device) -> torch.Tensor | None:
     """Indices (relative to ``rank``'s slice of ``chunk``) of its side elements (its exact
-    elements and the rest of its exact groups); cached on the plan, so that they are copied to
-    the device once, never inside a running gather. None where there are none, and for a
-    ``PLAIN`` chunk (sent as it is)."""
+    elements and the rest of its exact groups), on ``device`` (a :class:`GatherCache` keeps
+    them, so that a running gather never copies them there). None where there are none, and
+    for a ``PLAIN`` chunk (sent as it is)."""
     if not plan.exact_ranges or chunk.kind is PayloadKind.PLAIN:
         return None
-    key = ("exact_index", chunk.index, rank, device)
-    idx = plan._cache.get(key)
-    if idx is None:
-        ranges = plan.side_ranges(chunk, rank)
-        if ranges:
-            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
-        else:
-            idx = torch.empty(0, dtype=torch.int64, device=device)
-        plan._cache[key] = idx
-    return idx
+    ranges = plan.side_ranges(chunk, rank)
+    if ranges:
+        return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def exact_scatter(plan: GatherPlan, chunk: ChunkPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(src, dst)``: every rank's side elements of ``chunk``, as positions in the receive
     buffer (its side channels, rank by rank) and in the flat buffer, in units of one
-    element (``plan.elem_size`` bytes); cached on the plan like :func:`exact_index`."""
+    element (``plan.elem_size`` bytes); kept like :func:`exact_index`."""
     if not plan.exact_ranges or chunk.kind is PayloadKind.PLAIN:
         return None
-    key = ("exact_scatter", chunk.index, device)
-    pair = plan._cache.get(key)
-    if pair is None:
-        es, pb, p = plan.elem_size, chunk.payload_bytes, plan.partition_numel
-        src, dst = [], []
-        for r in range(plan.world_size):
-            side = (r * pb + plan.payload_of(chunk, r).exact_offset) // es
-            local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.side_ranges(chunk, r)]
-            if local:
-                local = torch.cat(local)
-                src.append(side + torch.arange(local.numel(), dtype=torch.int64))
-                dst.append(r * p + chunk.offset + local)
-        empty = torch.empty(0, dtype=torch.int64)
-        pair = (torch.cat(src) if src else empty).to(device), (torch.cat(dst) if dst else empty).to(device)
-        plan._cache[key] = pair
-    return pair
+    es, pb, p = plan.elem_size, chunk.payload_bytes, plan.partition_numel
+    src, dst = [], []
+    for r in range(plan.world_size):
+        side = (r * pb + plan.payload_of(chunk, r).exact_offset) // es
+        local = [torch.arange(a, b, dtype=torch.int64) for a, b in plan.side_ranges(chunk, r)]
+        if local:
+            local = torch.cat(local)
+            src.append(side + torch.arange(local.numel(), dtype=torch.int64))
+            dst.append(r * p + chunk.offset + local)
+    empty = torch.empty(0, dtype=torch.int64)
+    return (torch.cat(src) if src else empty).to(device), (torch.cat(dst) if dst else empty).to(device)
+
+
+def pack_shard(src: torch.Tensor, out: torch.Tensor, layout: PayloadLayout, group_size: int, fmt: str, kernels) -> None:
+    """The payload of a whole shard with no side channel (``[values | scales]``, ``layout``) into
+    ``out``: FSDP2's per-parameter all-gather input (:mod:`qzero.fsdp.tensor`), the same groups
+    and bytes as a chunk's coded groups."""
+    with label(PACK):
+        kernels.pack_payload(src, out, layout, group_size, fmt, None)
+
+
+def unpack_shards(payloads: torch.Tensor, dst: torch.Tensor, numel: int, world: int, layout: PayloadLayout,
+                  group_size: int, fmt: str, kernels) -> None:
+    """Every rank's :func:`pack_shard` payload (``payloads``: ``world`` of them back to back) into
+    its rows of ``dst`` (rank ``r``'s at ``dst[r * numel:][:numel]``), in one pass."""
+    with label(UNPACK):
+        kernels.unpack_payloads(payloads.reshape(-1), dst, numel, 0, numel, world, layout, group_size, fmt, None)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .agreement import MAX_FIELDS, check_fields, describe_mismatch, digest
 from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (public names)
-from .engine import CommContext, GatherStats, start_gather, stats_of, world_and_rank  # noqa: F401
+from .engine import CommContext, GatherStats, finish_gather, start_gather, stats_of, world_and_rank  # noqa: F401
 from ..layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
 from ..quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE
 from ..vocabulary import WEIGHT_FORMATS
@@ -106,12 +106,10 @@ def run_gather(
     prepare=None,
 ) -> GatherStats:
     """Run ``plan`` on ``flat`` synchronously (no argument checks: the plan was validated when
-    built): ``start_gather(...).wait()`` on ``context`` (a new one for ``flat``'s device if
-    None). ``prepare`` as in :func:`qzero.wire.engine.start_gather`."""
+    built): ``finish_gather(start_gather(...))`` on ``context`` (a new one for ``flat``'s device if
+    None, whose cache goes with it). ``prepare`` as in :func:`qzero.wire.engine.start_gather`."""
     context = CommContext(flat.device) if context is None else context
-    handle = start_gather(flat, plan, group, context, prepare=prepare)
-    handle.wait()
-    return handle.stats
+    return finish_gather(start_gather(flat, plan, group, context, prepare=prepare))
 
 
 # --------------------------------------------------------------------------- checks
@@ -188,6 +186,9 @@ def _freeze_ranges(exact_ranges) -> tuple:
         raise TypeError(f"exact_ranges must be a sequence of (start, stop) pairs, got {exact_ranges!r}") from None
 
 
+# Plans of the public gathers, by their arguments. A plan is a pure value (host integers and
+# tuples, no tensors): what running one puts on a device is kept by the CommContext of the
+# call, which goes when the call returns, so this cache holds no device memory.
 @functools.lru_cache(maxsize=64)
 def _cached_plan(numel, world, elem_size, bucket_numel, fmt, group_size, exact_ranges) -> GatherPlan:
     return plan_gather(

@@ -5,12 +5,16 @@
 ``start_gather(flat, plan, group, context, prepare=...)`` returns a :class:`GatherHandle`.
 ``handle.wait_until(k)`` makes the work queued on the current stream from then on see
 chunks ``0..k`` in ``flat``; ``handle.wait()`` does it for every chunk. The synchronous
-gather is ``start_gather(...).wait()``; gather-ahead keeps the handle and lets each
+gather is ``finish_gather(start_gather(...))``, which waits and returns the
+:class:`GatherStats`: every caller runs that pair, nothing else; gather-ahead keeps the handle and lets each
 module's forward pre-hook wait for its own chunks (:mod:`qzero.wire.overlap`); the DeepSpeed
 adapter uses either form on DeepSpeed's flat buffers. Chunks finish strictly in order, and the bits do not
 depend on the schedule: every schedule packs and unpacks the same groups with the same
 functions (:mod:`qzero.wire.chunks`).
 
+One chunk loop (:class:`_ChunkLoop`) runs every schedule: *launch* chunk ``k`` (its prepare,
+its pack, its collective) and *land* it (wait for the collective, unpack). A schedule is only
+its stream policy: on which streams those steps run, and when the caller's stream may read.
 Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
 
 ``streams`` (CUDA; the default there)
@@ -67,6 +71,7 @@ waits only for the event after the prepare that covered its chunk.
 
 from __future__ import annotations
 
+import abc
 from collections import deque
 from typing import NamedTuple
 
@@ -74,7 +79,8 @@ import torch
 import torch.distributed as dist
 
 from . import chunks
-from .chunks import DeltaInputs, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk
+from .chunks import DeltaInputs, GatherCache, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk  # noqa: F401
+from .labels import ALL_GATHER, GATHER, label
 from ..vocabulary import GATHER_SCHEDULES
 from ..layout import GatherPlan, plan_gather
 from ..quant import kernels_for
@@ -128,26 +134,40 @@ def stats_of(plan: GatherPlan) -> GatherStats:
 
 
 class CommContext:
-    """The streams and the quantization kernels of one device's gathers.
+    """The streams, the quantization kernels and the collective of one device's gathers, and
+    what running their plans derives (:attr:`cache`).
 
     Created once by whoever owns the gathers (a :class:`~qzero.ZeroOptimizer`, the
-    DeepSpeed adapter) and passed to :func:`start_gather`; CUDA streams come from torch's
-    stream pool, so a short-lived context (one per public gather call) costs nothing.
+    DeepSpeed adapter, an FSDP2 group's all-gather) and passed to :func:`start_gather`; CUDA
+    streams come from torch's stream pool, so a short-lived context (one per public gather
+    call) costs nothing, and its cache goes with it.
 
     ``schedule``: ``auto`` (``streams`` on CUDA, ``inline`` elsewhere), ``streams`` or
     ``inline`` (see the note above). ``kernels``: ``auto`` (the fused Triton kernels on
     CUDA where Triton is installed, the torch reference elsewhere), ``triton`` or
     ``reference``, or a kernel set used as it is (a :class:`qzero.quant.triton.TritonKernels`
     of another tuning, say: [Note: kernel set] in :mod:`qzero.quant.kernel_set`); all produce
-    the same bytes.
+    the same bytes. ``all_gather``: the collective
+    (``(output, input, group=, async_op=) -> Work``; default :func:`qzero.wire.chunks.all_gather_into`),
+    e.g. one that delays every launch and wait to shake out a missing wait. ``delays``: GPU
+    clock cycles to spin before each step of a stage (``pack``, ``gather``: on the pack stream
+    before the collective is issued, ``unpack``), on CUDA only: delaying one stage exposes any
+    missing wait between streams.
     """
 
-    def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels="auto"):
+    def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels="auto",
+                 all_gather=None, delays: dict[str, int] | None = None):
         device = torch.device(device)
         if schedule not in GATHER_SCHEDULES:
             raise ValueError(f"gather schedule must be one of {GATHER_SCHEDULES}, got {schedule!r}")
         if schedule == "streams" and device.type != "cuda":
             raise ValueError(f"gather schedule 'streams' needs CUDA tensors, got device {device}")
+        delays = dict(delays or {})
+        unknown = sorted(set(delays) - set(STAGES))
+        if unknown:
+            raise ValueError(f"delays are per stage {STAGES}, got {unknown}")
+        if any(delays.values()) and device.type != "cuda":
+            raise ValueError(f"delays spin the GPU's clock: they need CUDA tensors, got device {device}")
         self.device = device
         self.kernels = kernels_for(device, kernels)
         self.kernels_choice = kernels  # the gradient reduction picks its kernels the same way
@@ -159,10 +179,12 @@ class CommContext:
         #: A :class:`qzero.wire.copy_engine.CopyEngineComm` (``ZeroConfig.copy_engine_collectives``), set
         #: by the owner: the gathers then run on its group, their receive buffers from its memory.
         self.copy_engine = None
-        #: GPU clock cycles to spin before each step of a stage (the collective's: on the pack
-        #: stream, before it is issued). A test hook: delaying one stage exposes any missing
-        #: wait between streams.
-        self.delay_cycles = dict.fromkeys(STAGES, 0)
+        #: The collective every chunk runs.
+        self.all_gather = chunks.all_gather_into if all_gather is None else all_gather
+        #: Cycles to spin before each stage (see above).
+        self.delays = {stage: int(delays.get(stage, 0)) for stage in STAGES}
+        #: What running plans derives, kept for as long as this context lives.
+        self.cache = GatherCache()
 
     def recv_buffers(self, flat: torch.Tensor, count: int, nbytes: int) -> list[torch.Tensor]:
         """``count`` receive buffers of ``nbytes`` for a gather of ``flat``."""
@@ -171,8 +193,8 @@ class CommContext:
         return [torch.empty(nbytes, dtype=torch.uint8, device=flat.device) for _ in range(count)]
 
     def _delay(self, stage: str) -> None:
-        if self.delay_cycles[stage]:
-            torch.cuda._sleep(self.delay_cycles[stage])
+        if self.delays[stage]:
+            torch.cuda._sleep(self.delays[stage])
 
 
 def world_and_rank(group) -> tuple[int, int]:
@@ -186,45 +208,45 @@ def recv_budget_bytes(plan: GatherPlan) -> int:
     return plan.bucket_numel * plan.elem_size
 
 
-def fitting_plan(plan: GatherPlan, buffers: int) -> GatherPlan | None:
+def fitting_plan(plan: GatherPlan, buffers: int, cache: GatherCache | None = None) -> GatherPlan | None:
     """``plan`` if ``buffers`` of its receive buffers fit :func:`recv_budget_bytes`, else the
     same gather cut into smaller chunks that fit; ``None`` if not even one-group chunks do
-    (payloads dominated by exact ranges). Cached on the plan."""
-    key = ("fitting_plan", buffers)
-    if key not in plan._cache:
-        budget = recv_budget_bytes(plan)
-        unit = plan.world_size * plan.group_size
-        work, bucket = plan, plan.bucket_numel
-        while work is not None and buffers * work.max_recv_bytes > budget:
-            if bucket <= unit:
-                work = None
-                break
-            shrunk = int(bucket * budget / (buffers * work.max_recv_bytes)) // unit * unit
-            bucket = max(unit, min(shrunk, bucket - unit))
-            work = plan_gather(
-                plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=bucket, fmt=plan.fmt,
-                group_size=plan.group_size, exact_ranges=plan.exact_ranges, delta=plan.delta,
-            )
-        plan._cache[key] = work
-    return plan._cache[key]
-
-
-def whole_buffer_plan(plan: GatherPlan) -> GatherPlan:
-    """The plain ``plan`` as one chunk (cached on the plan)."""
-    key = "whole_buffer_plan"
-    if key not in plan._cache:
-        plan._cache[key] = plan if len(plan.chunks) <= 1 else plan_gather(
-            plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=max(plan.numel, plan.world_size),
-            fmt=None,
+    (payloads dominated by exact ranges). Kept in ``cache`` if given."""
+    if cache is not None:
+        return cache.get(plan, ("fitting_plan", buffers), lambda: fitting_plan(plan, buffers))
+    budget = recv_budget_bytes(plan)
+    unit = plan.world_size * plan.group_size
+    work, bucket = plan, plan.bucket_numel
+    while work is not None and buffers * work.max_recv_bytes > budget:
+        if bucket <= unit:
+            return None
+        shrunk = int(bucket * budget / (buffers * work.max_recv_bytes)) // unit * unit
+        bucket = max(unit, min(shrunk, bucket - unit))
+        work = plan_gather(
+            plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=bucket, fmt=plan.fmt,
+            group_size=plan.group_size, exact_ranges=plan.exact_ranges, delta=plan.delta,
         )
-    return plan._cache[key]
+    return work
 
 
-class GatherHandle:
-    """A gather in progress. ``plan`` is the plan it runs (chunk indices refer to it)."""
+def whole_buffer_plan(plan: GatherPlan, cache: GatherCache | None = None) -> GatherPlan:
+    """The plain ``plan`` as one chunk (kept in ``cache`` if given)."""
+    if cache is not None:
+        return cache.get(plan, "whole_buffer_plan", lambda: whole_buffer_plan(plan))
+    return plan if len(plan.chunks) <= 1 else plan_gather(
+        plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=max(plan.numel, plan.world_size),
+        fmt=None,
+    )
+
+
+class GatherHandle(abc.ABC):
+    """A gather in progress: what :func:`start_gather` returns on every path (the optimizer,
+    gather-ahead, the DeepSpeed adapter, FSDP2's group all-gather). ``plan`` is the plan it
+    runs (chunk indices refer to it); chunks ``[0, finished)`` are in the flat buffer for the
+    current stream. A schedule implements :meth:`wait_until`; :func:`finish_gather` ends it."""
 
     plan: GatherPlan
-    finished: int  # chunks [0, finished) are in the flat buffer for the current stream
+    finished: int
 
     @property
     def done(self) -> bool:
@@ -234,10 +256,12 @@ class GatherHandle:
     def stats(self) -> GatherStats:
         return stats_of(self.plan)
 
+    @abc.abstractmethod
     def wait_until(self, chunk_index: int) -> None:
-        raise NotImplementedError
+        """Make the work queued on the current stream from now on see chunks ``0..chunk_index``."""
 
     def wait(self) -> None:
+        """:meth:`wait_until` the last chunk."""
         self.wait_until(len(self.plan.chunks) - 1)
 
 
@@ -256,25 +280,87 @@ def start_gather(
     ``ahead``: the caller will wait chunk by chunk (gather-ahead): the ``inline``
     schedule then keeps ``DEPTH`` chunks in flight instead of one. ``delta``: what a delta
     plan's payloads are made from besides ``flat`` (the replica): the target and the
-    refusal flag (:class:`qzero.wire.chunks.DeltaInputs`); required by a delta plan, and only by one."""
+    refusal flag (:class:`qzero.wire.chunks.DeltaInputs`); required by a delta plan, and only by one.
+    End it with :func:`finish_gather` (or, chunk by chunk, ``handle.wait_until``)."""
     if plan.delta != (delta is not None):
         raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), and only a delta plan")
     if context.copy_engine is not None:
         group = context.copy_engine.group  # the same ranks, in the same order
     world, rank = world_and_rank(group)
-    with peer_failure("the weight gather"):
+    with label(GATHER), peer_failure("the weight gather"):
         if not plan.quantized and not ahead and prepare is None:
             # A plain gather that nothing overlaps: one in-place collective over the whole buffer
             # (rank r's partition is already where every rank receives it), no receive buffer.
-            return _Inline(flat, whole_buffer_plan(plan), group, world, rank, context, None, 1)
+            return _Inline(flat, whole_buffer_plan(plan, context.cache), group, world, rank, context, None, 1)
         if context.schedule == "streams" and len(plan.chunks) > 1:
-            work = fitting_plan(plan, 2)
+            work = fitting_plan(plan, 2, context.cache)
             if work is not None:
                 return _Streamed(flat, work, group, world, rank, context, prepare, delta)
         return _Inline(flat, plan, group, world, rank, context, prepare, DEPTH if ahead else 1, delta)
 
 
-class _Inline(GatherHandle):
+def finish_gather(handle: GatherHandle) -> GatherStats:
+    """Wait for every chunk of ``handle`` and return what the gather moved: the second half of
+    the synchronous gather ``finish_gather(start_gather(...))``."""
+    with label(GATHER):
+        handle.wait()
+    return handle.stats
+
+
+class _ChunkLoop(GatherHandle):
+    """The one chunk loop of every schedule: :meth:`_launch` a chunk (pack, collective), then
+    :meth:`_land` it (wait for the collective, unpack). A schedule is a subclass that says which
+    receive buffer a chunk uses, on which streams the steps run (:meth:`_before_pack`,
+    :meth:`_before_land`), and when the caller may read (:meth:`wait_until`)."""
+
+    _direct = False  # the plain gather of one chunk straight into the flat buffer, no receive buffer
+
+    def __init__(self, flat, plan, group, world, rank, context, delta):
+        self.flat, self.plan, self.group, self.delta = flat, plan, group, delta
+        self.world, self.rank, self.context = world, rank, context
+        self.kernels = context.kernels
+        self.finished = 0
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _before_pack(self, k: int) -> None:
+        """Where and after what chunk ``k``'s pack runs (inline: the current stream, in order)."""
+
+    def _before_land(self, k: int, work) -> None:
+        """Where and after what chunk ``k``'s unpack runs (inline: the current stream, in order)."""
+
+    def _launch(self, k: int):
+        """Pack chunk ``k`` into its receive buffer and launch its collective (asynchronous)."""
+        ctx, plan, chunk = self.context, self.plan, self.plan.chunks[k]
+        self._before_pack(k)
+        if self._direct:
+            p = plan.partition_numel
+            buf, mine = self.flat, self.flat[self.rank * p : (self.rank + 1) * p]
+        else:
+            buf = self._buffer(k)
+            ctx._delay("pack")
+            mine = pack_chunk(self.flat, plan, chunk, self.rank, buf, self.kernels, self.delta, ctx.cache)
+        work = None
+        ctx._delay("gather")
+        if self.world > 1:
+            with label(ALL_GATHER):
+                work = ctx.all_gather(buf, mine, group=self.group, async_op=True)
+        return k, buf, work
+
+    def _land(self, k: int, buf: torch.Tensor, work) -> None:
+        """Wait for chunk ``k``'s collective and unpack every rank's payload into the flat buffer."""
+        self._before_land(k, work)
+        if work is not None:
+            with label(ALL_GATHER), peer_failure("the weight gather"):
+                work.wait()
+        if not self._direct:
+            self.context._delay("unpack")
+            unpack_chunk(self.flat, self.plan, self.plan.chunks[k], self.rank, buf, self.kernels, self.delta,
+                         self.context.cache)
+
+
+class _Inline(_ChunkLoop):
     """Pack and unpack on the current stream, asynchronous collectives, ``depth`` in flight."""
 
     @property
@@ -283,20 +369,20 @@ class _Inline(GatherHandle):
         return s._replace(max_recv_numel=0, max_recv_bytes=0) if self._direct else s
 
     def __init__(self, flat, plan, group, world, rank, context, prepare, depth, delta=None):
-        work = fitting_plan(plan, depth) if depth > 1 else plan
+        work = fitting_plan(plan, depth, context.cache) if depth > 1 else plan
         if work is None:
             work, depth = plan, 1
-        self.flat, self.plan, self.group, self.delta = flat, work, group, delta
-        self.world, self.rank = world, rank
-        self.kernels = context.kernels
+        super().__init__(flat, work, group, world, rank, context, delta)
         self.prepare = prepare
-        self.finished = self._launched = 0
+        self._launched = 0
         self._in_flight: deque = deque()
-        # The plain gather of a single chunk lands straight in the flat buffer, with no buffer.
         self._direct = not work.quantized and len(work.chunks) == 1
         n = 0 if self._direct else min(depth, len(work.chunks))
         self._buffers = context.recv_buffers(flat, n, work.max_recv_bytes)
         self._pump()
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        return self._buffers[k % len(self._buffers)][: self.world * self.plan.chunks[k].payload_bytes]
 
     def _pump(self) -> None:
         n = len(self.plan.chunks)
@@ -304,43 +390,30 @@ class _Inline(GatherHandle):
             chunk = self.plan.chunks[self._launched]
             if self.prepare is not None:
                 self.prepare(chunk.offset + chunk.numel)
-            if self._direct:
-                p = self.plan.partition_numel
-                buf, mine = self.flat, self.flat[self.rank * p : (self.rank + 1) * p]
-            else:
-                buf = self._buffers[self._launched % len(self._buffers)][: self.world * chunk.payload_bytes]
-                mine = pack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels, self.delta)
-            work = chunks.all_gather_into(buf, mine, group=self.group, async_op=True) if self.world > 1 else None
-            self._in_flight.append((chunk, buf, work))
+            self._in_flight.append(self._launch(self._launched))
             self._launched += 1
 
     def wait_until(self, chunk_index: int) -> None:
         with peer_failure("the weight gather"):
             while self.finished <= min(chunk_index, len(self.plan.chunks) - 1):
-                chunk, buf, work = self._in_flight.popleft()
-                if work is not None:
-                    work.wait()
-                if not self._direct:
-                    unpack_chunk(self.flat, self.plan, chunk, self.rank, buf, self.kernels, self.delta)
+                self._land(*self._in_flight.popleft())
                 self.finished += 1
                 self._pump()
         if self.done:
             self._buffers = []
 
 
-class _Streamed(GatherHandle):
+class _Streamed(_ChunkLoop):
     """The ``streams`` schedule (see the note above)."""
 
     def __init__(self, flat, plan, group, world, rank, context, prepare, delta=None):
-        self.flat, self.plan, self.group, self.delta = flat, plan, group, delta
-        self.world, self.rank = world, rank
-        self.context = context
+        super().__init__(flat, plan, group, world, rank, context, delta)
         device = flat.device
         n = len(plan.chunks)
-        # Index tensors reach the device here (cached on the plan), never inside the loop.
+        # Index tensors and group runs reach the device here (kept by the context), never inside the loop.
         for c in plan.chunks:
-            exact_index(plan, c, rank, device)
-            exact_scatter(plan, c, device)
+            context.cache.exact_index(plan, c, rank, device)
+            context.cache.exact_scatter(plan, c, device)
         # Two receive buffers, alternating. They were allocated on the caller's stream: they
         # stay referenced until the caller's stream has waited for the last unpack.
         self._recv = context.recv_buffers(flat, 2, plan.max_recv_bytes)
@@ -354,50 +427,42 @@ class _Streamed(GatherHandle):
             self._ready.append(event)
         self._unpacked = [None] * n
         self._waited = None  # the last of self._ready the pack stream waits for
-        self._enqueued = self.finished = 0
+        self._enqueued = 0
         # Never more, never fewer, depending on timing: see "the same on every rank" above.
         self._enqueue_through(min(LOOKAHEAD, n) - 1)
 
     def _buffer(self, k: int) -> torch.Tensor:
         return self._recv[k % 2][: self.world * self.plan.chunks[k].payload_bytes]
 
+    def _before_pack(self, k: int) -> None:
+        pack = self.context.streams["pack"]
+        torch.cuda.set_stream(pack)
+        if self._ready[k] is not self._waited:  # the stream runs in order: waiting once covers the rest
+            self._waited = self._ready[k]
+            pack.wait_event(self._waited)
+        if k >= 2:
+            pack.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
+
+    def _before_land(self, k: int, work) -> None:
+        # With no collective the unpack stream waits for the pack's event; with one, work.wait()
+        # makes the (then current) unpack stream wait for it, on NCCL, not the host.
+        packed = self.context.streams["pack"].record_event() if work is None else None
+        unpack = self.context.streams["unpack"]
+        torch.cuda.set_stream(unpack)
+        if packed is not None:
+            unpack.wait_event(packed)
+
     def _enqueue_through(self, last: int) -> None:
         """Enqueue chunks up to ``last``: per chunk, the pack and the collective from the pack
         stream, the unpack on the unpack stream, one event (the unpack's) between them and the
-        rest. The collective is asynchronous: the unpack stream waits for it (``work.wait()``
-        makes the current stream wait, on NCCL, not the host), and the collective waits for
-        what the pack stream queued before it (the pack), as every collective waits for the
-        stream it is issued from."""
-        ctx, plan = self.context, self.plan
-        pack, unpack = ctx.streams["pack"], ctx.streams["unpack"]
+        rest. The collective waits for what the pack stream queued before it (the pack), as
+        every collective waits for the stream it is issued from."""
         caller, device = torch.cuda.current_stream(self.flat.device), torch.cuda.current_device()
         try:
             while self._enqueued <= last:
                 k, self._enqueued = self._enqueued, self._enqueued + 1
-                chunk, buf = plan.chunks[k], self._buffer(k)
-                torch.cuda.set_stream(pack)
-                if self._ready[k] is not self._waited:  # the stream runs in order: waiting once covers the rest
-                    self._waited = self._ready[k]
-                    pack.wait_event(self._waited)
-                if k >= 2:
-                    pack.wait_event(self._unpacked[k - 2])  # it reuses that chunk's buffer
-                ctx._delay("pack")
-                mine = pack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels, self.delta)
-                work = packed = None
-                ctx._delay("gather")
-                if self.world > 1:
-                    work = chunks.all_gather_into(buf, mine, group=self.group, async_op=True)
-                else:
-                    packed = pack.record_event()
-                torch.cuda.set_stream(unpack)
-                if work is not None:
-                    with peer_failure("the weight gather"):
-                        work.wait()
-                else:
-                    unpack.wait_event(packed)
-                ctx._delay("unpack")
-                unpack_chunk(self.flat, plan, chunk, self.rank, buf, ctx.kernels, self.delta)
-                self._unpacked[k] = unpack.record_event()
+                self._land(*self._launch(k))
+                self._unpacked[k] = self.context.streams["unpack"].record_event()
         finally:
             torch.cuda.set_stream(caller)
             if torch.cuda.current_device() != device:

@@ -23,10 +23,29 @@ parameters kept from earlier): call ``wait_for_weights()`` before reading those.
 
 The bits are those of the synchronous gather: the engine runs the same chunks with the
 same functions either way; only the moment of waiting differs.
+
+[Note: gather-ahead states]
+A :class:`GatherAhead` is in one :class:`AheadState` at a time:
+
+* ``LEARNING``: no gather has started yet; every module has a hook, and the hooks note which
+  modules' forwards run (the first gather's start uses that to leave only the hooks that wait
+  for something).
+* ``IDLE``: no gather is running and no forward overlaps one; hooks wait for nothing.
+* ``GATHERING``: some flat group's gather is running (its handle is pending): the hooks and the
+  parameter reads wait for their chunks. Entered by ``start(group, handle)``, from any state
+  but ``REMOVED``; starting a group whose previous gather is still pending is an error (its
+  chunks would be waited for out of order).
+* ``GATHERED``: the hooks have waited for every chunk of every pending gather, but the forward
+  that overlapped it is still running (the out-of-order warning still watches it).
+* ``REMOVED``: ``remove()`` finished the gathers and took the hooks off; nothing starts again.
+
+``wait_all()`` finishes whatever is pending and leads to ``IDLE`` (from ``LEARNING``: stays
+there; from ``REMOVED``: stays there). Any other move raises :class:`IllegalTransition`.
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
 
 import torch
@@ -36,6 +55,20 @@ from ..layout import GatherPlan
 #: Modules may run this many places before their registration order without a warning
 #: (a transformer layer runs its input norm, registered last, before its projections).
 REORDER_TOLERANCE = 16
+
+
+class AheadState(enum.Enum):
+    """The states of gather-ahead ([Note: gather-ahead states])."""
+
+    LEARNING = "learning"
+    IDLE = "idle"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+    REMOVED = "removed"
+
+
+class IllegalTransition(RuntimeError):
+    """Gather-ahead was asked for a move its state does not allow ([Note: gather-ahead states])."""
 
 
 def last_chunk_needed(plan: GatherPlan, start: int, stop: int) -> int:
@@ -63,6 +96,10 @@ def _parameters_read_by(module: torch.nn.Module):
     for child in module.children():
         if _runs_no_forward(child):
             yield from _parameters_read_by(child)
+
+
+#: The states in which a forward overlaps a gather.
+_OVERLAPPED = (AheadState.GATHERING, AheadState.GATHERED)
 
 
 class WaitingParameters(dict):
@@ -132,12 +169,11 @@ class GatherAhead:
         return self
 
     def _setup(self, model: torch.nn.Module, ranges, num_groups: int) -> None:
+        #: Per flat group, its running gather (None: none runs).
         self.pending: list[GatherHandle | None] = [None] * num_groups
-        #: Whether any gather is still running (some ``pending`` is not None).
-        self.busy = False
+        self.state = AheadState.LEARNING
         self._warned = False
         self._furthest = -1  # the furthest module (registration order) this forward has reached
-        self._active = False
         index = {p: (gi, start, stop) for p, gi, start, stop in ranges}
         ranges_of_params = list(ranges)
         self._needs: dict[torch.nn.Module, list[tuple[int, int, int]]] = {}
@@ -156,8 +192,8 @@ class GatherAhead:
             # _learn); afterwards only those that wait for something keep theirs.
             self._position[module] = len(self._position)
             self._handles[module] = module.register_forward_pre_hook(self._hook)
-        #: Modules whose forward ran before the first gather was started; None once learnt.
-        self._ran: set[torch.nn.Module] | None = set()
+        #: Modules whose forward ran while LEARNING.
+        self._ran: set[torch.nn.Module] = set()
         self._index_needs()
         # Per parameter, per flat group: [group, spans, plan, last chunk], as in _index_needs.
         self._param_waits: dict[torch.nn.Parameter, list[list]] = {}
@@ -181,13 +217,29 @@ class GatherAhead:
                 by_group.setdefault(gi, []).append((start, stop))
             self._waits[module] = [[gi, spans, None, -1] for gi, spans in by_group.items()]
 
+    @property
+    def busy(self) -> bool:
+        """Whether a gather is still running (reads wait for it)."""
+        return self.state is AheadState.GATHERING
+
+    def _move(self, to: AheadState, allowed: tuple[AheadState, ...], what: str) -> None:
+        if self.state not in allowed:
+            raise IllegalTransition(f"qzero gather-ahead: cannot {what} while {self.state.value} "
+                                    f"(allowed from: {', '.join(s.value for s in allowed)})")
+        self.state = to
+
     def start(self, gi: int, pending: GatherHandle) -> None:
-        if self._ran is not None:
+        """Flat group ``gi``'s gather runs ahead on ``pending``: the next forward overlaps it."""
+        if self.state is not AheadState.REMOVED and self.pending[gi] is not None:
+            raise IllegalTransition(f"qzero gather-ahead: flat group {gi}'s previous gather is still running; "
+                                    "wait for it (wait_all) before starting the next")
+        learning = self.state is AheadState.LEARNING
+        self._move(AheadState.GATHERING, (AheadState.LEARNING, AheadState.IDLE, AheadState.GATHERING,
+                                          AheadState.GATHERED), "start a gather")
+        if learning:
             self._learn()
         self.pending[gi] = pending
-        self.busy = True
         self._furthest = -1
-        self._active = True  # the next forward is the one that overlaps this gather
 
     def _learn(self) -> None:
         """A module whose forward did not run in the forwards before the first gather (say
@@ -195,7 +247,7 @@ class GatherAhead:
         its parameters read by an enclosing module: the closest one whose forward ran waits
         for them from now on. (No forward before the first step: nothing to learn from, each
         module keeps its own parameters.)"""
-        ran, self._ran = self._ran, None
+        ran, self._ran = self._ran, set()
         if ran:
             for module in [m for m in self._needs if m not in ran]:
                 up = self._parent.get(module)
@@ -220,9 +272,9 @@ class GatherAhead:
         position = self._position.get(module)
         if position is None:
             return  # a copy of the model's module (see __deepcopy__)
-        if self._ran is not None:
+        if self.state is AheadState.LEARNING:
             self._ran.add(module)
-        if self._active and position < self._furthest - REORDER_TOLERANCE and not self._warned:
+        if self.state in _OVERLAPPED and position < self._furthest - REORDER_TOLERANCE and not self._warned:
             warnings.warn(
                 "qzero gather-ahead: the forward runs modules far out of their registration order; weights stay "
                 "correct (each module waits for the chunks it needs), but less of the gather is hidden",
@@ -250,19 +302,22 @@ class GatherAhead:
                 pending.wait_until(last)
                 if pending.done:
                     self.pending[gi] = None
-                    self.busy = any(p is not None for p in self.pending)
+                    if all(p is None for p in self.pending):
+                        self._move(AheadState.GATHERED, (AheadState.GATHERING,), "finish a gather")
 
     def wait_all(self) -> None:
+        """Finish every running gather; the forward that overlapped them is over."""
         for gi, pending in enumerate(self.pending):
             if pending is not None:
                 pending.wait()
                 self.pending[gi] = None
-        self.busy = False
-        self._active = False
+        if self.state in _OVERLAPPED:
+            self.state = AheadState.IDLE
 
     def remove(self) -> None:
         """Finish the gather, then take the hooks off the model."""
         self.wait_all()
+        self.state = AheadState.REMOVED
         for h in self._handles.values():
             h.remove()
         self._handles = {}
