@@ -46,6 +46,7 @@ def test_qualify_end_to_end_writes_a_report(tmp_path):
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # the gates' logic: tests/test_qualify_stats.py::test_each_gate_fails_when_it_must
 def test_a_gate_that_must_fail_fails(tmp_path):
     res = qzero("qualify", *TINY, "--order", "BC", "--max-loss-diff", "0", "--candidate", "fmt=\"int4\"",
                 "--candidate", "quantized=true", "--out", str(tmp_path / "rep"))
