@@ -108,6 +108,11 @@ ARMS = {
     "fsdp2_rs_gint8": "engine=fsdp2,reshard_after_forward=true,quantized=true,fsdp_quantize=group",
     "deepspeed": "engine=deepspeed",
     "ds_int8_ahead": "engine=deepspeed,quantized=true,overlap=true",
+    # the 4-bit payloads (no real two-GPU result yet: emulated only)
+    "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true",
+    "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4",
+    "delta_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
+                          "zero_quantized_gradients_format=int4",
 }
 #: Arms the contention is fitted on (the seed's 4B PCIe-class matrix, both timing kinds).
 FIT_ARMS = ("plain", "int8", "int8_ahead", "plain_ahead", "fsdp2")

@@ -8,18 +8,31 @@ check and exits non-zero on failure.
 
     torchrun --nproc_per_node=2 bench/gpu_check.py [--delays]
 
+``--share-gpu`` runs both ranks on one GPU (``torchrun --nproc_per_node=2 bench/gpu_check.py
+--share-gpu``): gloo for the process group, every collective on a CUDA tensor through the other
+rank's device memory (``bench/one_gpu.py``); the side streams, events and kernels are the real ones.
+
 ``--delays`` is the race stress: each side stream of the gather engine is made late in
 turn, then every collective launch and wait first puts a random GPU sleep on the current
 stream; every result must still equal the undelayed run's bits.
 """
 
 import functools
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-import qzero
+#: Both ranks on one GPU: the collectives are routed before qzero keeps references to them.
+SHARE_GPU = "--share-gpu" in sys.argv
+if SHARE_GPU:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from one_gpu import route_collectives, share_one_gpu
+
+    route_collectives()
+
+import qzero  # noqa: E402
 from qzero.app.workload import build_model, global_batch, load_corpus, model_config
 
 
@@ -29,7 +42,7 @@ _DELAYED = None
 
 def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0 if SHARE_GPU else rank)
     model = build_model(model_config("small", max_positions=seq), torch.bfloat16, device, seed=0)
     # one flat order for every arm, so that synchronous and gather-ahead runs compare bit for bit
     cfg_kwargs = {"flat_order": "interleaved", **cfg_kwargs}
@@ -121,8 +134,13 @@ def delta_checks(check, plain_by_stage, steps=8) -> None:
 
 
 def main():
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(dist.get_rank())
+    if SHARE_GPU:
+        dist.init_process_group("gloo")
+        torch.cuda.set_device(0)
+        share_one_gpu()
+    else:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(dist.get_rank())
     failures = 0
 
     def check(name, ok):

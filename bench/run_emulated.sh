@@ -8,6 +8,13 @@
 #   slice      the 4B slice of the targets at the fitted count: PCIe-class, NVLink and Ethernet-class links,
 #              and a PCIe-class link with PROBE (48) resident CTAs for the arms the fit is most sensitive to
 #   ethernet50 the two arms of the committed 4B Ethernet-class result at its 50M/50M buckets
+#   lowbit     the 4-bit payloads (INT4 delta weights, INT4 gradients, both) beside INT8 + gather-ahead,
+#              INT8 gradients and FSDP2, Ethernet-class, PCIe-class and NVLink
+#   kernels    the CUDA kernel tests, and bench/gpu_check.py with both ranks on this GPU (--share-gpu)
+#   sweep      gather-ahead against the synchronous gather at the gather buckets SWEEP_AG (2e7 5e8),
+#              and INT8 + gather-ahead against FSDP2 at 5e8/5e7; three links
+#   deepspeed  plain DeepSpeed and the DeepSpeed adapter with gather-ahead, in one run; PCIe-class, Ethernet-class
+#   small      Qwen3-1.7B at 5e8/5e7: plain, INT8, INT8 + gather-ahead, FSDP2; three links
 #   table      the calibration table from everything measured
 # Usage (repository root, one GPU): bash bench/run_emulated.sh OUT [STAGE ...]   (default: all but ethernet)
 # Environment: LIMIT (seconds for the whole script, default 550), S and CTAS (skip floor / grid when given),
@@ -86,6 +93,44 @@ if has ethernet50; then  # the committed 4B Ethernet-class results' buckets
     mapfile -t a < <(arms fsdp2 int8_ahead_qgrad)
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 5e7 \
         --links "ethernet:$k" "${a[@]}" --budget "$(left 15)" --out "$out/ethernet50_4b" > "$out/ethernet50_4b.log" 2>&1
+fi
+if has lowbit; then  # the 4-bit payloads, every link
+    mapfile -t a < <(arms delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead fsdp2)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
+        --links "ethernet:$k,pcie:$k,nvlink:$k" "${a[@]}" --reference int8_ahead --peers fsdp2,int8_ahead_qgrad \
+        --budget "$(left 15)" --out "$out/lowbit_4b" > "$out/lowbit_4b.log" 2>&1
+fi
+if has kernels; then  # the CUDA kernels and the gather engine's streams on this GPU
+    t0=$SECONDS
+    timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider -W ignore::FutureWarning "$here/../tests/test_triton.py" \
+        "$here/../tests/test_delta_kernels.py" "$here/../tests/test_grad_quant.py" "$here/../tests/test_engine_streams.py" \
+        > "$out/kernel_tests.log" 2>&1
+    echo "kernel tests: rc=$? in $((SECONDS - t0)) s: $(tail -n 1 "$out/kernel_tests.log")"
+    t0=$SECONDS
+    timeout "$(left 10)" python3 -m torch.distributed.run --nproc_per_node=2 "$here/gpu_check.py" --share-gpu ${CHECK_ARGS:---delays} \
+        > "$out/gpu_check.log" 2>&1
+    echo "gpu_check --share-gpu: rc=$? in $((SECONDS - t0)) s, $(grep -c '^PASS' "$out/gpu_check.log") PASS, $(grep -c '^FAIL' "$out/gpu_check.log") FAIL"
+fi
+if has sweep; then  # gather-ahead against the synchronous gather at other gather buckets; FSDP2 at 5e8/5e7
+    mapfile -t a < <(arms int8_ahead int8)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes "$(echo ${SWEEP_AG:-2e7 5e8} | tr ' ' ,)" \
+        --reduce-bucket-sizes 2.6e7 --links "pcie:$k,ethernet:$k,nvlink:$k" "${a[@]}" --reference int8 \
+        --budget "$(left 130)" --out "$out/sweep_4b" > "$out/sweep_4b.log" 2>&1
+    mapfile -t a < <(arms int8_ahead fsdp2)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
+        --links "pcie:$k,ethernet:$k" "${a[@]}" --peers fsdp2 --budget "$(left 15)" --out "$out/ag5e8_rs5e7_4b" > "$out/ag5e8_rs5e7_4b.log" 2>&1
+fi
+if has deepspeed; then  # DeepSpeed and the adapter in one run
+    mapfile -t a < <(arms ds_int8_ahead deepspeed)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
+        --links "pcie:$k,ethernet:$k" "${a[@]}" --reference deepspeed --budget "$(left 15)" \
+        --out "$out/deepspeed_4b" > "$out/deepspeed_4b.log" 2>&1
+fi
+if has small; then  # Qwen3-1.7B at the buckets of its real results
+    mapfile -t a < <(arms int8_ahead plain int8 fsdp2)
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-1.7b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
+        --links "pcie:$k,ethernet:$k,nvlink:$k" "${a[@]}" --reference plain --peers fsdp2 --budget "$(left 15)" \
+        --out "$out/small_1.7b" > "$out/small_1.7b.log" 2>&1
 fi
 if has table; then
     dirs=()
