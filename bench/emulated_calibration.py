@@ -110,6 +110,7 @@ ARMS = {
     "ds_int8_ahead": "engine=deepspeed,quantized=true,overlap=true",
     # the 4-bit payloads (no real two-GPU result yet: emulated only)
     "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true",
+    "delta_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true",
     "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4",
     "delta_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
                           "zero_quantized_gradients_format=int4",

@@ -18,7 +18,7 @@
 #   table      the calibration table from everything measured
 # Usage (repository root, one GPU): bash bench/run_emulated.sh OUT [STAGE ...]   (default: all but ethernet)
 # Environment: LIMIT (seconds for the whole script, default 550), S and CTAS (skip floor / grid when given),
-# STEPS (6), WARMUP (2), GRID ("0 4 8 16"), TARGET_ARMS, PROBE, QUICK_CHECK (skip the DP8 check and the CTA costs).
+# STEPS (6), WARMUP (2), ROUNDS (1), LOWBIT_ARMS, LOWBIT_LINKS, KERNEL_TESTS, SKIP_GPU_CHECK, GRID ("0 4 8 16"), TARGET_ARMS, PROBE, QUICK_CHECK (skip the DP8 check and the CTA costs).
 set -u
 out=${1:?usage: bash bench/run_emulated.sh OUT [stage ...]}
 shift
@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1
 # this checkout's qzero, installed or not
 export PYTHONPATH="$(cd "$here/.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .whl ] && bash "$here/install_wheels.sh" .whl > "$out/install.log" 2>&1
-common=(--device cuda --world-size 2 --seq-len 2048 --micro-batch 2 --lr 1e-4 --rounds 1
+common=(--device cuda --world-size 2 --seq-len 2048 --micro-batch 2 --lr 1e-4 --rounds "${ROUNDS:-1}"
         --steps "${STEPS:-6}" --warmup "${WARMUP:-2}" --arm-timeout 240)
 spec() { python3 -c "import sys; sys.path.insert(0, '$here'); import emulated_calibration as c; print(c.arm_spec('$1'))"; }
 arms() { local a; for a in "$@"; do printf -- '--arm\n%s\n' "$(spec "$a")"; done; }
@@ -95,21 +95,26 @@ if has ethernet50; then  # the committed 4B Ethernet-class results' buckets
         --links "ethernet:$k" "${a[@]}" --budget "$(left 15)" --out "$out/ethernet50_4b" > "$out/ethernet50_4b.log" 2>&1
 fi
 if has lowbit; then  # the 4-bit payloads, every link
-    mapfile -t a < <(arms delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead fsdp2)
+    mapfile -t a < <(arms ${LOWBIT_ARMS:-delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead fsdp2})
+    lk=""
+    for l in ${LOWBIT_LINKS:-ethernet pcie nvlink}; do lk+="${lk:+,}$l:$k"; done
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
-        --links "ethernet:$k,pcie:$k,nvlink:$k" "${a[@]}" --reference int8_ahead --peers fsdp2,int8_ahead_qgrad \
-        --budget "$(left 15)" --out "$out/lowbit_4b" > "$out/lowbit_4b.log" 2>&1
+        --links "$lk" "${a[@]}" --budget "$(left 15)" --out "$out/lowbit_4b" > "$out/lowbit_4b.log" 2>&1
 fi
 if has kernels; then  # the CUDA kernels and the gather engine's streams on this GPU
     t0=$SECONDS
-    timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider -W ignore::FutureWarning "$here/../tests/test_triton.py" \
-        "$here/../tests/test_delta_kernels.py" "$here/../tests/test_grad_quant.py" "$here/../tests/test_engine_streams.py" \
+    tests=()
+    for t in ${KERNEL_TESTS:-test_triton test_delta_kernels test_grad_quant test_engine_streams}; do tests+=("$here/../tests/$t.py"); done
+    reserve=200; [ -n "${SKIP_GPU_CHECK:-}" ] && reserve=${TESTS_RESERVE:-15}
+    timeout "$(left $reserve)" python3 -m pytest -q -p no:cacheprovider -W ignore::FutureWarning "${tests[@]}" \
         > "$out/kernel_tests.log" 2>&1
     echo "kernel tests: rc=$? in $((SECONDS - t0)) s: $(tail -n 1 "$out/kernel_tests.log")"
-    t0=$SECONDS
-    timeout "$(left 10)" python3 -m torch.distributed.run --nproc_per_node=2 "$here/gpu_check.py" --share-gpu ${CHECK_ARGS:---delays} \
-        > "$out/gpu_check.log" 2>&1
-    echo "gpu_check --share-gpu: rc=$? in $((SECONDS - t0)) s, $(grep -c '^PASS' "$out/gpu_check.log") PASS, $(grep -c '^FAIL' "$out/gpu_check.log") FAIL"
+    if [ -z "${SKIP_GPU_CHECK:-}" ]; then
+        t0=$SECONDS
+        timeout "$(left 10)" python3 -m torch.distributed.run --nproc_per_node=2 "$here/gpu_check.py" --share-gpu ${CHECK_ARGS:---delays} \
+            > "$out/gpu_check.log" 2>&1
+        echo "gpu_check --share-gpu: rc=$? in $((SECONDS - t0)) s, $(grep -c '^PASS' "$out/gpu_check.log") PASS, $(grep -c '^FAIL' "$out/gpu_check.log") FAIL"
+    fi
 fi
 if has sweep; then  # gather-ahead against the synchronous gather at other gather buckets; FSDP2 at 5e8/5e7
     mapfile -t a < <(arms int8_ahead int8)
