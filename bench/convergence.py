@@ -652,7 +652,7 @@ def worker(settings_json: str, out_path: str, threads: int, rank: int = 0, port:
     if world > 1 and settings.zero.zero_quantized_gradients and grad_every > 0:
         probe = GradErrorProbe(grad_error_steps(settings.steps, grad_every))
         probe.install()
-    if settings.engine == "qzero" and settings.zero.zero_quantized_weights and replica_every > 0:
+    if settings.backend == "qzero" and settings.zero.zero_quantized_weights and replica_every > 0:
         replicas = ReplicaErrorProbe(grad_error_steps(settings.steps, replica_every))
         replicas.install()
     train.launch(settings, out_path, show_progress=True)

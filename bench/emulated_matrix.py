@@ -14,7 +14,7 @@ leaves what it measured).
     python3 bench/emulated_matrix.py --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \\
         --links pcie,ethernet --world-size 2 --steps 6 --warmup 2 --rounds 1 \\
         --arm gpu1:world_size=1 --arm plain: --arm int8_ahead:quantized=true,overlap=true \\
-        --arm fsdp2:engine=fsdp2 --reference plain --peers fsdp2 --out OUT
+        --arm fsdp2:backend=fsdp2 --reference plain --peers fsdp2 --out OUT
 
 Writes ``OUT/PRESET_agAG_rsRS/LINK/matrix.{json,md}`` and ``steps.png`` (``bench/steps_matrix.py``'s
 tables and plot, titled "emulated link"), and ``OUT/summary.{json,md}``: per cell, link and arm
@@ -49,7 +49,7 @@ PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps
 # ---------------------------------------------------------------------- one arm, in its own process
 
 
-def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
+def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
     """``s.steps`` training steps back to back on the current link; the timing of
     ``qzero.app.train.train_worker`` (per step on the compute stream, and the wall time of the
     steps after the warm-up between two synchronizations)."""
@@ -78,13 +78,13 @@ def _measure(engine, s, world, device, corpus, first_step: int) -> dict:
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for m in range(s.grad_accum):
             tokens = mine[m]
-            logits = engine.model(input_ids=tokens[:, :-1]).logits
+            logits = backend.model(input_ids=tokens[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / s.grad_accum
-            engine.backward(loss)
+            backend.backward(loss)
             loss_sum += loss.detach()
-        skipped += not engine.step()
-        engine.zero_grad()
+        skipped += not backend.step()
+        backend.zero_grad()
         loss_sums.append(loss_sum)
     _sync(device)
     wall = time.perf_counter() - wall_start if wall_start is not None else None
@@ -208,11 +208,11 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
     corpus = load_corpus(s.data)
     config = model_config(s.preset, s.model_config, max_positions=max(4096, s.seq_len))
-    engine = make_backend(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
+    backend = make_backend(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
     records, losses, times, skipped = [], [], [], 0
     for i, model in enumerate(models):
         world.set_link(model)
-        rec = _measure(engine, s, world, device, corpus, first_step=i * s.steps)
+        rec = _measure(backend, s, world, device, corpus, first_step=i * s.steps)
         records.append(rec)
         losses += rec["losses"]
         times += rec["step_times"]
@@ -220,8 +220,8 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     world.set_link(parse_link("none"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    summary = _summary(s, engine, losses, [None] * len(losses), times, skipped, device, [engine.gathered_bytes()])
-    engine.finish()
+    summary = _summary(s, backend, losses, [None] * len(losses), times, skipped, device, [backend.gathered_bytes()])
+    backend.finish()
     # every rank holds rank 0's values here: replicas are identical by construction, not by measurement
     summary["replicas_identical"] = None
     summary["emulated_world"] = world.world

@@ -166,7 +166,7 @@ def main() -> None:
         device = torch.device("cpu")
     shapes, hidden = qwen_like_shapes(int(a.numel))
     layout = plan_flat_layout(shapes, world, group_size=a.group_size, small_param_numel=4 * hidden,
-                              bucket_numel=int(a.bucket), fmt=a.fmt, order="interleaved")
+                              allgather_bucket_size=int(a.bucket), fmt=a.fmt, order="interleaved")
     plan = layout.gather
     flat = torch.empty(layout.numel, dtype=torch.bfloat16, device=device)
     g = torch.Generator(device=device).manual_seed(rank)

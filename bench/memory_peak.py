@@ -1,9 +1,9 @@
-"""What is live on the GPU at an engine's memory peak, and which code allocated it.
+"""What is live on the GPU at a training backend's memory peak, and which code allocated it.
 
-Made to explain why one training engine's peak CUDA memory is higher than another's
+Made to explain why one training backend's peak CUDA memory is higher than another's
 (e.g. qzero vs FSDP2 / DeepSpeed on the Qwen3-1.7B-shaped whole-step benchmark). Each
 rank records the caching allocator's history (``torch.cuda.memory._record_memory_history``)
-while ``qzero.app.train.train_worker`` builds the engine and trains a few steps, then replays the
+while ``qzero.app.train.train_worker`` builds the backend and trains a few steps, then replays the
 recorded events to find the moment the most bytes were live and groups the blocks live
 then by the code that allocated them:
 
@@ -15,7 +15,7 @@ then by the code that allocated them:
 
 Run on a 2-GPU host, from the repository root:
 
-    python3 -m torch.distributed.run --nproc_per_node=2 bench/memory_peak.py --engine qzero \
+    python3 -m torch.distributed.run --nproc_per_node=2 bench/memory_peak.py --backend qzero \
         [--quantized] [--overlap] [--preset qwen3-1.7b] [--seq-len 2048] [--micro-batch 2] \
         [--steps 4] [--allgather-bucket-size 5e8] [--reduce-bucket-size 5e7] [--set KEY=VALUE] [--out DIR] [--tag NAME]
 
@@ -36,6 +36,8 @@ import dataclasses
 import json
 import os
 from itertools import islice
+
+from qzero.vocabulary import BACKENDS
 
 GiB, MiB = float(2**30), float(2**20)
 
@@ -327,7 +329,8 @@ def _load(path: str) -> tuple[dict, str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results side by side")
-    ap.add_argument("--engine", choices=("qzero", "fsdp2", "deepspeed"), default="qzero")
+    ap.add_argument("--backend", choices=BACKENDS, default="qzero")
+    ap.add_argument("--engine", help=argparse.SUPPRESS)  # the flag's name in earlier releases: refused
     ap.add_argument("--quantized", action="store_true")
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--preset", default="qwen3-1.7b")
@@ -345,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/memory")
     ap.add_argument("--tag", default=None)
     a = ap.parse_args(argv)
+    if a.engine is not None:
+        ap.error("--engine is now --backend (the training backend)")
     if a.compare:
         (x, nx), (y, ny) = _load(a.compare[0]), _load(a.compare[1])
         print(format_compare(x, y, nx, ny))
@@ -367,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tag = a.tag or a.engine + ("_int8" if a.quantized else "") + ("_ahead" if a.overlap else "")
+    tag = a.tag or a.backend + ("_int8" if a.quantized else "") + ("_ahead" if a.overlap else "")
     zero = {"allgather_bucket_size": int(a.allgather_bucket_size), "reduce_bucket_size": int(a.reduce_bucket_size),
             "zero_quantized_weights": a.quantized, "overlap_param_gather": a.overlap}
     for item in a.set:
@@ -378,10 +383,10 @@ def main(argv: list[str] | None = None) -> None:
             zero[key] = json.loads(value)
         except json.JSONDecodeError:
             zero[key] = value
-    if a.fake_world and a.engine == "qzero":
+    if a.fake_world and a.backend == "qzero":
         zero.setdefault("check_finite", False)  # the other ranks' values are rank 0's: they may well blow up
     settings = TrainSettings(
-        engine=a.engine, preset=a.preset, seq_len=a.seq_len, micro_batch=a.micro_batch, steps=a.steps,
+        backend=a.backend, preset=a.preset, seq_len=a.seq_len, micro_batch=a.micro_batch, steps=a.steps,
         warmup=0, lr=1e-4, world_size=world, device="cuda", zero=zero,
     )
     validate(settings)

@@ -21,7 +21,7 @@ set -u
 out=${1:?usage: bash bench/overlap_sweep.sh OUTDIR}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-arms=${ARMS:-"gpu1:world_size=1 plain:overlap=false plain_ahead:overlap=true int8:quantized=true,overlap=false int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed"}
+arms=${ARMS:-"gpu1:world_size=1 plain:overlap=false plain_ahead:overlap=true int8:quantized=true,overlap=false int8_ahead:quantized=true,overlap=true fsdp2:backend=fsdp2 deepspeed:backend=deepspeed"}
 status=0
 for preset in ${PRESETS:-qwen3-1.7b qwen3-4b}; do
     for ag in ${ALLGATHER_BUCKET_SIZES:-2e7 5e7 2e8 5e8}; do

@@ -73,7 +73,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for w in (int(x) for x in a.worlds.split(",")):
         kw = dict(group_size=a.group_size, fmt="int8", order="auto")
-        sync = plan_flat_layout(shapes, w, bucket_numel=ag, **kw)
+        sync = plan_flat_layout(shapes, w, allgather_bucket_size=ag, **kw)
         ahead = fitting_plan(sync.gather, 2)  # two chunks in flight, within the same bucket
         if sync.order == "interleaved":
             solo = solo_slots(sync, rb) if a.solo_reduce else ()

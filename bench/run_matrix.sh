@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 for regime in "${regimes[@]}"; do regime_env "$regime" || exit 2; done
 mkdir -p "$out"
 qzero_install || exit 1
-read -r -a arms <<< "${ARMS:-plain: plain_ahead:overlap=true int8:quantized=true,overlap=false int8_ahead:quantized=true,overlap=true fsdp2:engine=fsdp2 deepspeed:engine=deepspeed}"
+read -r -a arms <<< "${ARMS:-plain: plain_ahead:overlap=true int8:quantized=true,overlap=false int8_ahead:quantized=true,overlap=true fsdp2:backend=fsdp2 deepspeed:backend=deepspeed}"
 arm_args=()
 names=" "
 for a in "${arms[@]}"; do arm_args+=(--arm "$a"); names+="${a%%:*} "; done

@@ -44,7 +44,7 @@ ARMS = {
     "int8": {"quantized": True, "overlap": False},
     "int8_ahead": {"quantized": True, "overlap": True},
     "plain_ahead": {"overlap": True},
-    # the same gather-ahead with one engine setting changed (ZeroConfig fields)
+    # the same gather-ahead with one optimizer setting changed (ZeroConfig fields)
     "int8_ahead_inline": {"quantized": True, "overlap": True, "gather_schedule": "inline"},
     "int8_ahead_whole": {"quantized": True, "overlap": True, "sliced_update": False},
     # quantized gradient reduction on top of INT8 + gather-ahead
@@ -57,11 +57,11 @@ ARMS = {
     # timing only: the forward never waits for the gather (see the module note)
     "int8_ahead_nowait": {"quantized": True, "overlap": True},
     # PyTorch FSDP2, plain and with qzero.fsdp's quantized gather, both reshard modes
-    "fsdp2": {"engine": "fsdp2"},
-    "fsdp2_int8": {"engine": "fsdp2", "quantized": True},
-    "fsdp2_rs": {"engine": "fsdp2", "reshard_after_forward": True},
-    "fsdp2_rs_int8": {"engine": "fsdp2", "reshard_after_forward": True, "quantized": True},
-    "fsdp2_rs_gint8": {"engine": "fsdp2", "reshard_after_forward": True, "quantized": True, "fsdp_quantize": "group"},
+    "fsdp2": {"backend": "fsdp2"},
+    "fsdp2_int8": {"backend": "fsdp2", "quantized": True},
+    "fsdp2_rs": {"backend": "fsdp2", "reshard_after_forward": True},
+    "fsdp2_rs_int8": {"backend": "fsdp2", "reshard_after_forward": True, "quantized": True},
+    "fsdp2_rs_gint8": {"backend": "fsdp2", "reshard_after_forward": True, "quantized": True, "fsdp_quantize": "group"},
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}
@@ -73,7 +73,7 @@ DIRECT_ADD = {"int8_ahead_direct", "plain_direct"}
 def forward_never_waits():
     """Gather-ahead's forward pre-hooks enqueue chunks as ``wait_until`` does but do not make
     the compute stream wait; everything else (the backward's wait for the whole gather,
-    ``wait_for_weights``) waits as usual. Must wrap the engine's construction: the hooks
+    ``wait_for_weights``) waits as usual. Must wrap the backend's construction: the hooks
     are bound when they are registered."""
     from qzero.wire import engine, overlap
 
@@ -148,12 +148,12 @@ def main() -> None:
             s = settings_from(dict(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                                    micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket_size),
                                    reduce_bucket_size=int(a.reduce_bucket_size), lr=1e-4, **ARMS[name],
-                                   **({"check_finite": False} if a.fake_world and "engine" not in ARMS[name] else {})))
+                                   **({"check_finite": False} if a.fake_world and "backend" not in ARMS[name] else {})))
             patch = forward_never_waits() if name in NO_WAIT else contextlib.nullcontext()
             patch.__enter__()
-            engine = make_backend(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
+            backend = make_backend(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             if name in DIRECT_ADD:
-                for grads in engine.opt.grads:
+                for grads in backend.opt.grads:
                     grads.reducer.use_landing = False
             t = {"fwd": [], "bwd": [], "step": [], "total": [], "host_step": [], "host_fwd": [], "host_bwd": []}
             # No synchronisation between measured steps: a gather that runs ahead (on the
@@ -174,17 +174,17 @@ def main() -> None:
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 h0 = time.perf_counter()
                 ev[0].record()
-                logits = engine.model(input_ids=tokens[:, :-1]).logits
+                logits = backend.model(input_ids=tokens[:, :-1]).logits
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                          tokens[:, 1:].reshape(-1))
                 h1 = time.perf_counter()
                 ev[1].record()
-                engine.backward(loss)
+                backend.backward(loss)
                 ev[2].record()
                 h2 = time.perf_counter()
-                engine.step()
+                backend.step()
                 h3 = time.perf_counter()
-                engine.zero_grad()
+                backend.zero_grad()
                 ev[3].record()
                 if prof is not None:
                     torch.cuda.synchronize()
@@ -207,13 +207,13 @@ def main() -> None:
                 t["host_fwd"].append(host_fwd)
                 t["host_step"].append(host_step)
                 t["host_bwd"].append(host_bwd)
-            engine.finish()
+            backend.finish()
             patch.__exit__(None, None, None)
             row = {"arm": name, "deterministic": det, **{k: statistics.median(v) for k, v in t.items()}}
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-            del engine, logits, loss
+            del backend, logits, loss
             gc.collect()
             torch.cuda.empty_cache()
     if rank == 0:

@@ -1,7 +1,7 @@
 """Whole-step benchmark matrix: many named arms, order-balanced rounds, fresh processes.
 
 Every arm is a :class:`qzero.app.train.TrainSettings` (the common flags below, plus the
-arm's own ``key=value`` settings: workload fields such as ``engine``, ZeroConfig fields
+arm's own ``key=value`` settings: workload fields such as ``backend``, ZeroConfig fields
 such as ``zero_quantized_weights``, or the short names of ``qzero.vocabulary.ZERO_ALIASES``:
 ``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.app.qualify.run.run_arm`,
 a fresh process with the same seed and data, once per round. Round ``r`` runs the arms
@@ -13,7 +13,7 @@ out-of-memory) is recorded with the tail of its output and the other arms go on.
         --seq-len 2048 --micro-batch 2 --steps 8 --warmup 2 --allgather-bucket-size 5e8 \\
         --reduce-bucket-size 5e7 --lr 1e-4 --rounds 2 --peers deepspeed,fsdp2 \\
         --arm plain: --arm int8:quantized=true,overlap=false --arm int8_ahead:quantized=true,overlap=true \\
-        --arm deepspeed:engine=deepspeed --arm fsdp2:engine=fsdp2 --out OUTDIR
+        --arm deepspeed:backend=deepspeed --arm fsdp2:backend=fsdp2 --out OUTDIR
 
 Per arm: the median of all its rounds' measured step times (warm-up excluded); the ratio
 ``median(reference) / median(arm)`` (> 1: the arm is faster than the reference) with a
@@ -150,7 +150,10 @@ def parse_arm(spec: str) -> tuple[str, dict]:
                 raise SpecError(f"--arm {name}: {key!r} does not name an environment variable")
             overrides.setdefault("env", {})[var] = raw.strip()
             continue
-        field = setting_name(key)
+        try:
+            field = setting_name(key)
+        except ValueError as e:  # a setting of an earlier release
+            raise SpecError(f"--arm {name}: {e}") from None
         if field is None:
             raise SpecError(
                 f"--arm {name}: unknown setting {key!r}; settings are {', '.join(FIELDS)}, and the short names "
@@ -202,7 +205,7 @@ def _replicas(runs: list[dict]):
         return False
     if any(f is True for f in flags):
         return True
-    return None  # engines without replicated flat buffers (FSDP2) have nothing to compare
+    return None  # backends without replicated flat buffers (FSDP2) have nothing to compare
 
 
 def _reproduced(runs: list[dict]):

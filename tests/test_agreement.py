@@ -11,7 +11,7 @@ leaving the process group usable.
 * ``qzero.fsdp``'s settings (by ZeroConfig's names: the format, the group size,
   ``small_param_numel``, the rotation block, what is quantized; given by their short names here), at install when a process group exists, else at the first forward;
 * the public gathers and the constructor: an argument that cannot enter the exchange
-  (``bucket_numel=2**70``) or a local failure of any exception type on one rank.
+  (``allgather_bucket_size=2**70``) or a local failure of any exception type on one rank.
 """
 
 from __future__ import annotations
@@ -76,23 +76,23 @@ def _meta_flat(rank, world):
     return torch.empty(64 * world, dtype=BF16, device="meta") if rank == 1 else _flat(world)
 
 
-case("quantized: bucket_numel 2**70 on one rank", "gather",
-     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**70 if r == 0 else 2**20),
-     rf"bucket_numel 1180591620717411303424 is out of range.*64-bit|{rejected(0)}")
-case("quantized: bucket_numel 2**70 on every rank", "gather",
-     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**70),
-     r"bucket_numel 1180591620717411303424 is out of range")
+case("quantized: allgather_bucket_size 2**70 on one rank", "gather",
+     _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**70 if r == 0 else 2**20),
+     rf"allgather_bucket_size 1180591620717411303424 is out of range.*64-bit|{rejected(0)}")
+case("quantized: allgather_bucket_size 2**70 on every rank", "gather",
+     _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**70),
+     r"allgather_bucket_size 1180591620717411303424 is out of range")
 case("quantized: group_size 2**70 (and a bucket to hold it) on the last rank", "gather",
-     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**80 if r == w - 1 else 2**20,
+     _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**80 if r == w - 1 else 2**20,
              group_size=lambda r, w: 2**70 if r == w - 1 else 64),
      r"group size 1180591620717411303424 is out of range|rank\(s\) \[[12]\] rejected")
-case("plain: bucket_numel 2**64 on one rank", "gather",
-     _gather("all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**64 if r == 1 else 2**20),
-     rf"bucket_numel 18446744073709551616 is out of range|{rejected(1)}")
+case("plain: allgather_bucket_size 2**64 on one rank", "gather",
+     _gather("all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**64 if r == 1 else 2**20),
+     rf"allgather_bucket_size 18446744073709551616 is out of range|{rejected(1)}")
 case("quantized: a meta flat on one rank", "gather",
      _gather("quantized_all_gather", _meta_flat), rf"flat is on the meta device|{rejected(1)}")
 case("quantized: 2**62 is fine", "gather",
-     _gather("quantized_all_gather", lambda r, w: _flat(w), bucket_numel=lambda r, w: 2**62))
+     _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**62))
 
 
 # ====================================================================== the inner optimizer

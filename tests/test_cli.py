@@ -199,22 +199,22 @@ def test_special_files_and_impossible_models_are_refused_before_any_rank_starts(
 
 
 @pytest.mark.slow  # a second qualify run end to end, with DeepSpeed as the baseline: python -m pytest -m slow
-def test_qualify_against_a_peer_engine(tmp_path):
+def test_qualify_against_a_peer_backend(tmp_path):
     """DeepSpeed ZeRO-2 (unmodified) as the baseline arm, qzero INT8 as the candidate."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "rep"
-    res = qzero("qualify", *TINY, "--order", "BC", "--baseline", "engine=deepspeed", "--candidate", "quantized=true",
+    res = qzero("qualify", *TINY, "--order", "BC", "--baseline", "backend=deepspeed", "--candidate", "quantized=true",
                 "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["differing_settings"] == {"engine": ["deepspeed", "qzero"], "overlap_param_gather": [False, True],
+    assert report["differing_settings"] == {"backend": ["deepspeed", "qzero"], "overlap_param_gather": [False, True],
                                             "zero_quantized_weights": [False, True]}
     assert report["arms"][0]["replicas_identical"] and report["gates"]["max_loss_diff"]
 
 
 def test_train_with_fsdp2(tmp_path):
     out = tmp_path / "run.json"
-    res = qzero("train", *TINY, "--engine", "fsdp2", "--out", str(out))
+    res = qzero("train", *TINY, "--backend", "fsdp2", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     rec = json.loads(out.read_text())
     assert rec["replicas_identical"] is None  # sharded: no replicated buffer to compare
@@ -238,6 +238,13 @@ def test_bench_gather_ships_with_the_package(tmp_path):
     assert "| 1 Gi | int8 | 21.00 | 102 | 1.90x | 1.43x |" in md
     assert "| 1 Gi | bf16 | 40.00 | 54 | 1.00x | 0.75x |" in md
     assert md.count("| 1 Gi |") == len(times)
+    assert "bucket 500,000,000 elements" in md
+    # a result saved before the bucket was named allgather_bucket_size renders the same
+    old = json.loads(path.read_text())
+    old["bucket_numel"] = old.pop("allgather_bucket_size")
+    path.write_text(json.dumps(old))
+    assert main(["bench", "gather", "--render", str(path)]) == 0
+    assert (tmp_path / "r.md").read_text() == md
 
 
 def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
@@ -247,7 +254,7 @@ def test_a_missing_extra_is_named_before_any_work(monkeypatch, capsys):
     assert cli.main(["train"]) == 2
     assert "pip install 'qzero[cli]'" in capsys.readouterr().err
     monkeypatch.setattr(cli, "_has", lambda module: module != "deepspeed")
-    assert cli.main(["qualify", "--baseline", "engine=deepspeed"]) == 2
+    assert cli.main(["qualify", "--baseline", "backend=deepspeed"]) == 2
     assert "pip install 'qzero[deepspeed]'" in capsys.readouterr().err
 
 

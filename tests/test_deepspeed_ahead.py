@@ -244,9 +244,9 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
 
 @pytest.mark.parametrize(
     "kwargs, words",
-    [(dict(engine="qzero", offload_optimizer="cpu"), "setting of the deepspeed engine"),
-     (dict(engine="deepspeed", offload_optimizer="nvme"), "none, cpu, cpu_pinned"),
-     (dict(engine="deepspeed", zero={"zero_quantized_gradients": True}), "would change nothing")],
+    [(dict(backend="qzero", offload_optimizer="cpu"), "setting of the deepspeed backend"),
+     (dict(backend="deepspeed", offload_optimizer="nvme"), "none, cpu, cpu_pinned"),
+     (dict(backend="deepspeed", zero={"zero_quantized_gradients": True}), "would change nothing")],
 )
 def test_train_settings_offload_is_checked(kwargs, words):
     from qzero.app.train import TrainSettings, validate

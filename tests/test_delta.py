@@ -281,9 +281,9 @@ def test_defaults_and_every_way_in():
     from qzero.app.train import validate
     from qzero.app.workload import WorkloadError
 
-    for engine in ("deepspeed", "fsdp2"):  # their gathers send no delta payloads: refused, not ignored
-        with pytest.raises(WorkloadError, match="zero_quantized_weights_delta is a setting of the qzero engine"):
-            validate(settings_from({"engine": engine, "quantized": True, "zero_quantized_weights_delta": True}))
+    for backend in ("deepspeed", "fsdp2"):  # their gathers send no delta payloads: refused, not ignored
+        with pytest.raises(WorkloadError, match="zero_quantized_weights_delta is a setting of the qzero backend"):
+            validate(settings_from({"backend": backend, "quantized": True, "zero_quantized_weights_delta": True}))
     from qzero.integrations.deepspeed_config import prepare_config
 
     ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}}
@@ -376,7 +376,7 @@ def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
         sys.path.remove(bench)
     seen = []
     pack = emulated_matrix._clearing_side_channel(lambda *args: seen.append(args) or "slot")
-    plan = plan_gather(64, 1, fmt="int4", group_size=8, bucket_numel=64, exact_ranges=[(0, 4)], delta=True)
+    plan = plan_gather(64, 1, fmt="int4", group_size=8, allgather_bucket_size=64, exact_ranges=[(0, 4)], delta=True)
     buf = torch.ones(plan.chunks[0].payload_bytes, dtype=torch.uint8)
     inputs = DeltaInputs(torch.zeros(64), reference.refusal_flag("cpu"))
     flat = torch.zeros(64, dtype=torch.bfloat16)

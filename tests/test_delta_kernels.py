@@ -56,7 +56,7 @@ def step_pair(n: int, dtype: torch.dtype, rng: np.random.Generator, device="cpu"
 
 def payload_layout(n: int, fmt: str, gs: int, exact: torch.Tensor | None):
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
-    plan = plan_gather(n, 1, fmt=fmt, group_size=gs, exact_ranges=ranges, bucket_numel=-(-n // gs) * gs, delta=True)
+    plan = plan_gather(n, 1, fmt=fmt, group_size=gs, exact_ranges=ranges, allgather_bucket_size=-(-n // gs) * gs, delta=True)
     return plan
 
 
@@ -169,7 +169,7 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     n = m.numel() // world
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
     plan = plan_gather(world * n, world, fmt=fmt, group_size=gs, exact_ranges=ranges,
-                       bucket_numel=world * (-(-n // gs) * gs), delta=True)
+                       allgather_bucket_size=world * (-(-n // gs) * gs), delta=True)
     chunk = plan.chunks[0]
     k = kernel_inputs(plan, chunk, m.device)
     pb = k.payload_bytes
@@ -354,7 +354,7 @@ def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
     numel = 1 << 22
     m, r = step_pair(numel, torch.bfloat16, rng, "cuda")
     exact = [(0, 1000), (70_000, 140_000), (numel - 300, numel)]
-    plan = plan_gather(numel, 1, fmt=fmt, group_size=256, exact_ranges=exact, bucket_numel=1 << 19, delta=True)
+    plan = plan_gather(numel, 1, fmt=fmt, group_size=256, exact_ranges=exact, allgather_bucket_size=1 << 19, delta=True)
 
     def gather(context):
         flat, refused = r.clone(), reference.refusal_flag("cuda")

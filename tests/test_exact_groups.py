@@ -74,7 +74,7 @@ def models(draw, limit=400_000):
 
 def plan_of(shapes, threshold, world, group, fmt, order, bucket, elem):
     return plan_flat_layout(shapes, world, elem_size=elem, group_size=group, small_param_numel=threshold,
-                            bucket_numel=bucket, fmt=fmt, order=order)
+                            allgather_bucket_size=bucket, fmt=fmt, order=order)
 
 
 # ------------------------------------------------------------------ bytes
@@ -199,7 +199,7 @@ def test_coded_groups_keep_the_codes_of_the_whole_slice():
     n, gs = 64 * 20 + 24, 64
     x = (torch.randn(n, generator=gen) * 3).bfloat16()
     exact = [(0, 70), (200, 400), (1000, 1001), (1250, n)]
-    plan = plan_gather(n, 1, group_size=gs, exact_ranges=exact, bucket_numel=n + gs)
+    plan = plan_gather(n, 1, group_size=gs, exact_ranges=exact, allgather_bucket_size=n + gs)
     (chunk,) = plan.chunks
     runs = plan.group_runs(chunk, 0)
     assert runs is not None and runs.coded_groups() < -(-n // gs)
@@ -226,13 +226,13 @@ MIXED = [(300, 300), (300,), (64, 65), (7,), (70_000,), (1000,), (2, 5000), (3,)
 
 
 def mixed_worker(rank, world):
-    lay = plan_flat_layout(MIXED, world, small_param_numel=5000, bucket_numel=world * 64 * 200)
+    lay = plan_flat_layout(MIXED, world, small_param_numel=5000, allgather_bucket_size=world * 64 * 200)
     gen = torch.Generator().manual_seed(7)
     truth = torch.randn(lay.numel, generator=gen).bfloat16()
     p = lay.partition_numel
     flat = torch.full_like(truth, float("nan"))
     flat[rank * p : (rank + 1) * p] = truth[rank * p : (rank + 1) * p]
-    stats = qzero.quantized_all_gather(flat, exact_ranges=lay.exact_ranges, bucket_numel=lay.gather.bucket_numel)
+    stats = qzero.quantized_all_gather(flat, exact_ranges=lay.exact_ranges, allgather_bucket_size=lay.gather.allgather_bucket_size)
     return flat, stats, truth
 
 
@@ -240,7 +240,7 @@ def mixed_worker(rank, world):
 def test_real_gather_of_a_mixed_model(world):
     """On gloo ranks: replicas bit-identical, equal to the numpy model, every kind of chunk
     payload on the way (shared, per rank, plain), never more than the plain bytes."""
-    lay = plan_flat_layout(MIXED, world, small_param_numel=5000, bucket_numel=world * 64 * 200)
+    lay = plan_flat_layout(MIXED, world, small_param_numel=5000, allgather_bucket_size=world * 64 * 200)
     kinds = {c.kind for c in lay.gather.chunks}
     assert PayloadKind.PER_RANK in kinds and PayloadKind.SHARED in kinds
     by_rank = run_distributed(mixed_worker, world, timeout=120)

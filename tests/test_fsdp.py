@@ -303,7 +303,7 @@ def arm_worker(rank, world):
     records = {}
     for quantized in (False, True):
         settings = TrainSettings(
-            engine="fsdp2", zero={"zero_quantized_weights": quantized}, reshard_after_forward=True, steps=3, warmup=0,
+            backend="fsdp2", zero={"zero_quantized_weights": quantized}, reshard_after_forward=True, steps=3, warmup=0,
             world_size=world,
         )
         records[quantized] = train_worker(settings, None, show_progress=False)
@@ -311,7 +311,7 @@ def arm_worker(rank, world):
 
 
 def test_fsdp2_arm_of_qzero_train():
-    """``engine=fsdp2, quantized=true`` (what ``qzero qualify --engine fsdp2`` and
+    """``backend=fsdp2, quantized=true`` (what ``qzero qualify --backend fsdp2`` and
     bench/steps_matrix.py A/B) runs the tiny Qwen3 model and sends about half the bytes."""
     plain, quant = run_distributed(arm_worker, 2)[0].values()
     assert quant["losses"] != plain["losses"]

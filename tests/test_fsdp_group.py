@@ -279,14 +279,14 @@ def arm_worker(rank, world):
 
     records = {}
     for name, zero, quantize in (("plain", {}, "parameter"), ("group", {"zero_quantized_weights": True}, "group")):
-        settings = TrainSettings(engine="fsdp2", zero=zero, fsdp_quantize=quantize, reshard_after_forward=True,
+        settings = TrainSettings(backend="fsdp2", zero=zero, fsdp_quantize=quantize, reshard_after_forward=True,
                                  steps=3, warmup=0, world_size=world)
         records[name] = train_worker(settings, None, show_progress=False)
     return records
 
 
 def test_fsdp2_group_arm_of_qzero_train():
-    """``engine=fsdp2,quantized=true,fsdp_quantize=group`` (an arm of bench/steps_matrix.py)
+    """``backend=fsdp2,quantized=true,fsdp_quantize=group`` (an arm of bench/steps_matrix.py)
     trains the tiny Qwen3 model as plain FSDP2 does, within the quantization's reach, sending
     about half the bytes, counted as the plain arm counts them."""
     plain, group = run_distributed(arm_worker, 2)[0].values()
@@ -300,11 +300,11 @@ def test_fsdp2_group_arm_of_qzero_train():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(engine="fsdp2", fsdp_quantize="layer", zero={"zero_quantized_weights": True}),
+        (dict(backend="fsdp2", fsdp_quantize="layer", zero={"zero_quantized_weights": True}),
          "fsdp_quantize must be one of parameter, group, got 'layer'"),
-        (dict(engine="qzero", fsdp_quantize="group", zero={"zero_quantized_weights": True}),
-         "fsdp_quantize=group is a setting of the fsdp2 engine with quantized=true, not of engine 'qzero'"),
-        (dict(engine="fsdp2", fsdp_quantize="group"), "with quantized=true, not of engine 'fsdp2' with quantized=false"),
+        (dict(backend="qzero", fsdp_quantize="group", zero={"zero_quantized_weights": True}),
+         "fsdp_quantize=group is a setting of the fsdp2 backend with quantized=true, not of backend 'qzero'"),
+        (dict(backend="fsdp2", fsdp_quantize="group"), "with quantized=true, not of backend 'fsdp2' with quantized=false"),
     ],
 )
 def test_fsdp_quantize_setting_is_validated(kwargs, match):

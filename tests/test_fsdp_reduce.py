@@ -403,14 +403,14 @@ def arm_worker(rank, world):
 
     records = {}
     for name, zero in (("plain", {}), ("qgrad", {"zero_quantized_gradients": True})):
-        settings = TrainSettings(engine="fsdp2", zero=zero, reshard_after_forward=True, steps=3, warmup=0,
+        settings = TrainSettings(backend="fsdp2", zero=zero, reshard_after_forward=True, steps=3, warmup=0,
                                  world_size=world)
         records[name] = train_worker(settings, None, show_progress=False)
     return records
 
 
 def test_fsdp2_quantized_gradient_arm_of_qzero_train():
-    """``engine=fsdp2,reshard_after_forward=true,zero_quantized_gradients=true`` trains the
+    """``backend=fsdp2,reshard_after_forward=true,zero_quantized_gradients=true`` trains the
     tiny model as plain FSDP2 does, within the quantization's reach, and counts the bytes
     its reduce-scatters sent."""
     plain, q = run_distributed(arm_worker, 2)[0].values()

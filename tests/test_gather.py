@@ -90,7 +90,7 @@ def quantized_worker(rank, world, seed):
         truth = make_truth(world, numel, dtype, seed)
         flat = poisoned_copy(truth, rank, world)
         stats = qzero.quantized_all_gather(
-            flat, group_size=gs, exact_ranges=exact, bucket_numel=world * gs * bucket_groups
+            flat, group_size=gs, exact_ranges=exact, allgather_bucket_size=world * gs * bucket_groups
         )
         results.append((flat, stats))
     return results
@@ -123,7 +123,7 @@ def plain_worker(rank, world, seed):
     for dtype, bucket in ((torch.bfloat16, world * 7), (torch.float16, 10**9), (torch.float32, world * 100)):
         truth = make_truth(world, 333 * world, dtype, seed)
         flat = poisoned_copy(truth, rank, world)
-        stats = qzero.all_gather(flat, bucket_numel=bucket)
+        stats = qzero.all_gather(flat, allgather_bucket_size=bucket)
         results.append((truth, flat, stats))
     return results
 
@@ -150,7 +150,7 @@ def engine_worker(rank, world, seed):
     context = CommContext("cpu")
     out = {}
     for fmt in ("int8", None):
-        plan = plan_gather(numel, world, bucket_numel=world * 64 * 5, fmt=fmt, group_size=gs,
+        plan = plan_gather(numel, world, allgather_bucket_size=world * 64 * 5, fmt=fmt, group_size=gs,
                            exact_ranges=exact if fmt else ())
         whole = poisoned_copy(truth, rank, world)
         start_gather(whole, plan, None, context).wait()
@@ -203,8 +203,8 @@ BAD_INPUTS = {
     "unknown format": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"fmt": "int2"}), "'int2'"),
     "2-D flat": (lambda r, w: (torch.zeros(w, 64, dtype=torch.bfloat16), {}), "1-D"),
     "non-contiguous": (lambda r, w: (torch.zeros(128 * w, dtype=torch.bfloat16)[::2], {}), "contiguous"),
-    "bucket 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"bucket_numel": 0}), "bucket_numel"),
-    "bucket float": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"bucket_numel": 1e6}), "bucket_numel"),
+    "bucket 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 0}), "allgather_bucket_size"),
+    "bucket float": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 1e6}), "allgather_bucket_size"),
     "not a tensor": (lambda r, w: ([0.0] * 64 * w, {}), "torch.Tensor"),
     # distributed mismatches: each must raise on every rank, never hang
     "numel differs": (lambda r, w: (torch.zeros(64 * w * (1 + r), dtype=torch.bfloat16), {}), "differs between ranks"),

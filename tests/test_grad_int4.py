@@ -475,11 +475,11 @@ def test_rotation_settings_that_differ_across_ranks_raise_on_every_rank():
         assert untouched
 
 
-def test_error_feedback_is_refused_by_the_other_engines():
+def test_error_feedback_is_refused_by_the_other_backends():
     from qzero.app.train import settings_from, validate
     from qzero.app.workload import WorkloadError
 
-    s = settings_from({"engine": "fsdp2", "zero_quantized_gradients": True,
+    s = settings_from({"backend": "fsdp2", "zero_quantized_gradients": True,
                        "zero_quantized_gradients_error_feedback": True})
     with pytest.raises(WorkloadError, match="zero_quantized_gradients_error_feedback is a setting of the qzero"):
         validate(s)

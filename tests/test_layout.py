@@ -49,8 +49,8 @@ def brute_force_sides(plan, chunk):
 
 def check_plan_invariants(plan, brute=False):
     p = plan.partition_numel
-    assert plan.world_size * plan.chunk_numel <= plan.bucket_numel, "bucket rule"
-    assert plan.max_recv_numel <= plan.bucket_numel
+    assert plan.world_size * plan.chunk_numel <= plan.allgather_bucket_size, "bucket rule"
+    assert plan.max_recv_numel <= plan.allgather_bucket_size
     assert plan.chunk_numel % plan.group_size == 0 and plan.chunk_numel >= plan.group_size
     f = get_format(plan.fmt)
     es = plan.elem_size
@@ -96,7 +96,7 @@ def test_padding_rule():
 
 def test_flat_layout_ranges_padding_and_exact():
     shapes = [(10, 30), (30,), (7,), (64, 64), (3, 5, 2)]
-    lay = plan_flat_layout(shapes, world_size=3, group_size=64, small_param_numel=100, bucket_numel=3 * 128)
+    lay = plan_flat_layout(shapes, world_size=3, group_size=64, small_param_numel=100, allgather_bucket_size=3 * 128)
     starts = [s.start for s in lay.slots]
     assert starts == [0, 300, 330, 337, 337 + 4096]
     assert lay.used_numel == 337 + 4096 + 30
@@ -128,14 +128,14 @@ def test_random_plans_obey_bounds_and_side_channel_sizes(seed):
     # random sorted disjoint ranges
     cuts = sorted(rng.sample(range(numel + 1), min(numel + 1, 2 * rng.randrange(0, 6))))
     ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2) if cuts[i] < cuts[i + 1]]
-    plan = plan_gather(numel, world, bucket_numel=bucket, group_size=group, exact_ranges=ranges)
+    plan = plan_gather(numel, world, allgather_bucket_size=bucket, group_size=group, exact_ranges=ranges)
     check_plan_invariants(plan, brute=True)
 
 
 @pytest.mark.parametrize("world", [4, 8, 64, 1024])
 def test_large_world_plans_stay_within_the_bucket(world):
     bucket = 50_000_000
-    lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=bucket)
+    lay = plan_flat_layout(QWEN3_4B_SHAPES, world, allgather_bucket_size=bucket)
     plan = lay.gather
     check_plan_invariants(plan)
     assert plan.max_recv_numel <= bucket
@@ -156,9 +156,9 @@ def test_default_bytes_per_parameter():
     [
         (dict(numel=10, world_size=3), "not divisible by the world size 3"),
         (dict(numel=64, world_size=0), "world_size"),
-        (dict(numel=128, world_size=2, bucket_numel=0), "bucket_numel"),
-        (dict(numel=128, world_size=2, bucket_numel=5e8), "bucket_numel"),
-        (dict(numel=128, world_size=2, bucket_numel=100), "smaller than one group per rank"),
+        (dict(numel=128, world_size=2, allgather_bucket_size=0), "allgather_bucket_size"),
+        (dict(numel=128, world_size=2, allgather_bucket_size=5e8), "allgather_bucket_size"),
+        (dict(numel=128, world_size=2, allgather_bucket_size=100), "smaller than one group per rank"),
         (dict(numel=128, world_size=2, group_size=12), "group_size"),
         (dict(numel=128, world_size=2, fmt="int2"), "'int2'"),
         (dict(numel=128, world_size=2, exact_ranges=[(5, 9), (1, 3)]), r"exact_ranges\[1\]"),
@@ -183,7 +183,7 @@ def test_dp4_dp8_qwen3_4b_plans(world):
     from qzero.buckets import plan_reduce_buckets
 
     for depth in (1, 2):
-        lay = plan_flat_layout(QWEN3_4B_SHAPES, world, bucket_numel=50_000_000 // depth)
+        lay = plan_flat_layout(QWEN3_4B_SHAPES, world, allgather_bucket_size=50_000_000 // depth)
         plan = lay.gather
         check_plan_invariants(plan)
         assert depth * plan.max_recv_numel <= 50_000_000
@@ -200,7 +200,7 @@ def test_interleaved_order_follows_the_model_in_every_partition(world):
     from qzero.wire.overlap import last_chunk_needed
 
     shapes = QWEN3_4B_SHAPES[: 1 + 11 * 8]  # embedding + 8 layers
-    lay = plan_flat_layout(shapes, world, bucket_numel=world * 64 * 2048, order="interleaved")
+    lay = plan_flat_layout(shapes, world, allgather_bucket_size=world * 64 * 2048, order="interleaved")
     check_plan_invariants(lay.gather)
     p = lay.partition_numel
     assert lay.numel == world * p and p % 64 == 0
@@ -223,7 +223,7 @@ def test_interleaved_order_follows_the_model_in_every_partition(world):
         running = max(running, k)
     # whereas in the contiguous order the parameter straddling the first partition boundary
     # (about 1/world of the way through the model) already needs the last chunk
-    contiguous = plan_flat_layout(shapes, world, bucket_numel=world * 64 * 2048)
+    contiguous = plan_flat_layout(shapes, world, allgather_bucket_size=world * 64 * 2048)
     q = contiguous.partition_numel
     straddler = next((s for s in contiguous.slots if s.start < q < s.stop), None)
     if straddler is not None:

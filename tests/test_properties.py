@@ -101,11 +101,11 @@ def check_gather_plan(plan, *, brute=False):
     assert [plan.partition(r) for r in range(w)] == [(r * p, (r + 1) * p) for r in range(w)]
     unit = plan.group_size if plan.quantized else 1
     # the bucket rule, and the chunk is the largest that obeys it (or the whole partition)
-    assert w * plan.chunk_numel <= plan.bucket_numel
-    assert plan.max_recv_numel <= plan.bucket_numel
+    assert w * plan.chunk_numel <= plan.allgather_bucket_size
+    assert plan.max_recv_numel <= plan.allgather_bucket_size
     assert plan.chunk_numel % unit == 0 and plan.chunk_numel >= unit
     whole = -(-max(p, 1) // unit) * unit
-    assert plan.chunk_numel == whole or w * (plan.chunk_numel + unit) > plan.bucket_numel
+    assert plan.chunk_numel == whole or w * (plan.chunk_numel + unit) > plan.allgather_bucket_size
     # chunks tile the partition, in order, on group boundaries
     pos = 0
     for i, c in enumerate(plan.chunks):
@@ -210,7 +210,7 @@ def check_flat_layout(shapes, w, g, fmt, threshold, alignment, a, bucket, elem, 
         alignment=alignment,
         group_size=g,
         small_param_numel=threshold,
-        bucket_numel=bucket,
+        allgather_bucket_size=bucket,
         fmt=fmt,
     )
     # flat ranges: contiguous, in order, one per parameter
@@ -233,7 +233,7 @@ def check_flat_layout(shapes, w, g, fmt, threshold, alignment, a, bucket, elem, 
     # no two exact ranges touch (they would have been merged)
     assert all(b1 < a2 for (_, b1), (a2, _) in zip(lay.exact_ranges, lay.exact_ranges[1:]))
     plan = lay.gather
-    assert (plan.numel, plan.world_size, plan.fmt, plan.bucket_numel) == (lay.numel, w, fmt, bucket)
+    assert (plan.numel, plan.world_size, plan.fmt, plan.allgather_bucket_size) == (lay.numel, w, fmt, bucket)
     assert plan.group_size == (g if fmt is not None else 1)
     check_gather_plan(plan, brute=brute)
     # slots_in agrees with plain interval overlap
@@ -283,7 +283,7 @@ def raw_gather_args(draw):
 @given(raw_gather_args())
 def test_plan_gather_with_arbitrary_exact_ranges(args):
     numel, w, g, bucket, ranges, fmt = args
-    plan = plan_gather(numel, w, bucket_numel=bucket, group_size=g, exact_ranges=ranges, fmt=fmt)
+    plan = plan_gather(numel, w, allgather_bucket_size=bucket, group_size=g, exact_ranges=ranges, fmt=fmt)
     assert plan.exact_ranges == tuple(ranges)
     check_gather_plan(plan, brute=True)
 
@@ -296,7 +296,7 @@ def test_reduce_buckets_tile_the_used_buffer(args, data):
     least = max(1, used // 2000)  # at most ~2000 buckets, so the checks stay fast
     rbucket = data.draw(st.one_of(st.integers(least, least + 50), st.integers(least, least + 20_000)))
     lay = plan_flat_layout(shapes, w, alignment=alignment, group_size=g, small_param_numel=threshold,
-                           bucket_numel=bucket, fmt=fmt)
+                           allgather_bucket_size=bucket, fmt=fmt)
     buckets = plan_reduce_buckets(lay, rbucket)
     assert [b.index for b in buckets] == list(range(len(buckets)))
     # tiles [0, used_numel): sorted by start they are contiguous
@@ -397,7 +397,7 @@ def test_simulated_gather_matches_numpy_model(case):
     assert not torch.isnan(want).any()
     results = []
     for i, bucket in enumerate(buckets):
-        plan = plan_gather(numel, w, elem_size=truth.element_size(), bucket_numel=bucket, fmt=fmt, group_size=g,
+        plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=bucket, fmt=fmt, group_size=g,
                            exact_ranges=ranges)
         copies = simulate_gather(truth, plan, garbage_seed=seed + i)
         for r in range(1, w):
@@ -415,7 +415,7 @@ def test_simulated_plain_gather_is_exact(case):
     w, g, numel, _, _, dtype, buckets, profile, seed = case
     truth = make_values(numel, dtype, seed, profile)
     for bucket in buckets:
-        plan = plan_gather(numel, w, elem_size=truth.element_size(), bucket_numel=bucket, fmt=None)
+        plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=bucket, fmt=None)
         check_gather_plan(plan)
         for c in simulate_gather(truth, plan, garbage_seed=seed):
             assert torch.equal(bits(c), bits(truth))
@@ -430,7 +430,7 @@ def test_simulated_gather_matches_reference_quantizer_per_partition(case):
 
     w, g, numel, ranges, fmt, dtype, buckets, profile, seed = case
     truth = make_values(numel, dtype, seed, profile)
-    plan = plan_gather(numel, w, elem_size=truth.element_size(), bucket_numel=buckets[0], fmt=fmt, group_size=g,
+    plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=buckets[0], fmt=fmt, group_size=g,
                        exact_ranges=ranges)
     got = simulate_gather(truth, plan, garbage_seed=None)[w - 1]
     p = numel // w
@@ -457,7 +457,7 @@ def gather_worker(rank, world, cases):
     for numel, g, ranges, fmt, dtype, bucket, profile, seed in cases:
         truth = make_values(numel, dtype, seed, profile)
         flat = poisoned_copy(truth, rank, world)
-        qzero.quantized_all_gather(flat, group_size=g, exact_ranges=ranges, bucket_numel=bucket, fmt=fmt)
+        qzero.quantized_all_gather(flat, group_size=g, exact_ranges=ranges, allgather_bucket_size=bucket, fmt=fmt)
         out.append(flat)
     return out
 
@@ -505,7 +505,7 @@ def test_scatter_buckets_stage_every_gradient_element_once(args, order, data):
     shapes, w, g, fmt, threshold, alignment, a, bucket, elem = args
     used = sum(math.prod(s) for s in shapes)
     lay = plan_flat_layout(shapes, w, alignment=alignment, group_size=g, small_param_numel=threshold,
-                           bucket_numel=bucket, fmt=fmt, order=order)
+                           allgather_bucket_size=bucket, fmt=fmt, order=order)
     p = lay.partition_numel
     least = max(w, w * (p // 500))  # at most ~500 windows, so the checks stay fast
     rbucket = data.draw(st.integers(least, least + 20_000))

@@ -98,7 +98,7 @@ def _dying_worker(rank, world, store, results, where):
                 comm.all_gather_into = chunks.all_gather_into = die_on_third
             t0 = time.monotonic()
             try:
-                qzero.quantized_all_gather(flat, bucket_numel=64 * world)
+                qzero.quantized_all_gather(flat, allgather_bucket_size=64 * world)
             except comm.PeerFailure as e:
                 results.put((rank, str(e), time.monotonic() - t0))
                 return

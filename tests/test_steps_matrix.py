@@ -217,7 +217,7 @@ def test_parse_arm_values_like_json_and_typed_like_trainsettings():
     assert sm.parse_arm("int8_ahead:quantized=true,overlap=true") == (
         "int8_ahead", {"zero_quantized_weights": True, "overlap_param_gather": True})
     assert sm.parse_arm("zero1:stage=1,quantized=true") == ("zero1", {"stage": 1, "zero_quantized_weights": True})
-    assert sm.parse_arm("ds:engine=deepspeed")[1] == {"engine": "deepspeed"}
+    assert sm.parse_arm("ds:backend=deepspeed")[1] == {"backend": "deepspeed"}
     name, o = sm.parse_arm("b:allgather_bucket=5e7,fmt=int4,check_finite=false,flat_order=contiguous,gradient_clipping=1")
     assert o == {"allgather_bucket_size": 50_000_000, "zero_quantized_weights_format": "int4",
                  "check_finite": False, "flat_order": "contiguous", "gradient_clipping": 1.0}
@@ -255,7 +255,8 @@ TINY = ["--device", "cpu", "--world-size", "2", "--preset", "tiny", "--seq-len",
 
 @pytest.mark.parametrize("args, named", [
     (["--arm", "plain:", "--arm", "x:quantized=true,colour=blue"], "colour"),
-    (["--arm", "plain:", "--arm", "x:engine=nope"], "engine"),
+    (["--arm", "plain:", "--arm", "x:backend=nope"], "backend"),
+    (["--arm", "plain:", "--arm", "x:engine=deepspeed"], "x: setting 'engine' is now 'backend'"),
     (["--arm", "plain:", "--arm", "x:group_size=12"], "x: zero_quantized_weights_group_size must be a positive multiple of 8"),
     (["--arm", "plain:", "--arm", "plain:quantized=true"], "twice"),
     (["--arm", "plain:", "--reference", "other"], "other"),
@@ -285,14 +286,14 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
         name = os.path.basename(log_path).split("_", 1)[1][:-4]
         calls.append(name)
         envs[name] = env
-        if settings.engine == "deepspeed":
+        if settings.backend == "deepspeed":
             raise sm.ArmFailed("arm exited with code 1; last output:\nImportError: deepspeed is not installed")
         return run(times[name])
 
     monkeypatch.setattr(sm, "run_arm", fake_run_arm)
     out = tmp_path / "m"
     rc = sm.main([*TINY, "--arm", "plain:", "--arm", "int8:quantized=true,env.NCCL_ALGO=1",
-                  "--arm", "deepspeed:engine=deepspeed",
+                  "--arm", "deepspeed:backend=deepspeed",
                   "--rounds", "2", "--peers", "deepspeed", "--regime-label", "fake", "--out", str(out)])
     assert rc == 0
     assert calls == ["plain", "int8", "deepspeed", "deepspeed", "int8", "plain"]

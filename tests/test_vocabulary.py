@@ -4,6 +4,10 @@ name wherever it is named, and every enumeration of values is defined once.
 * the installers' keyword arguments (FSDP2, the DeepSpeed adapter, the HF callback) are
   ZeroConfig fields, with ZeroConfig's defaults (the DeepSpeed adapter's two documented
   exceptions aside);
+* every keyword argument of the public API (the gathers, the planners, the FSDP2 installers and
+  communication objects, the DeepSpeed adapter) that names a setting is a ZeroConfig field, or
+  one of a few short names listed here; the keywords of earlier releases are refused, naming
+  the new one;
 * every ``zero_optimization`` key qzero reads is a ZeroConfig field, and the keys of earlier
   releases are refused, naming the new one;
 * every ``qzero`` flag that sets a ZeroConfig field is that field with ``-`` for ``_``, the rest
@@ -106,6 +110,153 @@ def test_an_unknown_zero_optimization_key_gets_the_closest_name():
         ZeroConfig.from_dict({"allgather_bucket": 5e7})
 
 
+# ---------------------------------------------------------------------- the public API's keywords
+
+#: Keyword arguments of the public API that name no setting: the data, the process group, the
+#: model, the optimizer, the settings object itself and the plan's shape.
+NOT_SETTINGS = {"flat", "group", "process_group", "exact_ranges", "numel", "world_size", "elem_size", "shapes",
+                "alignment", "model", "mesh", "enabled", "name", "fsdp_params", "target", "param_groups",
+                "optimizer", "config"}
+#: The few public keywords that are ZeroConfig's short names, or the planner's own words, rather than
+#: its field names: the public gathers' and planners' format and group size (ZERO_ALIASES), the
+#: planner's flat order and delta payload (``flat_order``, ``zero_quantized_weights_delta``).
+SHORT_KEYWORDS = {
+    "quantized_all_gather": {"fmt", "group_size"},
+    "plan_gather": {"fmt", "group_size", "delta"},
+    "plan_flat_layout": {"fmt", "group_size", "order", "delta"},
+}
+
+
+def public_callables() -> dict:
+    """``{name: callable}`` of the public API whose keywords name settings."""
+    import qzero
+    import qzero.fsdp
+    from qzero.fsdp.group import GroupQuantizedAllGather
+    from qzero.fsdp.reduce import GroupQuantizedReduceScatter
+
+    out = {name: getattr(qzero, name) for name in ("all_gather", "quantized_all_gather", "plan_gather",
+                                                   "plan_flat_layout", "ZeroOptimizer")}
+    out.update({name: getattr(qzero.fsdp, name) for name in qzero.fsdp.__all__
+                if name.startswith("quantize_")})
+    out.update(GroupQuantizedAllGather=GroupQuantizedAllGather, GroupQuantizedReduceScatter=GroupQuantizedReduceScatter)
+    try:
+        from qzero.integrations import deepspeed as qds
+        from qzero.integrations.hf import QZeroCallback
+    except ImportError:  # pragma: no cover - deepspeed and transformers are in the test extra
+        return out
+    out.update(enable=qds.enable, QZeroCallback=QZeroCallback)
+    return out
+
+
+def keywords_of(obj) -> list[str]:
+    """The keyword-passable parameters of a function or a class's constructor (``**`` ones aside)."""
+    params = inspect.signature(obj).parameters.values()
+    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+
+
+def test_public_keywords_are_zero_config_fields():
+    """Scan the public signatures: a keyword that is neither a ZeroConfig field nor one of the
+    arguments that name no setting is a setting named another way (``bucket_numel``, ``kernels``,
+    ``rotation``, ...), unless it is one of the few short names listed above."""
+    found = []
+    for name, obj in public_callables().items():
+        for key in keywords_of(obj):
+            if key not in FIELDS and key not in NOT_SETTINGS and key not in SHORT_KEYWORDS.get(name, ()):
+                found.append(f"{name}({key}=)")
+    assert not found, "keywords that name a setting otherwise than ZeroConfig: " + ", ".join(found)
+    for name, keys in SHORT_KEYWORDS.items():  # the list holds nothing stale
+        assert keys <= set(keywords_of(public_callables()[name])), name
+
+
+def test_the_fsdp2_communication_objects_take_zero_config_fields_only():
+    """FSDP2's all-gather and reduce-scatter objects are named by ZeroConfig's full names, never
+    the short ones the installers also take."""
+    from qzero.fsdp.group import GroupQuantizedAllGather
+    from qzero.fsdp.reduce import GroupQuantizedReduceScatter
+
+    for cls in (GroupQuantizedAllGather, GroupQuantizedReduceScatter):
+        settings = set(keywords_of(cls)) - NOT_SETTINGS
+        assert settings <= set(FIELDS), sorted(settings - set(FIELDS))
+    gather = GroupQuantizedAllGather([], zero_quantized_weights_group_size=32, zero_quantized_weights_format="int4",
+                                     small_param_numel=7, quant_kernels="reference", name="layer")
+    assert (gather.zero_quantized_weights_group_size, gather.zero_quantized_weights_format, gather.small_param_numel,
+            gather.quant_kernels) == (32, "int4", 7, "reference")
+    reduce = GroupQuantizedReduceScatter([], zero_quantized_gradients_group_size=64, zero_quantized_gradients_format="int8",
+                                         small_param_numel=7, quant_kernels="reference", name="layer",
+                                         zero_quantized_gradients_rotation="hadamard",
+                                         zero_quantized_gradients_rotation_block=16)
+    assert reduce.rotation_block == 16
+    assert GroupQuantizedReduceScatter([], zero_quantized_gradients_group_size=64,
+                                       zero_quantized_gradients_format="int8", small_param_numel=7,
+                                       quant_kernels="reference", name="").rotation_block == 0  # none by default
+
+
+def _renamed_cases():
+    from qzero.app.train import TrainSettings
+
+    objects = {**public_callables(), "TrainSettings": TrainSettings}
+    cases = []
+    for name, obj in objects.items():
+        table = getattr(obj.__init__ if isinstance(obj, type) else obj, "renamed_keywords", {})
+        cases += [(name, obj, old, new) for old, new in table.items()]
+    return cases
+
+
+def test_the_renamed_keywords_are_the_expected_ones():
+    found = {(name, old, new) for name, _, old, new in _renamed_cases()}
+    for name in ("all_gather", "quantized_all_gather", "plan_gather", "plan_flat_layout"):
+        assert (name, "bucket_numel", "allgather_bucket_size") in found
+    assert ("TrainSettings", "engine", "backend") in found
+    for name, switch in (("GroupQuantizedAllGather", "weights"), ("GroupQuantizedReduceScatter", "gradients")):
+        assert {(name, "group_size", f"zero_quantized_{switch}_group_size"),
+                (name, "fmt", f"zero_quantized_{switch}_format"), (name, "kernels", "quant_kernels")} <= found
+
+
+@pytest.mark.parametrize("name, obj, old, new", _renamed_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_renamed_keyword_is_refused_naming_the_new_one(name, obj, old, new):
+    with pytest.raises(TypeError) as e:
+        obj(**{old: 1})  # refused before anything else is looked at (the other arguments are missing)
+    message = str(e.value)
+    assert message.startswith(f"{name}() got an unexpected keyword argument {old!r}; did you mean {new}=?")
+    assert f"{old} of earlier releases is now {new}" in message and "\n" not in message
+
+
+def test_the_public_gathers_refuse_bucket_numel_before_any_work():
+    import torch
+
+    import qzero
+
+    flat = torch.zeros(128, dtype=torch.bfloat16)
+    for gather in (qzero.all_gather, qzero.quantized_all_gather):
+        with pytest.raises(TypeError, match=r"'bucket_numel'; did you mean allgather_bucket_size=\?"):
+            gather(flat, bucket_numel=1 << 20)
+    assert qzero.all_gather(flat, allgather_bucket_size=1 << 20).num_chunks == 1  # one rank: the new name works
+    with pytest.raises(ValueError, match=r"^allgather_bucket_size 64 is smaller than one group per rank \(2 x 64"):
+        qzero.plan_gather(256, 2, allgather_bucket_size=64)  # the planner's errors name the user's keyword
+    assert qzero.plan_flat_layout([(512,)], 2, allgather_bucket_size=256).gather.allgather_bucket_size == 256
+
+
+# ---------------------------------------------------------------------- the workload's settings
+
+
+def test_the_backend_setting_is_named_backend_and_engine_is_refused(capsys):
+    from qzero.app.cli import main
+    from qzero.app.train import TrainSettings, flat_settings, setting_name, settings_from
+
+    assert TrainSettings(backend="fsdp2").backend == "fsdp2"
+    assert settings_from({"backend": "deepspeed"}).backend == "deepspeed"
+    for build in (lambda: setting_name("engine"), lambda: settings_from({"engine": "fsdp2"})):
+        with pytest.raises(ValueError, match=r"^setting 'engine' is now 'backend' .*did you mean backend\?$"):
+            build()
+    assert main(["qualify", "--candidate", "engine=deepspeed"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qzero: error: --candidate 'engine=deepspeed': setting 'engine' is now 'backend'"), err
+    assert "\n" not in err
+    # a record of an earlier release (its settings name the backend "engine") still reads
+    old = {k: v for k, v in flat_settings(TrainSettings(backend="fsdp2")).items() if k != "backend"}
+    assert flat_settings({"engine": "fsdp2", **old})["backend"] == "fsdp2"
+
+
 # ---------------------------------------------------------------------- the qzero command
 
 #: Flags of ``qzero train``/``qualify`` that are not ZeroConfig settings, by destination: the
@@ -152,7 +303,7 @@ def test_the_renamed_flags_are_refused_naming_the_new_one(capsys):
 def test_cli_choices_are_the_vocabulary():
     parser = _subparser("train")
     choices = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
-    assert choices["engine"] == vocabulary.BACKENDS
+    assert choices["backend"] == vocabulary.BACKENDS
     assert choices["precision"] == vocabulary.PRECISIONS
     assert choices["zero_quantized_weights_format"] == vocabulary.WEIGHT_FORMATS
     assert choices["reduce_dtype"] == vocabulary.REDUCE_DTYPES

@@ -32,26 +32,26 @@ class ReduceBucket:
         return self.stop - self.start
 
 
-def plan_reduce_buckets(layout: FlatLayout, bucket_numel: int) -> tuple[ReduceBucket, ...]:
-    """Cut the span the parameters occupy into buckets of at most ``bucket_numel`` elements
+def plan_reduce_buckets(layout: FlatLayout, reduce_bucket_size: int) -> tuple[ReduceBucket, ...]:
+    """Cut the span the parameters occupy into buckets of at most ``reduce_bucket_size`` elements
     (padding between partitions rides along as zeros).
 
     Buckets are formed from the end of the buffer backwards, because backward
     produces the last parameters' gradients first. Bucket edges fall on parameter
     edges, except inside a parameter larger than the bucket, which is split.
     """
-    check_positive_int("bucket_numel", bucket_numel)
+    check_positive_int("reduce_bucket_size", reduce_bucket_size)
     in_flat_order = sorted((s for s in layout.slots if s.numel), key=lambda s: s.start)
     if not in_flat_order:
         return ()
     edges = [in_flat_order[-1].stop]  # descending; the open bucket is [?, edges[-1])
     for s in reversed(in_flat_order):
-        if edges[-1] - s.start <= bucket_numel:
+        if edges[-1] - s.start <= reduce_bucket_size:
             continue  # fits in the open bucket
         if edges[-1] > s.stop:
             edges.append(s.stop)  # close the open bucket at this parameter's end
-        while edges[-1] - s.start > bucket_numel:
-            edges.append(edges[-1] - bucket_numel)  # split a parameter larger than the bucket
+        while edges[-1] - s.start > reduce_bucket_size:
+            edges.append(edges[-1] - reduce_bucket_size)  # split a parameter larger than the bucket
     if edges[-1] != 0:
         edges.append(0)
     buckets = []
@@ -113,14 +113,14 @@ def scatter_pieces(bucket: ScatterBucket, start: int, stop: int, partition_numel
     return out
 
 
-def scatter_window_numel(partition_numel: int, world_size: int, bucket_numel: int) -> int:
-    """Window width of a scatter bucket: ``world * width <= bucket_numel`` (at least one
+def scatter_window_numel(partition_numel: int, world_size: int, reduce_bucket_size: int) -> int:
+    """Window width of a scatter bucket: ``world * width <= reduce_bucket_size`` (at least one
     element, at most the partition)."""
-    check_positive_int("bucket_numel", bucket_numel)
-    return min(max(bucket_numel // world_size, 1), max(partition_numel, 1))
+    check_positive_int("reduce_bucket_size", reduce_bucket_size)
+    return min(max(reduce_bucket_size // world_size, 1), max(partition_numel, 1))
 
 
-def solo_slots(layout: FlatLayout, bucket_numel: int) -> tuple[int, ...]:
+def solo_slots(layout: FlatLayout, reduce_bucket_size: int) -> tuple[int, ...]:
     """Parameters whose gradient is reduced to its owner on its own instead of in windows:
     those that start a partition and span more than one window (the embedding, typically).
 
@@ -131,17 +131,17 @@ def solo_slots(layout: FlatLayout, bucket_numel: int) -> tuple[int, ...]:
     the end of backward: ``world x`` its size. Reduced alone, from its own gradient, it
     needs no staging and does not hold the windows back."""
     p = layout.partition_numel
-    width = scatter_window_numel(p, layout.world_size, bucket_numel)
+    width = scatter_window_numel(p, layout.world_size, reduce_bucket_size)
     return tuple(s.index for s in layout.slots if s.numel > width and s.start % p == 0 and s.stop <= s.start + p)
 
 
-def plan_scatter_buckets(layout: FlatLayout, bucket_numel: int, exclude: Sequence[int] = ()) -> tuple[ScatterBucket, ...]:
+def plan_scatter_buckets(layout: FlatLayout, reduce_bucket_size: int, exclude: Sequence[int] = ()) -> tuple[ScatterBucket, ...]:
     """Cut the partitions into windows for reduce-scatter, last window first (backward
     produces the last parameters' gradients first; in the interleaved order a window is
     one stretch of the model). Windows no parameter touches on any rank are left out, and
     so are the parameters in ``exclude`` (reduced on their own: :func:`solo_slots`)."""
     p, world = layout.partition_numel, layout.world_size
-    width = scatter_window_numel(p, world, bucket_numel)
+    width = scatter_window_numel(p, world, reduce_bucket_size)
     n = -(-p // width)
     touching: list[list[int]] = [[] for _ in range(n)]
     skip = set(exclude)

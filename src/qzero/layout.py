@@ -10,7 +10,7 @@ checked on a laptop. Two plans are built:
   range, the tail padding, the exact ranges of small parameters, and its gather plan.
 
 The bucket rule is a requirement, not a tuning knob: what one chunk gathers across
-all ranks is bounded, ``world_size * chunk_numel <= bucket_numel``. The terms (flat
+all ranks is bounded, ``world_size * chunk_numel <= allgather_bucket_size``. The terms (flat
 buffer, partition, chunk, payload, exact range) are defined in ``docs/design.md``; the
 gradient reduction's buckets and windows are planned in :mod:`qzero.buckets`.
 
@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .vocabulary import DELTA_FORMATS, FLAT_ORDERS
+from .vocabulary import DELTA_FORMATS, FLAT_ORDERS, RENAMED_GATHER_KEYWORDS, refuse_renamed
 from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, SCALE_BYTES, QuantFormat, check_group_size, get_format
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
@@ -91,14 +91,14 @@ def padded_flat_numel(used_numel: int, world_size: int, alignment: int) -> int:
     return max(round_up(used_numel, world_size * alignment), world_size * alignment)
 
 
-def chunk_numel_per_rank(partition_numel: int, world_size: int, bucket_numel: int, unit: int) -> int:
+def chunk_numel_per_rank(partition_numel: int, world_size: int, allgather_bucket_size: int, unit: int) -> int:
     """Elements of every partition that one chunk moves.
 
     The largest multiple of ``unit`` (a group, or one element for the plain gather)
-    with ``world_size * chunk <= bucket_numel``, never below one unit, never above
+    with ``world_size * chunk <= allgather_bucket_size``, never below one unit, never above
     the partition (rounded up to a unit).
     """
-    per_rank = (bucket_numel // world_size) // unit * unit
+    per_rank = (allgather_bucket_size // world_size) // unit * unit
     per_rank = max(per_rank, unit)
     return min(per_rank, round_up(max(partition_numel, 1), unit))
 
@@ -159,7 +159,7 @@ class GatherPlan:
     numel: int
     world_size: int
     elem_size: int
-    bucket_numel: int
+    allgather_bucket_size: int
     fmt: str | None  # None: the plain gather, original dtype
     group_size: int
     chunk_numel: int
@@ -421,12 +421,13 @@ def _in_slot(layout: PayloadLayout) -> PayloadLayout:
     return layout._replace(nbytes=round_up(layout.nbytes, PAYLOAD_ALIGN))
 
 
+@refuse_renamed(**RENAMED_GATHER_KEYWORDS)
 def plan_gather(
     numel: int,
     world_size: int,
     *,
     elem_size: int = 2,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
     fmt: str | None = DEFAULT_FORMAT,
     group_size: int = DEFAULT_GROUP_SIZE,
     exact_ranges: Sequence[Range] = (),
@@ -441,7 +442,7 @@ def plan_gather(
     if delta and fmt not in DELTA_FORMATS:
         raise ValueError(f"a delta payload is one of the formats {list(DELTA_FORMATS)}, got {fmt!r}")
     check_positive_int("world_size", world_size)
-    check_positive_int("bucket_numel", bucket_numel)
+    check_positive_int("allgather_bucket_size", allgather_bucket_size)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
     if numel % world_size:
@@ -453,13 +454,13 @@ def plan_gather(
         f = get_format(fmt)
         unit = check_group_size(group_size)
         exact = check_exact_ranges(exact_ranges, numel)
-    if bucket_numel < world_size * unit:
+    if allgather_bucket_size < world_size * unit:
         raise ValueError(
-            f"bucket_numel {bucket_numel} is smaller than one {'group' if fmt else 'element'} per rank "
-            f"({world_size} x {unit} = {world_size * unit})"
+            f"allgather_bucket_size {allgather_bucket_size} is smaller than one {'group' if fmt else 'element'} "
+            f"per rank ({world_size} x {unit} = {world_size * unit})"
         )
     partition = numel // world_size
-    chunk = chunk_numel_per_rank(partition, world_size, bucket_numel, unit)
+    chunk = chunk_numel_per_rank(partition, world_size, allgather_bucket_size, unit)
     n_chunks = -(-partition // chunk) if partition else 0
     pieces = _slice_pieces(exact, partition, chunk) if exact else {}
     chunks = []
@@ -474,7 +475,7 @@ def plan_gather(
         numel=numel,
         world_size=world_size,
         elem_size=elem_size,
-        bucket_numel=bucket_numel,
+        allgather_bucket_size=allgather_bucket_size,
         fmt=fmt,
         group_size=group_size,
         chunk_numel=chunk,
@@ -569,6 +570,7 @@ class FlatLayout:
         return out
 
 
+@refuse_renamed(**RENAMED_GATHER_KEYWORDS)
 def plan_flat_layout(
     shapes: Sequence[Sequence[int]],
     world_size: int,
@@ -577,7 +579,7 @@ def plan_flat_layout(
     alignment: int | None = None,
     group_size: int = DEFAULT_GROUP_SIZE,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
     fmt: str | None = DEFAULT_FORMAT,
     order: str = "contiguous",
     delta: bool = False,
@@ -631,7 +633,7 @@ def plan_flat_layout(
         numel,
         world_size,
         elem_size=elem_size,
-        bucket_numel=bucket_numel,
+        allgather_bucket_size=allgather_bucket_size,
         fmt=fmt,
         group_size=group_size,
         exact_ranges=merge_adjacent(exact),

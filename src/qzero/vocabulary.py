@@ -10,7 +10,16 @@ Each enumeration of values is defined here once, and everything that names one o
 (ZeroConfig's checks, the format table, the kernel dispatch, the command's choices, the bench
 scripts) imports it. A module of its own, free of torch, so that ``qzero --help`` lists them
 without importing it.
+
+A name of an earlier release is refused by name, never accepted silently nor answered with
+Python's bare "unexpected keyword argument": the keyword arguments of the public gathers and
+planners (:data:`RENAMED_GATHER_KEYWORDS`, through :func:`refuse_renamed`), the workload's
+settings (:data:`RENAMED_SETTINGS`), ``zero_optimization`` keys
+(:data:`qzero.config.RENAMED_KEYS`) and the command's flags (``qzero.app.cli.RENAMED_FLAGS``)
+each raise an error naming the name that replaced it.
 """
+
+import functools
 
 #: Short names of ZeroConfig fields.
 ZERO_ALIASES = {
@@ -21,6 +30,43 @@ ZERO_ALIASES = {
     "allgather_bucket": "allgather_bucket_size",
     "reduce_bucket": "reduce_bucket_size",
 }
+
+#: Keyword arguments of the public gathers and planners in earlier releases (``qzero.all_gather``,
+#: ``qzero.quantized_all_gather``, ``qzero.plan_gather``, ``qzero.plan_flat_layout``, the DeepSpeed
+#: adapter), and the ZeroConfig fields that replaced them.
+RENAMED_GATHER_KEYWORDS = {"bucket_numel": "allgather_bucket_size"}
+#: Settings of the ``qzero`` command's workload in earlier releases (``TrainSettings`` fields,
+#: ``KEY=VALUE`` arms), and the names that replaced them ("engine" is qzero's gather engine,
+#: ``qzero.wire.engine``; what trains is a backend, one of :data:`BACKENDS`).
+RENAMED_SETTINGS = {"engine": "backend"}
+
+
+def refuse_renamed(**renamed: str):
+    """Decorate a function (or a class: its ``__init__``) so that a call with a keyword of
+    ``renamed`` (``old="new"``) raises ``TypeError`` naming the keyword that replaced it, before
+    the function runs. The signature is the function's own (``inspect.signature`` reads it);
+    the table is the wrapper's ``renamed_keywords``."""
+
+    def decorate(target):
+        function = target.__init__ if isinstance(target, type) else target
+        name = getattr(target, "__qualname__", function.__name__)
+
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            for old in kwargs:
+                if old in renamed:
+                    raise TypeError(f"{name}() got an unexpected keyword argument {old!r}; did you mean "
+                                    f"{renamed[old]}=? ({old} of earlier releases is now {renamed[old]})")
+            return function(*args, **kwargs)
+
+        call.renamed_keywords = dict(renamed)
+        if isinstance(target, type):
+            target.__init__ = call
+            return target
+        return call
+
+    return decorate
+
 
 #: Payload formats of the weight gather (``ZeroConfig.zero_quantized_weights_format``); the
 #: format table :data:`qzero.quant.formats.FORMATS` describes each, in this order.

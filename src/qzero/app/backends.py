@@ -96,7 +96,7 @@ class DeepSpeedBackend:
                 zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
                 zero_quantized_weights_format=zero.zero_quantized_weights_format,
                 small_param_numel=zero.small_param_numel,
-                # gather-ahead as for the qzero engine: on by default when quantized
+                # gather-ahead as for the qzero backend: on by default when quantized
                 overlap_param_gather=zero.overlap_param_gather,
             )
         if settings.offload_optimizer != "none":
@@ -315,4 +315,4 @@ def _sample_params(params, index: torch.Tensor, materialise) -> torch.Tensor:
 
 def make_backend(settings, build, dtype, device):
     kinds = {"qzero": QZeroBackend, "deepspeed": DeepSpeedBackend, "fsdp2": FSDP2Backend}
-    return kinds[settings.engine](settings, build, dtype, device)
+    return kinds[settings.backend](settings, build, dtype, device)

@@ -43,7 +43,10 @@ RENAMED_FLAGS = {
     "--reduce-bucket": "--reduce-bucket-size",
     "--overlap": "--overlap-param-gather",
     "--no-overlap": "--no-overlap-param-gather",
+    "--engine": "--backend",
 }
+#: Why a flag of :data:`RENAMED_FLAGS` has its new name (the default: it sets a ZeroConfig field).
+_RENAMED_WHY = {"--backend": f"the training backend: {', '.join(BACKENDS)}"}
 
 # the optional packages each part needs, and the extra of qzero that installs them
 NEEDS = {
@@ -114,7 +117,7 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     from .workload import PRESETS
 
     w = p.add_argument_group("workload")
-    w.add_argument("--engine", choices=BACKENDS, default="qzero",
+    w.add_argument("--backend", choices=BACKENDS, default="qzero",
                    help="qzero (default), or a peer for side-by-side arms: deepspeed (ZeRO-1/2), fsdp2")
     w.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default: tiny)")
     w.add_argument("--model-config", metavar="JSON", help="a transformers config JSON instead of a preset")
@@ -157,8 +160,8 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if namespace.renamed_flag is None:
-            namespace.renamed_flag = (f"{option_string} is now {self.new} (a ZeroConfig setting's flag is its field "
-                                      "name, - for _)")
+            why = _RENAMED_WHY.get(self.new, "a ZeroConfig setting's flag is its field name, - for _")
+            namespace.renamed_flag = f"{option_string} is now {self.new} ({why})"
 
 
 def _given(args: argparse.Namespace, quantized: bool) -> dict:
@@ -194,7 +197,10 @@ def _overrides(items: list[str], flag: str) -> dict:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ValueError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} quantized=true")
-        name = setting_name(key)
+        try:
+            name = setting_name(key)
+        except ValueError as e:  # a setting of an earlier release
+            raise ValueError(f"{flag} {item!r}: {e}") from None
         if name is None:
             raise ValueError(f"{flag} {item!r}: unknown setting {key.strip()!r}{_did_you_mean(key)}")
         if name in out:
@@ -214,7 +220,7 @@ def _did_you_mean(key: str) -> str:
     close = difflib.get_close_matches(key.strip().replace("-", "_"), names, n=3)
     if close:
         return f" (not a workload setting, ZeroConfig field or short name); did you mean {' or '.join(close)}?"
-    return ("; KEY is a workload setting (e.g. engine, world_size), a ZeroConfig field (e.g. stage) or a short "
+    return ("; KEY is a workload setting (e.g. backend, world_size), a ZeroConfig field (e.g. stage) or a short "
             f"name ({', '.join(ZERO_ALIASES)}): qzero qualify --help")
 
 
@@ -260,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("qualify", help="A/B the quantized gather against the plain one; report and verdict")
     _add_workload(q, steps=30)
     q.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
-                   help="baseline arm setting, on top of the flags: KEY a workload setting (e.g. engine) or a "
+                   help="baseline arm setting, on top of the flags: KEY a workload setting (e.g. backend) or a "
                    "ZeroConfig field (e.g. zero_quantized_weights=true); the short names "
                    f"{', '.join(ZERO_ALIASES)} are accepted for {', '.join(ZERO_ALIASES.values())}; "
                    "VALUE parsed as JSON where it can be (default: zero_quantized_weights=false)")
@@ -309,8 +315,8 @@ def _preflight(args: argparse.Namespace, settings: list[TrainSettings]) -> None:
     """What the command needs, checked before any work: packages, inputs, ranks."""
     command = f"qzero {args.command}"
     require("workload", command)
-    if any(s.engine == "deepspeed" for s in settings):
-        require("deepspeed", f"{command} with engine deepspeed")
+    if any(s.backend == "deepspeed" for s in settings):
+        require("deepspeed", f"{command} with backend deepspeed")
     from .train import check_fits, resolve_device, validate
 
     for s in settings:

@@ -30,15 +30,17 @@ from ..layout import DEFAULT_SMALL_PARAM_NUMEL
 SAMPLE_SIZE = 4096
 
 
-from ..vocabulary import BACKENDS, PRECISIONS, ZERO_ALIASES
+from ..vocabulary import BACKENDS, PRECISIONS, RENAMED_SETTINGS, ZERO_ALIASES, refuse_renamed
 
 
+@refuse_renamed(**RENAMED_SETTINGS)
 @dataclass
 class TrainSettings:
     """Everything that defines one training run (one arm of ``qzero qualify``): the workload,
-    and in ``zero`` every setting of the ZeroOptimizer (or of a peer engine's counterpart)."""
+    and in ``zero`` every setting of the ZeroOptimizer (or of a peer backend's counterpart).
+    The settings of earlier releases (``engine``) are refused, naming the new one."""
 
-    engine: str = "qzero"  # qzero | deepspeed | fsdp2 (peers, for side-by-side arms)
+    backend: str = "qzero"  # qzero | deepspeed | fsdp2 (peers, for side-by-side arms)
     preset: str = "tiny"
     model_config: str | None = None
     data: str | None = None
@@ -95,8 +97,12 @@ def _zero_config(given: dict, preset: str, model_config: str | None) -> ZeroConf
 def setting_name(key: str) -> str | None:
     """The field a ``KEY=VALUE`` key names: a TrainSettings field, a ZeroConfig field, or the
     ZeroConfig field behind a short name (:data:`ZERO_ALIASES`); ``-`` reads as ``_``; None
-    when it names none of them."""
+    when it names none of them. A setting of an earlier release (:data:`RENAMED_SETTINGS`)
+    raises ``ValueError`` naming the new one."""
     key = key.strip().replace("-", "_")
+    if key in RENAMED_SETTINGS:
+        new = RENAMED_SETTINGS[key]
+        raise ValueError(f"setting {key!r} is now {new!r} ({new}: {', '.join(BACKENDS)}); did you mean {new}?")
     key = ZERO_ALIASES.get(key, key)
     return key if key in WORKLOAD_FIELDS or key in ZERO_FIELDS else None
 
@@ -121,13 +127,14 @@ def flat_settings(settings: TrainSettings | dict) -> dict:
     """Settings as one flat dict: TrainSettings' own fields and ZeroConfig's, by name. Takes a
     TrainSettings, or a record's ``settings`` (``dataclasses.asdict``): today's, with ZeroConfig
     nested under ``zero``, or an older one's, with the ZeRO settings under their short names
-    beside the others and the remaining ZeroConfig fields under ``extra_config``."""
+    beside the others, the remaining ZeroConfig fields under ``extra_config``, and settings of
+    their release's names (:data:`RENAMED_SETTINGS`: ``engine``, read as ``backend``)."""
     d = dataclasses.asdict(settings) if isinstance(settings, TrainSettings) else dict(settings)
     zero = d.pop("zero", None) or {}
     extra = d.pop("extra_config", None) or {}
     out = {}
     for key, value in d.items():
-        out[ZERO_ALIASES.get(key, key)] = value
+        out[RENAMED_SETTINGS.get(key, ZERO_ALIASES.get(key, key))] = value
     out.update(extra)
     out.update(zero)
     if out.get("overlap_param_gather", False) is None:  # older records: not resolved yet
@@ -141,9 +148,9 @@ def resolve_device(settings: TrainSettings) -> str:
     return settings.device
 
 
-#: DeepSpeed optimizer offload of the deepspeed engine (``cpu_pinned``: page-locked host buffers).
+#: DeepSpeed optimizer offload of the deepspeed backend (``cpu_pinned``: page-locked host buffers).
 OFFLOAD_OPTIMIZER = ("none", "cpu", "cpu_pinned")
-#: How the fsdp2 engine quantizes its weight all-gather (TrainSettings.fsdp_quantize).
+#: How the fsdp2 backend quantizes its weight all-gather (TrainSettings.fsdp_quantize).
 FSDP_QUANTIZE = ("parameter", "group")
 
 
@@ -162,33 +169,33 @@ def validate(settings: TrainSettings) -> None:
                 f"world size {settings.world_size} is larger than the {torch.cuda.device_count()} visible GPU(s)"
             )
 
-    if settings.engine not in BACKENDS:
-        raise WorkloadError(f"engine must be one of {', '.join(BACKENDS)}, got {settings.engine!r}")
-    if settings.reshard_after_forward and settings.engine != "fsdp2":
-        raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 engine, not of {settings.engine!r}")
+    if settings.backend not in BACKENDS:
+        raise WorkloadError(f"backend must be one of {', '.join(BACKENDS)}, got {settings.backend!r}")
+    if settings.reshard_after_forward and settings.backend != "fsdp2":
+        raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 backend, not of {settings.backend!r}")
     if settings.fsdp_quantize not in FSDP_QUANTIZE:
         raise WorkloadError(f"fsdp_quantize must be one of {', '.join(FSDP_QUANTIZE)}, got {settings.fsdp_quantize!r}")
-    if settings.fsdp_quantize != "parameter" and (settings.engine != "fsdp2" or not settings.zero.zero_quantized_weights):
-        raise WorkloadError(f"fsdp_quantize={settings.fsdp_quantize} is a setting of the fsdp2 engine with "
-                            f"quantized=true, not of engine {settings.engine!r} with quantized="
+    if settings.fsdp_quantize != "parameter" and (settings.backend != "fsdp2" or not settings.zero.zero_quantized_weights):
+        raise WorkloadError(f"fsdp_quantize={settings.fsdp_quantize} is a setting of the fsdp2 backend with "
+                            f"quantized=true, not of backend {settings.backend!r} with quantized="
                             f"{str(settings.zero.zero_quantized_weights).lower()}")
-    if settings.zero.zero_quantized_gradients and settings.engine == "deepspeed":
-        raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 engines; the deepspeed "
-                            "engine reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
+    if settings.zero.zero_quantized_gradients and settings.backend == "deepspeed":
+        raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 backends; the deepspeed "
+                            "backend reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
                             "ignores that key), so it would change nothing")
-    if settings.zero.zero_quantized_gradients_error_feedback and settings.engine != "qzero":
-        raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero engine: its residuals "
-                            f"are ZeroOptimizer state, which the {settings.engine} engine does not have")
-    if settings.zero.zero_quantized_weights_delta and settings.engine != "qzero":
-        raise WorkloadError(f"zero_quantized_weights_delta is a setting of the qzero engine: the {settings.engine} "
-                            "engine's weight gather does not send delta payloads, so it would change nothing")
-    if settings.zero.copy_engine_collectives and settings.engine != "qzero":
-        raise WorkloadError(f"copy_engine_collectives is a setting of the qzero engine: it moves ZeroOptimizer's own "
-                            f"gather and all-to-all, which the {settings.engine} engine does not run")
+    if settings.zero.zero_quantized_gradients_error_feedback and settings.backend != "qzero":
+        raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero backend: its residuals "
+                            f"are ZeroOptimizer state, which the {settings.backend} backend does not have")
+    if settings.zero.zero_quantized_weights_delta and settings.backend != "qzero":
+        raise WorkloadError(f"zero_quantized_weights_delta is a setting of the qzero backend: the {settings.backend} "
+                            "backend's weight gather does not send delta payloads, so it would change nothing")
+    if settings.zero.copy_engine_collectives and settings.backend != "qzero":
+        raise WorkloadError(f"copy_engine_collectives is a setting of the qzero backend: it moves ZeroOptimizer's own "
+                            f"gather and all-to-all, which the {settings.backend} backend does not run")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
-    if settings.offload_optimizer != "none" and settings.engine != "deepspeed":
-        raise WorkloadError(f"offload_optimizer is a setting of the deepspeed engine, not of {settings.engine!r}")
+    if settings.offload_optimizer != "none" and settings.backend != "deepspeed":
+        raise WorkloadError(f"offload_optimizer is a setting of the deepspeed backend, not of {settings.backend!r}")
     if settings.precision not in PRECISIONS:
         raise WorkloadError(f"precision must be one of {', '.join(PRECISIONS)}, got {settings.precision!r}")
     lr = settings.lr
@@ -211,7 +218,7 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"zero must be a ZeroConfig, got {type(settings.zero).__name__}")
 
 
-#: Bytes each parameter needs at the least in any engine: its 16-bit weight on every rank, and
+#: Bytes each parameter needs at the least in any backend: its 16-bit weight on every rank, and
 #: its fp32 master and AdamW's two fp32 moments once across the ranks (gradients, activations
 #: and buffers come on top).
 WEIGHT_BYTES, STATE_BYTES = 2, 12
@@ -276,8 +283,8 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
     corpus = load_corpus(settings.data)
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
-    engine = make_backend(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
-    model = engine.model
+    backend = make_backend(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
+    model = backend.model
     loss_sums, norms, marks, skipped, gathered = [], [], [], 0, []
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
     per_step = world * settings.micro_batch * settings.grad_accum
@@ -302,20 +309,20 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             loss = torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
             ) / settings.grad_accum
-            engine.backward(loss)
+            backend.backward(loss)
             loss_sum += loss.detach()
-        took = engine.step()
-        gathered.append(engine.gathered_bytes())
-        engine.zero_grad()
+        took = backend.step()
+        gathered.append(backend.gathered_bytes())
+        backend.zero_grad()
         loss_sums.append(loss_sum)
-        norm = engine.grad_norm()
+        norm = backend.grad_norm()
         norms.append(norm.detach().clone() if torch.is_tensor(norm) else norm)
         skipped += not took
         if show_progress:  # the mean over ranks, as in the summary; waits for this step (arms run without it)
             mean = loss_sum.detach().clone()
             dist.all_reduce(mean)
             if bar is not None:
-                sent, plain = engine.gathered_bytes()
+                sent, plain = backend.gathered_bytes()
                 bar.update(mean.item() / world, _seconds(marks[-1], _mark(device)), plain - sent)
     if bar is not None:
         bar.close()
@@ -326,8 +333,8 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     dist.all_reduce(totals)
     losses = (totals / world).tolist()
     norms = [None if n is None else float(n) for n in norms]
-    engine.finish()  # gather-ahead: the last step's gather may still be in flight
-    result = _summary(settings, engine, losses, norms, times, skipped, device, gathered[settings.warmup :] or gathered)
+    backend.finish()  # gather-ahead: the last step's gather may still be in flight
+    result = _summary(settings, backend, losses, norms, times, skipped, device, gathered[settings.warmup :] or gathered)
     # steps [warmup, steps) back to back between two synchronisations, the last one's gather included
     result["wall_seconds"], result["wall_steps"] = wall, settings.steps - settings.warmup
     if rank == 0 and out_path:
@@ -387,17 +394,17 @@ def sample_index(total: int, size: int = SAMPLE_SIZE) -> torch.Tensor:
     return torch.randint(0, total, (size,), generator=torch.Generator().manual_seed(1234)).unique()
 
 
-def _summary(settings, engine, losses, norms, times, skipped, device, gathered=None) -> dict:
+def _summary(settings, backend, losses, norms, times, skipped, device, gathered=None) -> dict:
     """``gathered``: ``(sent, plain)`` weight-gather bytes per rank of every measured step; their
     means are the per-step figures (a delta arm's exact resyncs send more than its other steps).
     None: the last step's."""
-    params = [p for p in engine.model.parameters() if p.requires_grad]
+    params = [p for p in backend.model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
-    sample = engine.sample(sample_index(total))
-    flats = engine.flats()
-    gathered = gathered or [engine.gathered_bytes()]
+    sample = backend.sample(sample_index(total))
+    flats = backend.flats()
+    gathered = gathered or [backend.gathered_bytes()]
     sent, plain = (_mean([step[i] for step in gathered]) for i in (0, 1))
-    grad_sent, grad_plain = engine.reduced_bytes()
+    grad_sent, grad_plain = backend.reduced_bytes()
     peak_alloc, peak_reserved, total_mem = _memory(device)
     return {
         "settings": dataclasses.asdict(settings),
@@ -409,7 +416,7 @@ def _summary(settings, engine, losses, norms, times, skipped, device, gathered=N
         "skipped_steps": skipped,
         "sample": sample.tolist(),
         "sample_hash": hashlib.sha256(sample.numpy().tobytes()).hexdigest(),
-        # None where the engine keeps no replicated weights (FSDP2): nothing to compare
+        # None where the backend keeps no replicated weights (FSDP2): nothing to compare
         "replicas_identical": replicas_identical(flats) if flats else None,
         "peak_allocated_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,

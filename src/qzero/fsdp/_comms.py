@@ -46,6 +46,11 @@ RENAMED = {"kernels": "quant_kernels", "rotation": "zero_quantized_gradients_rot
            "rotation_block": "zero_quantized_gradients_rotation_block"}
 GRADIENT_RENAMED = {**RENAMED, "fmt": "zero_quantized_gradients_format",
                     "group_size": "zero_quantized_gradients_group_size"}
+#: The keywords of earlier releases of the weight gather's communication object
+#: (:class:`qzero.fsdp.group.GroupQuantizedAllGather`), whose keywords are ZeroConfig's full
+#: names only, and those names.
+WEIGHT_RENAMED = {"kernels": "quant_kernels", "fmt": "zero_quantized_weights_format",
+                  "group_size": "zero_quantized_weights_group_size"}
 
 
 def installer_config(function, model, extra: dict, given: dict, *, switch: str,

@@ -41,8 +41,9 @@ from ..wire.engine import CommContext, finish_gather, start_gather
 from ..layout import is_small_param, merge_adjacent, plan_gather
 from ..config import ZeroConfig
 from ..quant import kernels_for
-from ._comms import (agree_install, groups_to_convert, install_group, installer_config, keep_report, settings_of,
-                     stored_report)
+from ..vocabulary import refuse_renamed
+from ._comms import (WEIGHT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
+                     settings_of, stored_report)
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
@@ -153,9 +154,9 @@ def quantize_group_gathers(
     for name, module, pg, info in plans:
         if info.plain_reason is None:
             module.set_custom_all_gather(GroupQuantizedAllGather(
-                pg.fsdp_params, group_size=config.zero_quantized_weights_group_size,
-                fmt=config.zero_quantized_weights_format, small_param_numel=config.small_param_numel,
-                kernels=config.quant_kernels, name=name))
+                pg.fsdp_params, **settings_of(config, "zero_quantized_weights_group_size",
+                                              "zero_quantized_weights_format", "small_param_numel", "quant_kernels"),
+                name=name))
     return keep_report(model, GROUP_REPORT_ATTR, GroupGatherReport(tuple(info for *_, info in plans)))
 
 
@@ -165,17 +166,22 @@ except ImportError:  # pragma: no cover - older torch: quantize_group_gathers re
     _AllGather = object
 
 
+@refuse_renamed(**WEIGHT_RENAMED)
 class GroupQuantizedAllGather(_AllGather):
     """FSDP2's all-gather of one parameter group, through qzero's gather engine (see the
-    module's docstring). Installed by :func:`quantize_group_gathers`."""
+    module's docstring). Installed by :func:`quantize_group_gathers`. Its settings are named
+    as :class:`qzero.ZeroConfig`'s fields (the keywords of earlier releases, ``group_size``,
+    ``fmt`` and ``kernels``, are refused, naming them)."""
 
-    def __init__(self, fsdp_params, *, group_size: int, fmt: str, small_param_numel: int, kernels: str, name: str):
+    def __init__(self, fsdp_params, *, zero_quantized_weights_group_size: int, zero_quantized_weights_format: str,
+                 small_param_numel: int, quant_kernels: str, name: str):
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
         self._sharded = ShardedState.SHARDED
         self.fsdp_params = list(fsdp_params)
-        self.group_size, self.fmt, self.small_param_numel = group_size, fmt, small_param_numel
-        self.kernels, self.name = kernels, name
+        self.zero_quantized_weights_group_size = zero_quantized_weights_group_size
+        self.zero_quantized_weights_format = zero_quantized_weights_format
+        self.small_param_numel, self.quant_kernels, self.name = small_param_numel, quant_kernels, name
         self._plans: dict = {}
         self._contexts: dict = {}
         #: How many calls ran the quantized gather, and how many FSDP2's plain one (the
@@ -222,7 +228,8 @@ class GroupQuantizedAllGather(_AllGather):
                     "input out differently; use qzero.fsdp.quantize_weight_gathers instead"
                 )
             small = [is_small_param(p._orig_size.numel(), self.small_param_numel) for p in self.fsdp_params]
-            plan = group_plan(sizes, small, world, elem_size, self.group_size, self.fmt)
+            plan = group_plan(sizes, small, world, elem_size, self.zero_quantized_weights_group_size,
+                              self.zero_quantized_weights_format)
             self._plans[key] = plan
         return plan
 
@@ -230,10 +237,10 @@ class GroupQuantizedAllGather(_AllGather):
         key = (output.device, output.dtype)
         ctx = self._contexts.get(key)
         if ctx is None:
-            kernels = self.kernels
+            kernels = self.quant_kernels
             if output.dtype not in _KERNEL_DTYPES:
                 if kernels == "triton":
-                    raise ValueError(f"kernels='triton' take bf16/fp16 weights; FSDP module {self.name or '<root>'!r} "
+                    raise ValueError(f"quant_kernels='triton' take bf16/fp16 weights; FSDP module {self.name or '<root>'!r} "
                                      f"gathers {output.dtype}")
                 kernels = "reference"
             ctx = self._contexts[key] = CommContext(output.device, schedule="inline", kernels=kernels)
@@ -252,7 +259,7 @@ def group_plan(sizes, small, world: int, elem_size: int, group_size: int, fmt: s
             exact.append((offset, offset + size))
         offset += size
     ranges = merge_adjacent([(r * n + a, r * n + b) for r in range(world) for a, b in exact])
-    return plan_gather(world * n, world, elem_size=elem_size, bucket_numel=max(world * n, world * group_size),
+    return plan_gather(world * n, world, elem_size=elem_size, allgather_bucket_size=max(world * n, world * group_size),
                        fmt=fmt, group_size=group_size, exact_ranges=ranges)
 
 

@@ -42,6 +42,7 @@ from ..wire.labels import REDUCE_GRADIENTS, label
 from ..layout import is_small_param, merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
+from ..vocabulary import refuse_renamed
 from ._comms import (GRADIENT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
                      settings_of, stored_report)
 
@@ -126,17 +127,15 @@ def quantize_group_reduces(
             zero_quantized_gradients_rotation_block=zero_quantized_gradients_rotation_block,
             small_param_numel=small_param_numel, quant_kernels=quant_kernels),
             switch="zero_quantized_gradients", renamed=GRADIENT_RENAMED)
-        block = _rotation_block(config)
         out = []
         for name, module, pg in groups_to_convert(
                 model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
                 attr="_reduce_scatter_comm", what="reduce-scatter", ours=GroupQuantizedReduceScatter,
                 own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=config.quant_kernels,
                 kernels_for=gradient_kernels_for):
-            comm = GroupQuantizedReduceScatter(
-                pg.fsdp_params, group_size=config.zero_quantized_gradients_group_size,
-                fmt=config.zero_quantized_gradients_format, small_param_numel=config.small_param_numel,
-                kernels=config.quant_kernels, name=name, rotation=block)
+            comm = GroupQuantizedReduceScatter(pg.fsdp_params, name=name, **settings_of(
+                config, "zero_quantized_gradients_group_size", "zero_quantized_gradients_format", "small_param_numel",
+                "quant_kernels", "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block"))
             out.append((module, comm, _describe(name, pg, comm)))
         return config, out
 
@@ -169,16 +168,24 @@ except ImportError:  # pragma: no cover - older torch: quantize_group_reduces re
     _ReduceScatter = object
 
 
+@refuse_renamed(**GRADIENT_RENAMED)
 class GroupQuantizedReduceScatter(_ReduceScatter):
     """FSDP2's reduce-scatter of one parameter group's gradients, quantized (see the
-    module's docstring). Installed by :func:`quantize_group_reduces`."""
+    module's docstring). Installed by :func:`quantize_group_reduces`. Its settings are named
+    as :class:`qzero.ZeroConfig`'s fields, the rotation resolved (``hadamard`` or ``none``);
+    the keywords of earlier releases (``group_size``, ``fmt``, ``kernels``, ``rotation``) are
+    refused, naming them."""
 
-    def __init__(self, fsdp_params, *, group_size: int, fmt: str, small_param_numel: int, kernels: str, name: str,
-                 rotation: int = 0):
+    def __init__(self, fsdp_params, *, zero_quantized_gradients_group_size: int, zero_quantized_gradients_format: str,
+                 small_param_numel: int, quant_kernels: str, name: str,
+                 zero_quantized_gradients_rotation: str = "none",
+                 zero_quantized_gradients_rotation_block: int = ZeroConfig.zero_quantized_gradients_rotation_block):
         self.fsdp_params = list(fsdp_params)
-        self.group_size, self.fmt, self.small_param_numel = group_size, fmt, small_param_numel
-        self.rotation = rotation  # the rotation block, 0 for none
-        self.kernels, self.name = kernels, name
+        self.zero_quantized_gradients_group_size = zero_quantized_gradients_group_size
+        self.zero_quantized_gradients_format = zero_quantized_gradients_format
+        self.zero_quantized_gradients_rotation = zero_quantized_gradients_rotation
+        self.zero_quantized_gradients_rotation_block = zero_quantized_gradients_rotation_block
+        self.small_param_numel, self.quant_kernels, self.name = small_param_numel, quant_kernels, name
         self._exchanges: dict = {}
         #: How many calls ran quantized, and how many FSDP2's plain reduce-scatter (a backward
         #: in which some parameters of the group had no gradient, or a reduce dtype the
@@ -219,6 +226,11 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         self.plain_bytes += plain
         return None  # nothing left in flight
 
+    @property
+    def rotation_block(self) -> int:
+        """The rotation's block, 0 for none (what the ranks agree on)."""
+        return self.zero_quantized_gradients_rotation_block if self.zero_quantized_gradients_rotation != "none" else 0
+
     def _quantizable(self, input_tensor: torch.Tensor, n: int, world: int) -> bool:
         if input_tensor.dtype not in GRADIENT_DTYPES or n == 0:
             return False
@@ -244,8 +256,9 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         ex = self._exchanges.get(key)
         if ex is None:
             ex = QuantizedExchange.over(
-                GradientQuantization(self.group_size, self.fmt, self.rotation), like.dtype, group, world, rank, like.device,
-                gradient_kernels_for(like.device, self.kernels), self.exact_ranges(n, world),
+                GradientQuantization(self.zero_quantized_gradients_group_size, self.zero_quantized_gradients_format,
+                                     self.rotation_block), like.dtype, group, world, rank, like.device,
+                gradient_kernels_for(like.device, self.quant_kernels), self.exact_ranges(n, world),
             )
             self._exchanges[key] = ex
         return ex
@@ -284,6 +297,6 @@ def _describe(name, pg, comm: GroupQuantizedReduceScatter) -> GroupReduce:
         return GroupReduce(name, len(params), small, plain, plain)
     rank = pg.mesh_info.shard_mesh_rank if hasattr(pg.mesh_info, "shard_mesh_rank") else 0
     pieces = plan_pieces([(r, r * n, n, r * n) for r in range(world)], comm.exact_ranges(n, world),
-                         comm.group_size, comm.fmt, elem)
+                         comm.zero_quantized_gradients_group_size, comm.zero_quantized_gradients_format, elem)
     sent = sum(p.layout.nbytes for p in pieces if p.dest != rank)
     return GroupReduce(name, len(params), small, sent, plain)

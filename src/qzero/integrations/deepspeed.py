@@ -47,6 +47,7 @@ from ..wire.comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_o
 from ..wire.engine import CommContext, finish_gather, start_gather
 from ..layout import GatherPlan, merge_adjacent, plan_gather
 from ..config import ZeroConfig, keyword_settings
+from ..vocabulary import RENAMED_GATHER_KEYWORDS
 from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class
 from .deepspeed_config import (  # noqa: F401  (re-exported: the adapter's settings and keys)
     ENABLE_KEY,
@@ -197,7 +198,7 @@ def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettin
         flat.numel(),
         world,
         elem_size=flat.element_size(),
-        bucket_numel=bucket if bucket is not None else layout.allgather_bucket_size,
+        allgather_bucket_size=bucket if bucket is not None else layout.allgather_bucket_size,
         fmt=settings.zero_quantized_weights_format,
         group_size=settings.zero_quantized_weights_group_size,
         exact_ranges=exact,
@@ -412,7 +413,7 @@ def enable(
 
     The settings are :class:`qzero.ZeroConfig`'s, by name, default and check (its short names
     ``fmt`` and ``group_size`` are taken too; another keyword raises ``TypeError`` naming the
-    one to use, e.g. ``bucket_numel=`` of earlier releases), except two defaults:
+    one to use, e.g. ``allgather_bucket_size=`` of earlier releases), except two defaults:
     ``allgather_bucket_size`` None is DeepSpeed's own (the key of that name in its config), and
     ``overlap_param_gather`` is off unless asked for.
 
@@ -433,7 +434,7 @@ def enable(
             zero_quantized_weights_group_size=zero_quantized_weights_group_size,
             zero_quantized_weights_format=zero_quantized_weights_format, small_param_numel=small_param_numel,
             allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather), short,
-            {"bucket_numel": "allgather_bucket_size"}))
+            RENAMED_GATHER_KEYWORDS))
         check_deepspeed_version()
         _check_optimizer_state(flat_groups(opt))
         engine = target if isinstance(target, torch.nn.Module) and isinstance(target._modules.get("module"),

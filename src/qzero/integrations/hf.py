@@ -32,6 +32,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..config import ZeroConfig, keyword_settings
+from ..vocabulary import RENAMED_GATHER_KEYWORDS
 from . import deepspeed as qds
 
 __all__ = ["QZeroCallback"]
@@ -67,7 +68,7 @@ class QZeroCallback(TrainerCallback):
             zero_quantized_weights_group_size=zero_quantized_weights_group_size,
             zero_quantized_weights_format=zero_quantized_weights_format, small_param_numel=small_param_numel,
             allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather), short,
-            {"bucket_numel": "allgather_bucket_size"}))
+            RENAMED_GATHER_KEYWORDS))
         self.enabled = enabled
         self.gather: qds.QuantizedGather | None = None
         self._optimizer = None  # DeepSpeed's optimizer, for its overflow flag

@@ -54,7 +54,7 @@ class FlatGroup:
             elem_size=first.element_size(),
             group_size=config.zero_quantized_weights_group_size,
             small_param_numel=config.small_param_numel,
-            bucket_numel=bucket,
+            allgather_bucket_size=bucket,
             fmt=config.zero_quantized_weights_format if quantized else None,
             order=config.flat_order,
             delta=delta,
@@ -65,7 +65,7 @@ class FlatGroup:
                 self.layout.numel,
                 world_size,
                 elem_size=first.element_size(),
-                bucket_numel=bucket,
+                allgather_bucket_size=bucket,
                 fmt=None,
             )
             if quantized

@@ -83,15 +83,15 @@ class ReduceStats(NamedTuple):
 
 
 def make_reducer(
-    group: FlatGroup, bucket_numel: int, solo: bool = False, quant: GradientQuantization | None = None,
+    group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant: GradientQuantization | None = None,
     dtype: torch.dtype | None = None, error_feedback=None,
 ):
     """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`;
     ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives;
     ``error_feedback``: this rank's :class:`qzero.optim.error_feedback.ErrorFeedback` of the group)."""
     if group.layout.order == "interleaved":
-        return ScatterReducer(group, bucket_numel, solo, quant, dtype, error_feedback)
-    return OwnerReducer(group, bucket_numel, quant, dtype, error_feedback)
+        return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback)
+    return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback)
 
 
 class _Reducer:
@@ -187,9 +187,9 @@ class OwnerReducer(_Reducer):
 
     solo: tuple[int, ...] = ()
 
-    def __init__(self, group: FlatGroup, bucket_numel: int, quant=None, dtype=None, error_feedback=None):
+    def __init__(self, group: FlatGroup, reduce_bucket_size: int, quant=None, dtype=None, error_feedback=None):
         super().__init__(group, quant, dtype, error_feedback)
-        self.buckets = plan_reduce_buckets(group.layout, bucket_numel)
+        self.buckets = plan_reduce_buckets(group.layout, reduce_bucket_size)
 
     def _parts(self, bucket) -> list[tuple[int, int, int, int]]:
         return [(r, a - bucket.start, b - a, a) for r, a, b in owners(bucket.start, bucket.stop, self.p)]
@@ -229,11 +229,11 @@ class ScatterReducer(_Reducer):
     that start a partition and span several windows (:func:`qzero.buckets.solo_slots`) are,
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
-    def __init__(self, group: FlatGroup, bucket_numel: int, solo: bool = False, quant=None, dtype=None,
+    def __init__(self, group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant=None, dtype=None,
                  error_feedback=None):
         super().__init__(group, quant, dtype, error_feedback)
-        self.solo = solo_slots(group.layout, bucket_numel) if solo else ()
-        self.buckets = plan_scatter_buckets(group.layout, bucket_numel, exclude=self.solo)
+        self.solo = solo_slots(group.layout, reduce_bucket_size) if solo else ()
+        self.buckets = plan_scatter_buckets(group.layout, reduce_bucket_size, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
         slots = group.layout.slots
         self._solo_in = {
@@ -307,12 +307,12 @@ class Stage1Grads:
     """Full gradient buffer; one bucketed reduction per step."""
 
     def __init__(
-        self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, solo: bool = False,
+        self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, solo: bool = False,
         quant: GradientQuantization | None = None, error_feedback=None,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype, error_feedback)
+        self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -369,12 +369,12 @@ class Stage2Grads:
     """Bucketed reduction during backward; only the fp32 gradient shard persists."""
 
     def __init__(
-        self, group: FlatGroup, reduce_dtype: str | None, bucket_numel: int, overlap: bool, solo: bool = False,
+        self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, overlap: bool, solo: bool = False,
         quant: GradientQuantization | None = None, error_feedback=None,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.reducer = make_reducer(group, bucket_numel, solo, quant, self.dtype, error_feedback)
+        self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback)
         # [Note: landing shard]: plain 16-bit sums wait in the reduce dtype until backward ends
         self.reducer.use_landing = self.reducer.quant is None and self.dtype.itemsize < 4
         self.overlap = overlap

@@ -22,7 +22,7 @@ from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (p
 from .engine import CommContext, GatherStats, finish_gather, start_gather, stats_of, world_and_rank  # noqa: F401
 from ..layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
 from ..quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE
-from ..vocabulary import WEIGHT_FORMATS
+from ..vocabulary import RENAMED_GATHER_KEYWORDS, WEIGHT_FORMATS, refuse_renamed
 
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -30,13 +30,14 @@ QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------- public API
 
 
+@refuse_renamed(**RENAMED_GATHER_KEYWORDS)
 def quantized_all_gather(
     flat: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
     group_size: int = DEFAULT_GROUP_SIZE,
     exact_ranges=(),
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
     fmt: str = DEFAULT_FORMAT,
 ) -> GatherStats:
     """Quantize every rank's partition of ``flat`` chunk by chunk, gather, dequantize in place.
@@ -45,7 +46,7 @@ def quantized_all_gather(
     indices) arrive bit-exact; every other element is within half a quantization
     step of its group (plus the rounding to ``flat.dtype``). Every rank's own
     partition is overwritten with its dequantized values too, so all replicas are
-    bit-identical. Transient memory is bounded by ``bucket_numel`` elements of
+    bit-identical. Transient memory is bounded by ``allgather_bucket_size`` elements of
     receive buffer; there is one collective per chunk.
     """
     world, _, agree_group, group_error = world_or_default(group)
@@ -60,7 +61,8 @@ def quantized_all_gather(
                 "an fp32 buffer has nothing to gain from quantization and would lose precision"
             )
         plan = _cached_plan(
-            flat.numel(), world, flat.element_size(), bucket_numel, fmt, group_size, _freeze_ranges(exact_ranges)
+            flat.numel(), world, flat.element_size(), allgather_bucket_size, fmt, group_size,
+            _freeze_ranges(exact_ranges)
         )
         check_finite_partition(flat, plan, _world_and_rank(group)[1])
         return plan
@@ -69,16 +71,17 @@ def quantized_all_gather(
     return run_gather(flat, plan, group)
 
 
+@refuse_renamed(**RENAMED_GATHER_KEYWORDS)
 def all_gather(
     flat: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
 ) -> GatherStats:
     """The plain gather: every partition in its original dtype, chunked by the same bucket rule.
 
     It runs as one in-place collective over the whole buffer (each partition is already
-    where every rank receives it): no receive buffer at all, so ``bucket_numel`` bounds
+    where every rank receives it): no receive buffer at all, so ``allgather_bucket_size`` bounds
     nothing here; it is validated and agreed on all the same. (Inside the optimizer the plain
     gather is chunked where chunks pay: gather-ahead, and the sliced update.)
     """
@@ -88,7 +91,7 @@ def all_gather(
         if group_error is not None:
             raise group_error
         _check_flat(flat)
-        return _cached_plan(flat.numel(), world, flat.element_size(), bucket_numel, None, 1, ())
+        return _cached_plan(flat.numel(), world, flat.element_size(), allgather_bucket_size, None, 1, ())
 
     plan = _agreed_plan(build, flat, agree_group, world, "all_gather")
     return run_gather(flat, plan, group)
@@ -190,12 +193,12 @@ def _freeze_ranges(exact_ranges) -> tuple:
 # tuples, no tensors): what running one puts on a device is kept by the CommContext of the
 # call, which goes when the call returns, so this cache holds no device memory.
 @functools.lru_cache(maxsize=64)
-def _cached_plan(numel, world, elem_size, bucket_numel, fmt, group_size, exact_ranges) -> GatherPlan:
+def _cached_plan(numel, world, elem_size, allgather_bucket_size, fmt, group_size, exact_ranges) -> GatherPlan:
     return plan_gather(
         numel,
         world,
         elem_size=elem_size,
-        bucket_numel=bucket_numel,
+        allgather_bucket_size=allgather_bucket_size,
         fmt=fmt,
         group_size=group_size,
         exact_ranges=exact_ranges,
@@ -212,7 +215,7 @@ def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
         "flat dtype": _DTYPE_CODES.get(dtype, 99),
         "format": 0 if plan.fmt is None else 1 + sorted(WEIGHT_FORMATS).index(plan.fmt),
         "group size": plan.group_size,
-        "bucket_numel": plan.bucket_numel,
+        "allgather_bucket_size": plan.allgather_bucket_size,
         "exact ranges": digest(repr(plan.exact_ranges)),
         "delta payload": int(plan.delta),
     }

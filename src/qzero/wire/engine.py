@@ -57,7 +57,7 @@ exact re-gather) is one in-place collective over the whole buffer: each partitio
 sits where every rank receives it, so there is no receive buffer and no copy at all.
 
 Memory: whatever the schedule, the receive buffers alive at once together hold at most
-``plan.bucket_numel * elem_size`` bytes (what a plain gather of one bucket receives).
+``plan.allgather_bucket_size * elem_size`` bytes (what a plain gather of one bucket receives).
 When two buffers of ``plan``'s chunks do not fit, the handle runs the same gather cut
 into smaller chunks (:func:`fitting_plan`): chunks start on group boundaries whatever
 their size, so the bits are the same.
@@ -205,7 +205,7 @@ def world_and_rank(group) -> tuple[int, int]:
 
 def recv_budget_bytes(plan: GatherPlan) -> int:
     """Bytes a plain gather of one bucket receives: the bound on all receive buffers together."""
-    return plan.bucket_numel * plan.elem_size
+    return plan.allgather_bucket_size * plan.elem_size
 
 
 def fitting_plan(plan: GatherPlan, buffers: int, cache: GatherCache | None = None) -> GatherPlan | None:
@@ -216,14 +216,14 @@ def fitting_plan(plan: GatherPlan, buffers: int, cache: GatherCache | None = Non
         return cache.get(plan, ("fitting_plan", buffers), lambda: fitting_plan(plan, buffers))
     budget = recv_budget_bytes(plan)
     unit = plan.world_size * plan.group_size
-    work, bucket = plan, plan.bucket_numel
+    work, bucket = plan, plan.allgather_bucket_size
     while work is not None and buffers * work.max_recv_bytes > budget:
         if bucket <= unit:
             return None
         shrunk = int(bucket * budget / (buffers * work.max_recv_bytes)) // unit * unit
         bucket = max(unit, min(shrunk, bucket - unit))
         work = plan_gather(
-            plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=bucket, fmt=plan.fmt,
+            plan.numel, plan.world_size, elem_size=plan.elem_size, allgather_bucket_size=bucket, fmt=plan.fmt,
             group_size=plan.group_size, exact_ranges=plan.exact_ranges, delta=plan.delta,
         )
     return work
@@ -234,7 +234,7 @@ def whole_buffer_plan(plan: GatherPlan, cache: GatherCache | None = None) -> Gat
     if cache is not None:
         return cache.get(plan, "whole_buffer_plan", lambda: whole_buffer_plan(plan))
     return plan if len(plan.chunks) <= 1 else plan_gather(
-        plan.numel, plan.world_size, elem_size=plan.elem_size, bucket_numel=max(plan.numel, plan.world_size),
+        plan.numel, plan.world_size, elem_size=plan.elem_size, allgather_bucket_size=max(plan.numel, plan.world_size),
         fmt=None,
     )
 

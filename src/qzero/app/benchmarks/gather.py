@@ -149,7 +149,7 @@ def copy_bandwidth(n: int, dtype: torch.dtype) -> dict:
 def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl) -> dict:
     """Times of one pack and one unpack of a single-chunk payload of ``n`` elements."""
     ranges = exact_ranges_for(n) if exact else []
-    plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
+    plan = plan_gather(n, 1, elem_size=2, allgather_bucket_size=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
     from qzero.wire.chunks import exact_index
 
@@ -181,7 +181,7 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
 def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     """Kernel bytes and elements equal the reference's on fresh random input with exact ranges."""
     ranges = exact_ranges_for(n)
-    plan = plan_gather(n, 1, elem_size=2, bucket_numel=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
+    plan = plan_gather(n, 1, elem_size=2, allgather_bucket_size=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
     from qzero.wire.chunks import exact_index
 
@@ -222,8 +222,8 @@ def tuned(tuning: KernelTuning) -> TritonKernels:
 def gather_plan(n: int, world: int, fmt: str | None, gs: int, bucket: int):
     """The static plan an optimizer keeps (bf16 elements; exact ranges only when quantized)."""
     if fmt is None:
-        return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=None)
-    return plan_gather(n, world, elem_size=2, bucket_numel=bucket, fmt=fmt, group_size=gs, exact_ranges=exact_ranges_for(n))
+        return plan_gather(n, world, elem_size=2, allgather_bucket_size=bucket, fmt=None)
+    return plan_gather(n, world, elem_size=2, allgather_bucket_size=bucket, fmt=fmt, group_size=gs, exact_ranges=exact_ranges_for(n))
 
 
 def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True,
@@ -235,10 +235,10 @@ def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: in
     plan = gather_plan(n, 1, fmt, gs, bucket)
     context = CommContext(flat.device, schedule="streams" if pipelined else "inline", kernels=kernels)
     if fmt is None:
-        api = lambda: all_gather(flat, bucket_numel=bucket)  # noqa: E731
+        api = lambda: all_gather(flat, allgather_bucket_size=bucket)  # noqa: E731
     else:
         ranges = exact_ranges_for(n)
-        api = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, bucket_numel=bucket, fmt=fmt)  # noqa: E731
+        api = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, allgather_bucket_size=bucket, fmt=fmt)  # noqa: E731
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     ms = median_ms(lambda: run_gather(flat, plan, context=context), reps=reps_for(n))
@@ -386,7 +386,7 @@ def multi_header(world: int, regime: str, group_size: int, dtype: str, bucket: i
         "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         "group_size": group_size,
         "dtype": dtype,
-        "bucket_numel": bucket,
+        "allgather_bucket_size": bucket,
         "launch": dataclasses.asdict(tuning),
         **env,
         "sizes": [],
@@ -423,7 +423,7 @@ def multi_gpu(args) -> dict:
         # the yardstick: one NCCL call over the whole buffer (no bucket bound), then ours
         arms = {"bf16 one NCCL call": lambda: dist.all_gather_into_tensor(flat, own),
                 "bf16": lambda plain=plain: run_gather(flat, plain),
-                "bf16 via all_gather": lambda: all_gather(flat, bucket_numel=args.bucket)}
+                "bf16 via all_gather": lambda: all_gather(flat, allgather_bucket_size=args.bucket)}
         for fmt in formats:
             plan = gather_plan(n, world, fmt, gs, args.bucket)
             arms[fmt] = lambda plan=plan: run_gather(flat, plan)
@@ -432,7 +432,7 @@ def multi_gpu(args) -> dict:
             arms[f"{fmt} payload only"] = lambda pay=pay, recv=recv: dist.all_gather_into_tensor(recv, pay)
         fmt0 = formats[0]
         arms[f"{fmt0} via quantized_all_gather"] = lambda: quantized_all_gather(
-            flat, group_size=gs, exact_ranges=ranges, bucket_numel=args.bucket, fmt=fmt0
+            flat, group_size=gs, exact_ranges=ranges, allgather_bucket_size=args.bucket, fmt=fmt0
         )
         for fn in arms.values():  # warm-up: compile, plans, NCCL channels
             fn()
@@ -450,12 +450,17 @@ def multi_gpu(args) -> dict:
     return out
 
 
+def _bucket_of(res: dict) -> int:
+    """A result's ``allgather_bucket_size`` (results written before it had that name: ``bucket_numel``)."""
+    return res["allgather_bucket_size"] if "allgather_bucket_size" in res else res["bucket_numel"]
+
+
 def multi_markdown(res: dict) -> str:
     lines = [
         f"# Gather, {res['world_size']} x {res['device']}: {res['regime']}",
         "",
         f"{res['date_utc']} UTC; torch {res['torch']}, Triton {res['triton']}, CUDA {res['cuda']}; "
-        f"{res['dtype']} flat, group size {res['group_size']}, bucket {res['bucket_numel']:,} elements; "
+        f"{res['dtype']} flat, group size {res['group_size']}, bucket {_bucket_of(res):,} elements; "
         "arms interleaved round by round, median over rounds of the slowest rank's CUDA-event time. "
         "Gathers run with prebuilt plans as the optimizer does (`run_gather`); 'payload only' is the bare "
         "all-gather of the same bytes; 'via quantized_all_gather' adds the public API's per-call checks. "

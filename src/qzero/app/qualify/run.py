@@ -139,7 +139,7 @@ def analyse(arms: list[dict], base: TrainSettings, baseline: TrainSettings, cand
         "candidate_reproducible": stats.reproduced(c),
         "max_loss_diff": loss_diff <= t.max_loss_diff,
         "param_tolerance": agreement["tolerance_violations"] == 0,
-        # engines without replicated weights (FSDP2) report None: nothing to compare there
+        # backends without replicated weights (FSDP2) report None: nothing to compare there
         "replicas_identical": all(a["replicas_identical"] is not False for a in arms),
         "peak_allocated_fraction": max(a["peak_allocated_bytes"] for a in arms) <= t.max_allocated_fraction * total,
         "peak_reserved_fraction": max(a["peak_reserved_bytes"] for a in arms) <= t.max_reserved_fraction * total,
