@@ -252,6 +252,9 @@ def test_the_backend_setting_is_named_backend_and_engine_is_refused(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("qzero: error: --candidate 'engine=deepspeed': setting 'engine' is now 'backend'"), err
     assert "\n" not in err
+    assert main(["train", "--engine", "fsdp2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "qzero: error: --engine is now --backend (the training backend: qzero, deepspeed, fsdp2)", err
     # a record of an earlier release (its settings name the backend "engine") still reads
     old = {k: v for k, v in flat_settings(TrainSettings(backend="fsdp2")).items() if k != "backend"}
     assert flat_settings({"engine": "fsdp2", **old})["backend"] == "fsdp2"
