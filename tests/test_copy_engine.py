@@ -238,14 +238,14 @@ def test_gather_and_exchange_use_the_provider_same_bits():
         assert on[r][1] == on[0][1], "ranks registered different slabs"
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
-def test_the_other_engines_refuse_it(engine):
-    """The FSDP2 and DeepSpeed engines run their own collectives: the setting would change nothing."""
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_the_other_backends_refuse_it(backend):
+    """The FSDP2 and DeepSpeed backends run their own collectives: the setting would change nothing."""
     from qzero.app.train import settings_from, validate
     from qzero.app.workload import WorkloadError
 
-    s = settings_from({"engine": engine, "copy_engine_collectives": True})
-    with pytest.raises(WorkloadError, match=f"copy_engine_collectives is a setting of the qzero engine.*{engine}"):
+    s = settings_from({"backend": backend, "copy_engine_collectives": True})
+    with pytest.raises(WorkloadError, match=f"copy_engine_collectives is a setting of the qzero backend.*{backend}"):
         validate(s)
 
 
