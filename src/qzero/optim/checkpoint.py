@@ -22,7 +22,7 @@ checkpoint holds, a refusal is a ``ValueError`` that names the file and the fiel
 The files, one role each:
 
 * this module: the logical buffer (:func:`logical_pieces`), the DCP state dict of a checkpoint
-  (:func:`sharded_state_dict`) and the names of its entries, the replica of delta gathers
+  (:func:`sharded_state_dict`), the replica of delta gathers
   ([Note: the replica in a checkpoint]);
 * :mod:`qzero.optim.checkpoint_save`: writing one, aside then renamed into place, every rank
   hearing of rank 0's failure;

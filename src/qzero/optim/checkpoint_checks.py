@@ -73,7 +73,7 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                         f"{path!r}: {META_FILE} declares state {show(key)} of group {i} larger than its group"
                     )
                 expected[f"group{i}.state.{key}"] = (spec["shape"], dtype)
-        if restores_replica(g, saved):  # [Note: the replica in a checkpoint]
+        if restores_replica(g, saved):  # [Note: the replica in a checkpoint] in checkpoint.py
             check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta")
             expected[replica_key(i)] = ([g.layout.used_numel], g.dtype)
     expected.update(error_feedback.expected_entries(opt, meta))

@@ -113,7 +113,8 @@ class _PendingLoad:
                 state[key] = torch.zeros(shape, dtype=STATE_DTYPES[spec["dtype"]], device=device)
             self.states.append(state)
         self.residuals = error_feedback.ResidualLoad(opt, meta)
-        # delta gathers: the groups whose replica the checkpoint restores ([Note: the replica in a checkpoint])
+        # delta gathers: the groups whose replica the checkpoint restores ([Note: the replica in a
+        # checkpoint] in checkpoint.py)
         self.replicas = [restores_replica(g, saved) for g, saved in zip(opt.groups, meta["groups"])]
         # what is read in place, copied aside (to the host) to be put back on a refusal
         self._in_place = ([g.master for g in opt.groups] + list(module_state(opt).values())
@@ -194,7 +195,8 @@ class _PendingLoad:
         for grads in opt.grads:
             grads.zero()
         # The configured gather, as after a step: resuming at the same world size is bit-exact.
-        # Delta gathers: the saved replica, or an exact resync ([Note: the replica in a checkpoint]).
+        # Delta gathers: the saved replica, or an exact resync ([Note: the replica in a checkpoint]
+        # in checkpoint.py).
         with torch.no_grad():
             for g, saved, restore in zip(opt.groups, self.meta["groups"], self.replicas):
                 if restore:
