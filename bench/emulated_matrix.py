@@ -67,11 +67,13 @@ def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     marks, loss_sums, skipped = [], [], 0
     wall_start, before, first_index = None, link.snapshot(), link.count
+    pauses = _HostPauses()
     _sync(device)
     for k in range(s.steps):
         if k == s.warmup:
             _sync(device)
             wall_start, before, first_index = time.perf_counter(), link.snapshot(), link.count
+            pauses.start(device)
         batch = global_batch(corpus, first_step + k, per_step, s.seq_len, s.seed)
         mine = batch.view(s.grad_accum, n, s.micro_batch, -1)[:, 0].to(device)
         marks.append(_mark(device))
@@ -88,6 +90,7 @@ def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
         loss_sums.append(loss_sum)
     _sync(device)
     wall = time.perf_counter() - wall_start if wall_start is not None else None
+    host_pauses = pauses.stop(device)
     measured = s.steps - s.warmup
     times = [_seconds(a, b) for a, b in zip(marks, marks[1:])][s.warmup:]
     losses = torch.stack(loss_sums).tolist()
@@ -107,11 +110,53 @@ def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
         "link_per_step": {op: {k: v / measured for k, v in d.items()} for op, d in per_op.items()},
         "link_busy_ms_modelled": 1e3 * busy_modelled / measured,
         "link_busy_ms_measured": busy_measured / measured if busy_measured is not None else None,
+        "host_pauses": host_pauses,
     }
     if device.type == "cuda":
         rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return rec
+
+
+class _HostPauses:
+    """What can stall a step from the host, counted over the measured steps: Python's garbage
+    collections (how many, by generation, and their seconds) and the CUDA caching allocator's
+    device allocations, frees and out-of-memory retries (a free synchronizes the device)."""
+
+    KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+    def __init__(self):
+        self.collections, self.seconds, self._t, self._before = [0, 0, 0], 0.0, None, None
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.collections[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t
+
+    def start(self, device):
+        import gc
+
+        import torch
+
+        gc.callbacks.append(self._gc)
+        if device.type == "cuda":
+            stats = torch.cuda.memory_stats(device)
+            self._before = {k: stats.get(k, 0) for k in self.KEYS}
+
+    def stop(self, device):
+        import gc
+
+        import torch
+
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+        out = {"gc_collections": self.collections, "gc_seconds": self.seconds}
+        if device.type == "cuda" and self._before is not None:
+            stats = torch.cuda.memory_stats(device)
+            out.update({k: stats.get(k, 0) - self._before[k] for k in self.KEYS})
+        return out
 
 
 def _clearing_side_channel(pack_chunk):

@@ -15,6 +15,9 @@
 #              and INT8 + gather-ahead against FSDP2 at 5e8/5e7; three links
 #   deepspeed  plain DeepSpeed and the DeepSpeed adapter with gather-ahead, in one run; PCIe-class, Ethernet-class
 #   small      Qwen3-1.7B at 5e8/5e7: plain, INT8, INT8 + gather-ahead, FSDP2; three links
+#   lowbit500  the 4-bit payloads at 5e8 gather / 5e7 reduce buckets, Ethernet-class and PCIe-class
+#   scale      rank 0 of DP-N for N in SCALE_WORLDS (4 8 64): INT8 + gather-ahead, INT8 gradients, the
+#              4-bit payloads, FSDP2; Ethernet-class and PCIe-class
 #   table      the calibration table from everything measured
 # Usage (repository root, one GPU): bash bench/run_emulated.sh OUT [STAGE ...]   (default: all but ethernet)
 # Environment: LIMIT (seconds for the whole script, default 550), S and CTAS (skip floor / grid when given),
@@ -136,6 +139,19 @@ if has small; then  # Qwen3-1.7B at the buckets of its real results
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-1.7b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
         --links "pcie:$k,ethernet:$k,nvlink:$k" "${a[@]}" --reference plain --peers fsdp2 --budget "$(left 15)" \
         --out "$out/small_1.7b" > "$out/small_1.7b.log" 2>&1
+fi
+if has lowbit500; then  # the 4-bit payloads at the larger buckets
+    mapfile -t a < <(arms ${LOWBIT_ARMS:-delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead})
+    python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
+        --links "ethernet:$k,pcie:$k" "${a[@]}" --budget "$(left 15)" --out "$out/lowbit500_4b" > "$out/lowbit500_4b.log" 2>&1
+fi
+if has scale; then  # DP-N: rank 0's shard and ring bytes (N-1)/N of a larger world
+    for n in ${SCALE_WORLDS:-4 8 64}; do
+        mapfile -t a < <(arms ${SCALE_ARMS:-int8_ahead fsdp2 int8_ahead_qgrad delta_ahead_qgrad4})
+        python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 \
+            --reduce-bucket-sizes 2.6e7 --links "ethernet:$k,pcie:$k" "${a[@]}" --world-size "$n" --budget "$(left 15)" \
+            --out "$out/dp${n}_4b_scale" > "$out/dp${n}_4b_scale.log" 2>&1
+    done
 fi
 if has table; then
     dirs=()

@@ -1,6 +1,8 @@
 """Run a function on N gloo ranks in forked processes; collect results or tracebacks.
 
-Forking keeps start-up cheap (no re-import of torch per rank). Each rank gets a
+Forking keeps start-up cheap (no re-import of torch per rank); on a machine with CUDA
+the ranks are spawned instead (see :func:`run_distributed`), so a worker and its
+arguments must be picklable: a module-level function, never a closure. Each rank gets a
 fresh process group over a FileStore; a rank that does not finish within the
 timeout fails the test instead of hanging the suite.
 """
@@ -44,9 +46,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, start_me
 
     ``start_method="spawn"`` gives each rank a fresh interpreter (slower to start; for code
     that must not inherit the test process's state; ``fn`` must then be importable)."""
-    if start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
-        # A forked child cannot use CUDA once this process has (and torch's optimizers ask
-        # CUDA whether a graph is being captured), so on a GPU machine fresh interpreters it is.
+    if start_method == "fork" and torch.cuda.is_available():
+        # A forked child cannot use CUDA once this process has initialised CUDA's driver (and
+        # torch's optimizers ask CUDA whether a graph is being captured: "CUDA error:
+        # initialization error" in the child). torch.cuda.is_initialized() does not tell: it is
+        # False when Triton, not torch, initialised the driver. So on a GPU machine fresh
+        # interpreters it is, always; the workers are module-level functions for that.
         start_method = "spawn"
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()

@@ -13,7 +13,7 @@ import torch
 import qzero
 from checkpoints import ADAMW, small_model, train
 from distributed import run_distributed
-from qzero.optim import checkpoint as ckpt
+from qzero.optim import checkpoint_save as ckpt
 
 
 def _saver(rank, world, root, where):

@@ -38,11 +38,11 @@ from qzero.optim.checkpoint import logical_pieces
 from qzero.optim.checkpoint_index import (
     INDEX_DTYPES,
     INDEX_GLOBALS,
-    IndexedReader,
     IndexUnpickler,
     read_index,
     rebuild_index,
 )
+from qzero.optim.checkpoint_reader import IndexedReader
 
 MODULE = __name__
 

@@ -253,9 +253,34 @@ def test_bad_group_argument():
         qzero.quantized_all_gather(torch.zeros(64, dtype=torch.bfloat16), group="world")
 
 
-def test_worker_failures_are_reported():
-    def boom(rank, world):
-        raise RuntimeError(f"boom on {rank}")
+def failing_worker(rank, world):  # module level: the ranks may be spawned
+    raise RuntimeError(f"boom on {rank}")
 
+
+def test_worker_failures_are_reported():
     with pytest.raises(WorkerError, match="boom on 1"):
-        run_distributed(boom, 2)
+        run_distributed(failing_worker, 2)
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_ranks_are_spawned_whenever_cuda_is_available(monkeypatch, cuda):
+    """With CUDA present the ranks are spawned, even when torch has not initialised CUDA here
+    (Triton may have initialised the driver: a forked child then fails in CUDA's init)."""
+    import distributed
+
+    methods = []
+
+    def get_context(method):
+        methods.append(method)
+        raise _Started  # no ranks are started: the start method is the result
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.mp, "get_context", get_context)
+    with pytest.raises(_Started):
+        run_distributed(failing_worker, 2)
+    assert methods == ["spawn" if cuda else "fork"]

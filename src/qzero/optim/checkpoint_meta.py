@@ -2,11 +2,11 @@
 
 It records, per parameter group, the parameter names and shapes, the optimizer state's keys
 (dtype, shape, sharded or not) and the hyperparameters, plus the loss scaler and the module
-state (:func:`qzero.optim.checkpoint.save_checkpoint` writes it; its presence marks a complete
-checkpoint). Read bounded (no link, no FIFO, at most :data:`MAX_META_BYTES`), as JSON nested at
-most :data:`MAX_META_DEPTH` deep with integers inside 64 bits, then checked field by field
-against its schema: a refusal is a ``ValueError`` naming the field. What it is checked against
-(the optimizer loading it) is :mod:`qzero.optim.checkpoint`'s.
+state (:func:`qzero.optim.checkpoint_save.save_checkpoint` writes it; its presence marks a
+complete checkpoint). Read bounded (no link, no FIFO, at most :data:`MAX_META_BYTES`), as JSON
+nested at most :data:`MAX_META_DEPTH` deep with integers inside 64 bits, then checked field by
+field against its schema: a refusal is a ``ValueError`` naming the field. What it is checked
+against (the optimizer loading it) is :mod:`qzero.optim.checkpoint_checks`'s.
 """
 
 from __future__ import annotations

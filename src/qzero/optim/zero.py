@@ -310,7 +310,7 @@ class ZeroOptimizer:
     def save_checkpoint(self, path: str) -> None:
         """Save fp32 masters, optimizer state and loss scale with torch.distributed.checkpoint
         (reshardable: load at any world size). Collective: call on every rank."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint_save import save_checkpoint
 
         self.wait_for_weights()
         save_checkpoint(self, path)
@@ -318,7 +318,7 @@ class ZeroOptimizer:
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint` at any world size, then
         rebuild the flat buffers from the masters. Collective: call on every rank."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint_load import load_checkpoint
 
         self.wait_for_weights()
         load_checkpoint(self, path)
