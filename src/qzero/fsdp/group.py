@@ -171,7 +171,7 @@ class GroupQuantizedAllGather(_AllGather):
     """FSDP2's all-gather of one parameter group, through qzero's gather engine (see the
     module's docstring). Installed by :func:`quantize_group_gathers`. Its settings are named
     as :class:`qzero.ZeroConfig`'s fields (the keywords of earlier releases, ``group_size``,
-    ``fmt`` and ``kernels``, are refused, naming them)."""
+    ``fmt`` and ``kernels``, are refused, naming the new ones)."""
 
     def __init__(self, fsdp_params, *, zero_quantized_weights_group_size: int, zero_quantized_weights_format: str,
                  small_param_numel: int, quant_kernels: str, name: str):
@@ -240,8 +240,8 @@ class GroupQuantizedAllGather(_AllGather):
             kernels = self.quant_kernels
             if output.dtype not in _KERNEL_DTYPES:
                 if kernels == "triton":
-                    raise ValueError(f"quant_kernels='triton' take bf16/fp16 weights; FSDP module {self.name or '<root>'!r} "
-                                     f"gathers {output.dtype}")
+                    raise ValueError(f"quant_kernels='triton' take bf16/fp16 weights; FSDP module "
+                                     f"{self.name or '<root>'!r} gathers {output.dtype}")
                 kernels = "reference"
             ctx = self._contexts[key] = CommContext(output.device, schedule="inline", kernels=kernels)
         return ctx

@@ -152,9 +152,10 @@ def quantize_group_reduces(
     return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for *_, info in plans)))
 
 
-def _rotation_block(config: ZeroConfig) -> int:
-    """The rotation block of ``config``'s gradient settings, 0 for none."""
-    return config.zero_quantized_gradients_rotation_block if config.zero_quantized_gradients_rotation != "none" else 0
+def _rotation_block(settings) -> int:
+    """The rotation block of ``settings`` (a ZeroConfig, or a :class:`GroupQuantizedReduceScatter`:
+    its gradient settings by ZeroConfig's names), 0 for none."""
+    return settings.zero_quantized_gradients_rotation_block if settings.zero_quantized_gradients_rotation != "none" else 0
 
 
 def group_reduce_report(model: nn.Module) -> GroupReduceReport:
@@ -174,7 +175,7 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
     module's docstring). Installed by :func:`quantize_group_reduces`. Its settings are named
     as :class:`qzero.ZeroConfig`'s fields, the rotation resolved (``hadamard`` or ``none``);
     the keywords of earlier releases (``group_size``, ``fmt``, ``kernels``, ``rotation``) are
-    refused, naming them."""
+    refused, naming the new ones."""
 
     def __init__(self, fsdp_params, *, zero_quantized_gradients_group_size: int, zero_quantized_gradients_format: str,
                  small_param_numel: int, quant_kernels: str, name: str,
@@ -229,7 +230,7 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
     @property
     def rotation_block(self) -> int:
         """The rotation's block, 0 for none (what the ranks agree on)."""
-        return self.zero_quantized_gradients_rotation_block if self.zero_quantized_gradients_rotation != "none" else 0
+        return _rotation_block(self)
 
     def _quantizable(self, input_tensor: torch.Tensor, n: int, world: int) -> bool:
         if input_tensor.dtype not in GRADIENT_DTYPES or n == 0:
