@@ -103,8 +103,9 @@ def main() -> None:
     preset = PRESETS[args.preset]
     model = build_model(model_config(args.preset, max_positions=args.seq), torch.bfloat16, torch.device("cpu"), seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
-    layout = plan_flat_layout([tuple(p.shape) for p in params], 1, group_size=8, small_param_numel=preset.small_param_numel,
-                              fmt="int8")
+    layout = plan_flat_layout([tuple(p.shape) for p in params], 1, zero_quantized_weights_group_size=8,
+                              small_param_numel=preset.small_param_numel,
+                              zero_quantized_weights_format="int8")
     exact = torch.cat([torch.arange(a, b) for a, b in layout.exact_ranges]) if layout.exact_ranges else torch.empty(0, dtype=torch.long)
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     opt = torch.optim.AdamW(masters, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -165,8 +165,9 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     shapes, hidden = qwen_like_shapes(int(a.numel))
-    layout = plan_flat_layout(shapes, world, group_size=a.group_size, small_param_numel=4 * hidden,
-                              allgather_bucket_size=int(a.bucket), fmt=a.fmt, order="interleaved")
+    layout = plan_flat_layout(shapes, world, zero_quantized_weights_group_size=a.group_size,
+                              small_param_numel=4 * hidden, allgather_bucket_size=int(a.bucket),
+                              zero_quantized_weights_format=a.fmt, flat_order="interleaved")
     plan = layout.gather
     flat = torch.empty(layout.numel, dtype=torch.bfloat16, device=device)
     g = torch.Generator(device=device).manual_seed(rank)

@@ -72,7 +72,8 @@ def main() -> None:
           "kind | staging peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for w in (int(x) for x in a.worlds.split(",")):
-        kw = dict(group_size=a.group_size, fmt="int8", order="auto")
+        kw = dict(zero_quantized_weights_group_size=a.group_size, zero_quantized_weights_format="int8",
+                  flat_order="auto")
         sync = plan_flat_layout(shapes, w, allgather_bucket_size=ag, **kw)
         ahead = fitting_plan(sync.gather, 2)  # two chunks in flight, within the same bucket
         if sync.order == "interleaved":

@@ -84,8 +84,8 @@ case("quantized: allgather_bucket_size 2**70 on every rank", "gather",
      r"allgather_bucket_size 1180591620717411303424 is out of range")
 case("quantized: group_size 2**70 (and a bucket to hold it) on the last rank", "gather",
      _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**80 if r == w - 1 else 2**20,
-             group_size=lambda r, w: 2**70 if r == w - 1 else 64),
-     r"group size 1180591620717411303424 is out of range|rank\(s\) \[[12]\] rejected")
+             zero_quantized_weights_group_size=lambda r, w: 2**70 if r == w - 1 else 64),
+     r"zero_quantized_weights_group_size 1180591620717411303424 is out of range|rank\(s\) \[[12]\] rejected")
 case("plain: allgather_bucket_size 2**64 on one rank", "gather",
      _gather("all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**64 if r == 1 else 2**20),
      rf"allgather_bucket_size 18446744073709551616 is out of range|{rejected(1)}")

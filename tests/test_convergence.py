@@ -300,9 +300,10 @@ def test_quantization_groups_are_those_of_dp2(group):
     assert sum(math.prod(s) for s in shapes) == 125_456_640
 
     def layout(world, order):
-        return plan_flat_layout(shapes, world, elem_size=2, group_size=group,
+        return plan_flat_layout(shapes, world, elem_size=2, zero_quantized_weights_group_size=group,
                                 small_param_numel=PRESETS["qwen3-125m-byte"].small_param_numel,
-                                allgather_bucket_size=500_000_000, fmt="int8", order=order)
+                                allgather_bucket_size=500_000_000, zero_quantized_weights_format="int8",
+                                flat_order=order)
 
     layouts = {(w, o): layout(w, o) for w in (1, 2) for o in ("contiguous", "interleaved", "auto")}
     for lay in layouts.values():

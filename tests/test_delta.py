@@ -121,7 +121,8 @@ def test_replicas_identical_within_one_step_and_resync_when_due(case):
                allgather_bucket_size=world * GS * 6, **extra)
     steps = 5
     results = run_distributed(delta_run, world, cfg, steps, micro)
-    resync = extra.get("zero_quantized_weights_delta_resync_steps", qzero.ZeroConfig(**cfg).zero_quantized_weights_delta_resync_steps)
+    resync = extra.get("zero_quantized_weights_delta_resync_steps",
+                       qzero.ZeroConfig(**cfg).zero_quantized_weights_delta_resync_steps)
     check_run(results, resync, extra.get("zero_quantized_weights_format", "int4"))
     if case == "w3-s2-interleaved-ahead":  # gather-ahead off: the same bits, step by step
         off = run_distributed(delta_run, world, dict(cfg, overlap_param_gather=False), steps, micro)
@@ -255,7 +256,8 @@ def test_delta_settings_that_differ_across_ranks_are_refused_on_every_rank():
     (dict(zero_quantized_weights=True, zero_quantized_weights_delta=True, zero_quantized_weights_group_size=100),
      "group_size must be a positive multiple of 8, got 100"),
     (dict(zero_quantized_weights_delta=True), "needs zero_quantized_weights=true"),
-    (dict(zero_quantized_weights=True, zero_quantized_weights_delta="yes"), "zero_quantized_weights_delta must be true or false"),
+    (dict(zero_quantized_weights=True, zero_quantized_weights_delta="yes"),
+     "zero_quantized_weights_delta must be true or false"),
     (dict(zero_quantized_weights=True, zero_quantized_weights_delta=True, zero_quantized_weights_delta_resync_steps=-1),
      "resync_steps must be >= 0"),
     (dict(zero_quantized_weights_delta_resync_steps=1.5), "resync_steps must be an integer"),
@@ -267,7 +269,8 @@ def test_bad_delta_settings_are_refused_by_name(kwargs, match):
 
 def test_defaults_and_every_way_in():
     off = qzero.ZeroConfig()
-    assert (off.zero_quantized_weights_delta, off.zero_quantized_weights_format, off.zero_quantized_weights_group_size) == (
+    assert (off.zero_quantized_weights_delta, off.zero_quantized_weights_format,
+            off.zero_quantized_weights_group_size) == (
         False, "int8", 64)
     on = qzero.ZeroConfig.from_dict({"zero_quantized_weights": True, "zero_quantized_weights_delta": True,
                                      "zero_quantized_weights_delta_resync_steps": 50})
@@ -292,7 +295,8 @@ def test_defaults_and_every_way_in():
     with pytest.raises(ValueError, match="resync_steps must be >= 0"):
         prepare_config({**ds, "zero_optimization": {**ds["zero_optimization"],
                                                     "zero_quantized_weights_delta_resync_steps": -2}})
-    kept = prepare_config({**ds, "zero_optimization": {**ds["zero_optimization"], "zero_quantized_weights_delta": False}})
+    kept = prepare_config({**ds, "zero_optimization": {**ds["zero_optimization"],
+                                                       "zero_quantized_weights_delta": False}})
     assert "zero_quantized_weights_delta" not in kept.ds_config["zero_optimization"]
 
 
@@ -376,7 +380,8 @@ def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
         sys.path.remove(bench)
     seen = []
     pack = emulated_matrix._clearing_side_channel(lambda *args: seen.append(args) or "slot")
-    plan = plan_gather(64, 1, fmt="int4", group_size=8, allgather_bucket_size=64, exact_ranges=[(0, 4)], delta=True)
+    plan = plan_gather(64, 1, zero_quantized_weights_format="int4", zero_quantized_weights_group_size=8,
+                       allgather_bucket_size=64, exact_ranges=[(0, 4)], zero_quantized_weights_delta=True)
     buf = torch.ones(plan.chunks[0].payload_bytes, dtype=torch.uint8)
     inputs = DeltaInputs(torch.zeros(64), reference.refusal_flag("cpu"))
     flat = torch.zeros(64, dtype=torch.bfloat16)

@@ -56,7 +56,8 @@ def step_pair(n: int, dtype: torch.dtype, rng: np.random.Generator, device="cpu"
 
 def payload_layout(n: int, fmt: str, gs: int, exact: torch.Tensor | None):
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
-    plan = plan_gather(n, 1, fmt=fmt, group_size=gs, exact_ranges=ranges, allgather_bucket_size=-(-n // gs) * gs, delta=True)
+    plan = plan_gather(n, 1, zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=gs,
+                       exact_ranges=ranges, allgather_bucket_size=-(-n // gs) * gs, zero_quantized_weights_delta=True)
     return plan
 
 
@@ -168,8 +169,9 @@ def check_kernels_match(tk, m, r, fmt, gs, exact, gen, world=1):
     payload at once, in place, the same bits and the same flag as the reference."""
     n = m.numel() // world
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
-    plan = plan_gather(world * n, world, fmt=fmt, group_size=gs, exact_ranges=ranges,
-                       allgather_bucket_size=world * (-(-n // gs) * gs), delta=True)
+    plan = plan_gather(world * n, world, zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=gs,
+                       exact_ranges=ranges,
+                       allgather_bucket_size=world * (-(-n // gs) * gs), zero_quantized_weights_delta=True)
     chunk = plan.chunks[0]
     k = kernel_inputs(plan, chunk, m.device)
     pb = k.payload_bytes
@@ -259,7 +261,8 @@ def test_kernels_refuse_bad_arguments():
     with pytest.raises(ValueError, match="refusal flag"):
         tk.unpack_delta_payloads(out, r, 64, 0, 64, 1, layout, 8, "int4", None, torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="delta payload"):
-        plan_gather(64, 1, fmt="fp8", group_size=8, delta=True)
+        plan_gather(64, 1, zero_quantized_weights_format="fp8", zero_quantized_weights_group_size=8,
+                    zero_quantized_weights_delta=True)
 
 
 @gpu_only
@@ -354,7 +357,8 @@ def test_gpu_delta_pipeline_matches_unpipelined(fmt, stage):
     numel = 1 << 22
     m, r = step_pair(numel, torch.bfloat16, rng, "cuda")
     exact = [(0, 1000), (70_000, 140_000), (numel - 300, numel)]
-    plan = plan_gather(numel, 1, fmt=fmt, group_size=256, exact_ranges=exact, allgather_bucket_size=1 << 19, delta=True)
+    plan = plan_gather(numel, 1, zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=256,
+                       exact_ranges=exact, allgather_bucket_size=1 << 19, zero_quantized_weights_delta=True)
 
     def gather(context):
         flat, refused = r.clone(), reference.refusal_flag("cuda")

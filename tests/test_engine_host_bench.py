@@ -14,7 +14,7 @@ def worker(rank, world):
 
     shapes, hidden = eh.qwen_like_shapes(200_000, layers=3)
     layout = plan_flat_layout(shapes, world, small_param_numel=4 * hidden, allgather_bucket_size=world * 64 * 200,
-                              fmt="int8", order="interleaved")
+                              zero_quantized_weights_format="int8", flat_order="interleaved")
     assert 190_000 < layout.numel < 210_000 and layout.gather.exact_ranges and len(layout.gather.chunks) > 3
     flat = torch.randn(layout.numel, generator=torch.Generator().manual_seed(rank)).bfloat16()
     want = flat.clone()

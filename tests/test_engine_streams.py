@@ -78,7 +78,8 @@ def worker(rank, world, fmt):
 
     engine.pack_chunk, engine.unpack_chunk = pack, unpack
     numel, gs = world * 64 * 12, 16
-    plan = plan_gather(numel, world, allgather_bucket_size=world * 64 * 2, fmt=fmt, group_size=gs,
+    plan = plan_gather(numel, world, allgather_bucket_size=world * 64 * 2, zero_quantized_weights_format=fmt,
+                       zero_quantized_weights_group_size=gs,
                        exact_ranges=((0, 40), (500, 530), (numel - 20, numel)) if fmt else ())
     g = torch.Generator().manual_seed(7)
     truth = torch.randn(numel, generator=g).bfloat16()
@@ -152,7 +153,8 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
     streams, state = fake_cuda(monkeypatch.setattr, log)
     real_hook, real_wait_for, real_wait = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
-    plan = plan_gather(64 * 24, 1, fmt="int8", group_size=16, allgather_bucket_size=64 * 4)
+    plan = plan_gather(64 * 24, 1, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=16,
+                       allgather_bucket_size=64 * 4)
     params = list(model.parameters())
     ranges = [(p, 0, i * plan.numel // len(params), (i + 1) * plan.numel // len(params)) for i, p in enumerate(params)]
     context = CommContext("cpu", schedule="inline")

@@ -73,8 +73,9 @@ def models(draw, limit=400_000):
 
 
 def plan_of(shapes, threshold, world, group, fmt, order, bucket, elem):
-    return plan_flat_layout(shapes, world, elem_size=elem, group_size=group, small_param_numel=threshold,
-                            allgather_bucket_size=bucket, fmt=fmt, order=order)
+    return plan_flat_layout(shapes, world, elem_size=elem, zero_quantized_weights_group_size=group,
+                            small_param_numel=threshold,
+                            allgather_bucket_size=bucket, zero_quantized_weights_format=fmt, flat_order=order)
 
 
 # ------------------------------------------------------------------ bytes
@@ -152,7 +153,7 @@ def test_mixed_model_bytes_by_hand():
 def test_groups_with_few_exact_elements_are_still_coded():
     """A bias of 10 elements inside a group of a large matrix does not make that group exact:
     coding it is still cheaper than sending it verbatim."""
-    plan = plan_gather(4096, 1, group_size=64, exact_ranges=[(100, 110)])
+    plan = plan_gather(4096, 1, zero_quantized_weights_group_size=64, exact_ranges=[(100, 110)])
     (chunk,) = plan.chunks
     assert chunk.kind is PayloadKind.SHARED and chunk.payload.exact_numel == 10
     assert plan.side_ranges(chunk, 0) == [(100, 110)]
@@ -199,7 +200,7 @@ def test_coded_groups_keep_the_codes_of_the_whole_slice():
     n, gs = 64 * 20 + 24, 64
     x = (torch.randn(n, generator=gen) * 3).bfloat16()
     exact = [(0, 70), (200, 400), (1000, 1001), (1250, n)]
-    plan = plan_gather(n, 1, group_size=gs, exact_ranges=exact, allgather_bucket_size=n + gs)
+    plan = plan_gather(n, 1, zero_quantized_weights_group_size=gs, exact_ranges=exact, allgather_bucket_size=n + gs)
     (chunk,) = plan.chunks
     runs = plan.group_runs(chunk, 0)
     assert runs is not None and runs.coded_groups() < -(-n // gs)

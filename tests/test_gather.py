@@ -90,7 +90,8 @@ def quantized_worker(rank, world, seed):
         truth = make_truth(world, numel, dtype, seed)
         flat = poisoned_copy(truth, rank, world)
         stats = qzero.quantized_all_gather(
-            flat, group_size=gs, exact_ranges=exact, allgather_bucket_size=world * gs * bucket_groups
+            flat, zero_quantized_weights_group_size=gs, exact_ranges=exact,
+            allgather_bucket_size=world * gs * bucket_groups
         )
         results.append((flat, stats))
     return results
@@ -150,7 +151,8 @@ def engine_worker(rank, world, seed):
     context = CommContext("cpu")
     out = {}
     for fmt in ("int8", None):
-        plan = plan_gather(numel, world, allgather_bucket_size=world * 64 * 5, fmt=fmt, group_size=gs,
+        plan = plan_gather(numel, world, allgather_bucket_size=world * 64 * 5, zero_quantized_weights_format=fmt,
+                           zero_quantized_weights_group_size=gs,
                            exact_ranges=exact if fmt else ())
         whole = poisoned_copy(truth, rank, world)
         start_gather(whole, plan, None, context).wait()
@@ -183,10 +185,11 @@ def test_bytes_sent_default_settings():
 # ------------------------------------------------------------------ bad input, on every rank
 
 
+GROUP_SIZE, FORMAT = "zero_quantized_weights_group_size", "zero_quantized_weights_format"
 BAD_INPUTS = {
     "fp32 flat": (lambda r, w: (torch.zeros(64 * w), {}), "bf16 or fp16"),
-    "group size 12": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"group_size": 12}), "group_size"),
-    "group size 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"group_size": 0}), "group_size"),
+    "group size 12": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {GROUP_SIZE: 12}), GROUP_SIZE),
+    "group size 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {GROUP_SIZE: 0}), GROUP_SIZE),
     "numel not divisible": (lambda r, w: (torch.zeros(64 * w + 1, dtype=torch.bfloat16), {}), "not divisible"),
     "unsorted exact": (
         lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"exact_ranges": [(9, 12), (1, 2)]}),
@@ -200,7 +203,8 @@ BAD_INPUTS = {
         lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"exact_ranges": [(0, 64 * w + 1)]}),
         "out of range",
     ),
-    "unknown format": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"fmt": "int2"}), "'int2'"),
+    "unknown format": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {FORMAT: "int2"}),
+                       f"{FORMAT}: unknown quantization format 'int2'"),
     "2-D flat": (lambda r, w: (torch.zeros(w, 64, dtype=torch.bfloat16), {}), "1-D"),
     "non-contiguous": (lambda r, w: (torch.zeros(128 * w, dtype=torch.bfloat16)[::2], {}), "contiguous"),
     "bucket 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 0}), "allgather_bucket_size"),
@@ -209,11 +213,11 @@ BAD_INPUTS = {
     # distributed mismatches: each must raise on every rank, never hang
     "numel differs": (lambda r, w: (torch.zeros(64 * w * (1 + r), dtype=torch.bfloat16), {}), "differs between ranks"),
     "group size differs": (
-        lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"group_size": 64 if r else 32}),
+        lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {GROUP_SIZE: 64 if r else 32}),
         "differs between ranks",
     ),
     "one rank bad": (
-        lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"group_size": 64 if r else 7}),
+        lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {GROUP_SIZE: 64 if r else 7}),
         "group_size|rejected their arguments",
     ),
 }

@@ -96,7 +96,8 @@ def test_padding_rule():
 
 def test_flat_layout_ranges_padding_and_exact():
     shapes = [(10, 30), (30,), (7,), (64, 64), (3, 5, 2)]
-    lay = plan_flat_layout(shapes, world_size=3, group_size=64, small_param_numel=100, allgather_bucket_size=3 * 128)
+    lay = plan_flat_layout(shapes, world_size=3, zero_quantized_weights_group_size=64, small_param_numel=100,
+                           allgather_bucket_size=3 * 128)
     starts = [s.start for s in lay.slots]
     assert starts == [0, 300, 330, 337, 337 + 4096]
     assert lay.used_numel == 337 + 4096 + 30
@@ -113,7 +114,7 @@ def test_flat_layout_ranges_padding_and_exact():
 
 
 def test_no_exact_ranges_for_plain_layout_or_zero_threshold():
-    assert plan_flat_layout([(5,), (9, 9)], 2, fmt=None).exact_ranges == ()
+    assert plan_flat_layout([(5,), (9, 9)], 2, zero_quantized_weights_format=None).exact_ranges == ()
     assert plan_flat_layout([(5,), (9, 9)], 2, small_param_numel=0).exact_ranges == ()
 
 
@@ -128,7 +129,8 @@ def test_random_plans_obey_bounds_and_side_channel_sizes(seed):
     # random sorted disjoint ranges
     cuts = sorted(rng.sample(range(numel + 1), min(numel + 1, 2 * rng.randrange(0, 6))))
     ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2) if cuts[i] < cuts[i + 1]]
-    plan = plan_gather(numel, world, allgather_bucket_size=bucket, group_size=group, exact_ranges=ranges)
+    plan = plan_gather(numel, world, allgather_bucket_size=bucket, zero_quantized_weights_group_size=group,
+                       exact_ranges=ranges)
     check_plan_invariants(plan, brute=True)
 
 
@@ -146,7 +148,7 @@ def test_large_world_plans_stay_within_the_bucket(world):
 
 
 def test_default_bytes_per_parameter():
-    plan = plan_gather(2 * 64 * 1000, 2, group_size=64)
+    plan = plan_gather(2 * 64 * 1000, 2, zero_quantized_weights_group_size=64)
     assert plan.bytes_per_rank == 64 * 1000 * (1 + 4 / 64)
     assert plan.plain_bytes_per_rank == 64 * 1000 * 2
 
@@ -159,8 +161,9 @@ def test_default_bytes_per_parameter():
         (dict(numel=128, world_size=2, allgather_bucket_size=0), "allgather_bucket_size"),
         (dict(numel=128, world_size=2, allgather_bucket_size=5e8), "allgather_bucket_size"),
         (dict(numel=128, world_size=2, allgather_bucket_size=100), "smaller than one group per rank"),
-        (dict(numel=128, world_size=2, group_size=12), "group_size"),
-        (dict(numel=128, world_size=2, fmt="int2"), "'int2'"),
+        (dict(numel=128, world_size=2, zero_quantized_weights_group_size=12), "zero_quantized_weights_group_size"),
+        (dict(numel=128, world_size=2, zero_quantized_weights_format="int2"),
+         "zero_quantized_weights_format: unknown quantization format 'int2'"),
         (dict(numel=128, world_size=2, exact_ranges=[(5, 9), (1, 3)]), r"exact_ranges\[1\]"),
         (dict(numel=128, world_size=2, exact_ranges=[(5, 9), (8, 12)]), "overlaps"),
         (dict(numel=128, world_size=2, exact_ranges=[(120, 129)]), "out of range"),
@@ -200,7 +203,7 @@ def test_interleaved_order_follows_the_model_in_every_partition(world):
     from qzero.wire.overlap import last_chunk_needed
 
     shapes = QWEN3_4B_SHAPES[: 1 + 11 * 8]  # embedding + 8 layers
-    lay = plan_flat_layout(shapes, world, allgather_bucket_size=world * 64 * 2048, order="interleaved")
+    lay = plan_flat_layout(shapes, world, allgather_bucket_size=world * 64 * 2048, flat_order="interleaved")
     check_plan_invariants(lay.gather)
     p = lay.partition_numel
     assert lay.numel == world * p and p % 64 == 0
@@ -232,7 +235,7 @@ def test_interleaved_order_follows_the_model_in_every_partition(world):
 
 def test_interleaved_with_one_rank_is_contiguous():
     shapes = [(10, 30), (30,), (7,), (64, 64)]
-    a = plan_flat_layout(shapes, 1, order="interleaved")
+    a = plan_flat_layout(shapes, 1, flat_order="interleaved")
     b = plan_flat_layout(shapes, 1)
     assert [s.start for s in a.slots] == [s.start for s in b.slots] and a.numel == b.numel
 
@@ -242,14 +245,14 @@ def test_auto_order_interleaves_unless_that_pads_much():
     interleaving would pad more than 3% (one very large parameter placed last)."""
     llm = QWEN3_4B_SHAPES
     for world in (2, 3, 8):
-        auto = plan_flat_layout(llm, world, order="auto")
+        auto = plan_flat_layout(llm, world, flat_order="auto")
         assert auto.order == "interleaved"
-        assert auto.numel == plan_flat_layout(llm, world, order="interleaved").numel
+        assert auto.numel == plan_flat_layout(llm, world, flat_order="interleaved").numel
     lopsided = [(64, 64)] * 10 + [(4096, 1024)]  # the last parameter is 98% of the model
-    auto = plan_flat_layout(lopsided, 2, order="auto")
-    interleaved = plan_flat_layout(lopsided, 2, order="interleaved")
+    auto = plan_flat_layout(lopsided, 2, flat_order="auto")
+    interleaved = plan_flat_layout(lopsided, 2, flat_order="interleaved")
     assert interleaved.padding > 0.4 * interleaved.used_numel
     assert auto.order == "contiguous" and auto.padding < 2 * 64
     assert plan_flat_layout(lopsided, 2).order == "contiguous"  # the planner's own default
     with pytest.raises(ValueError, match="order must be"):
-        plan_flat_layout(llm, 2, order="zigzag")
+        plan_flat_layout(llm, 2, flat_order="zigzag")

@@ -146,7 +146,8 @@ def test_checkpoint_waits_for_the_gather(tmp_path):
 
 
 def test_last_chunk_needed():
-    plan = plan_gather(4 * 1000, 4, group_size=8, allgather_bucket_size=4 * 160)  # partitions of 1000, chunks of 160
+    plan = plan_gather(4 * 1000, 4, zero_quantized_weights_group_size=8,
+                       allgather_bucket_size=4 * 160)  # partitions of 1000, chunks of 160
     assert plan.chunk_numel == 160 and len(plan.chunks) == 7
     assert overlap.last_chunk_needed(plan, 0, 10) == 0
     assert overlap.last_chunk_needed(plan, 150, 170) == 1

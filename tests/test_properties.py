@@ -208,10 +208,10 @@ def check_flat_layout(shapes, w, g, fmt, threshold, alignment, a, bucket, elem, 
         w,
         elem_size=elem,
         alignment=alignment,
-        group_size=g,
+        zero_quantized_weights_group_size=g,
         small_param_numel=threshold,
         allgather_bucket_size=bucket,
-        fmt=fmt,
+        zero_quantized_weights_format=fmt,
     )
     # flat ranges: contiguous, in order, one per parameter
     assert len(lay.slots) == len(shapes)
@@ -283,7 +283,8 @@ def raw_gather_args(draw):
 @given(raw_gather_args())
 def test_plan_gather_with_arbitrary_exact_ranges(args):
     numel, w, g, bucket, ranges, fmt = args
-    plan = plan_gather(numel, w, allgather_bucket_size=bucket, group_size=g, exact_ranges=ranges, fmt=fmt)
+    plan = plan_gather(numel, w, allgather_bucket_size=bucket, zero_quantized_weights_group_size=g,
+                       exact_ranges=ranges, zero_quantized_weights_format=fmt)
     assert plan.exact_ranges == tuple(ranges)
     check_gather_plan(plan, brute=True)
 
@@ -295,8 +296,9 @@ def test_reduce_buckets_tile_the_used_buffer(args, data):
     used = sum(math.prod(s) for s in shapes)
     least = max(1, used // 2000)  # at most ~2000 buckets, so the checks stay fast
     rbucket = data.draw(st.one_of(st.integers(least, least + 50), st.integers(least, least + 20_000)))
-    lay = plan_flat_layout(shapes, w, alignment=alignment, group_size=g, small_param_numel=threshold,
-                           allgather_bucket_size=bucket, fmt=fmt)
+    lay = plan_flat_layout(shapes, w, alignment=alignment, zero_quantized_weights_group_size=g,
+                           small_param_numel=threshold,
+                           allgather_bucket_size=bucket, zero_quantized_weights_format=fmt)
     buckets = plan_reduce_buckets(lay, rbucket)
     assert [b.index for b in buckets] == list(range(len(buckets)))
     # tiles [0, used_numel): sorted by start they are contiguous
@@ -397,7 +399,8 @@ def test_simulated_gather_matches_numpy_model(case):
     assert not torch.isnan(want).any()
     results = []
     for i, bucket in enumerate(buckets):
-        plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=bucket, fmt=fmt, group_size=g,
+        plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=bucket,
+                           zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=g,
                            exact_ranges=ranges)
         copies = simulate_gather(truth, plan, garbage_seed=seed + i)
         for r in range(1, w):
@@ -415,7 +418,8 @@ def test_simulated_plain_gather_is_exact(case):
     w, g, numel, _, _, dtype, buckets, profile, seed = case
     truth = make_values(numel, dtype, seed, profile)
     for bucket in buckets:
-        plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=bucket, fmt=None)
+        plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=bucket,
+                           zero_quantized_weights_format=None)
         check_gather_plan(plan)
         for c in simulate_gather(truth, plan, garbage_seed=seed):
             assert torch.equal(bits(c), bits(truth))
@@ -430,7 +434,8 @@ def test_simulated_gather_matches_reference_quantizer_per_partition(case):
 
     w, g, numel, ranges, fmt, dtype, buckets, profile, seed = case
     truth = make_values(numel, dtype, seed, profile)
-    plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=buckets[0], fmt=fmt, group_size=g,
+    plan = plan_gather(numel, w, elem_size=truth.element_size(), allgather_bucket_size=buckets[0],
+                       zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=g,
                        exact_ranges=ranges)
     got = simulate_gather(truth, plan, garbage_seed=None)[w - 1]
     p = numel // w
@@ -457,7 +462,8 @@ def gather_worker(rank, world, cases):
     for numel, g, ranges, fmt, dtype, bucket, profile, seed in cases:
         truth = make_values(numel, dtype, seed, profile)
         flat = poisoned_copy(truth, rank, world)
-        qzero.quantized_all_gather(flat, group_size=g, exact_ranges=ranges, allgather_bucket_size=bucket, fmt=fmt)
+        qzero.quantized_all_gather(flat, zero_quantized_weights_group_size=g, exact_ranges=ranges,
+                                   allgather_bucket_size=bucket, zero_quantized_weights_format=fmt)
         out.append(flat)
     return out
 
@@ -504,8 +510,9 @@ def test_scatter_buckets_stage_every_gradient_element_once(args, order, data):
     row of the window."""
     shapes, w, g, fmt, threshold, alignment, a, bucket, elem = args
     used = sum(math.prod(s) for s in shapes)
-    lay = plan_flat_layout(shapes, w, alignment=alignment, group_size=g, small_param_numel=threshold,
-                           allgather_bucket_size=bucket, fmt=fmt, order=order)
+    lay = plan_flat_layout(shapes, w, alignment=alignment, zero_quantized_weights_group_size=g,
+                           small_param_numel=threshold,
+                           allgather_bucket_size=bucket, zero_quantized_weights_format=fmt, flat_order=order)
     p = lay.partition_numel
     least = max(w, w * (p // 500))  # at most ~500 windows, so the checks stay fast
     rbucket = data.draw(st.integers(least, least + 20_000))

@@ -86,7 +86,8 @@ class Payload(NamedTuple):
 
 def layout_for(n: int, fmt: str, group_size: int, exact: torch.Tensor | None) -> Payload:
     ranges = [] if exact is None else [(int(i), int(i) + 1) for i in exact.cpu()]
-    plan = plan_gather(n, 1, fmt=fmt, group_size=group_size, exact_ranges=ranges,
+    plan = plan_gather(n, 1, zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=group_size,
+                       exact_ranges=ranges,
                        allgather_bucket_size=-(-n // group_size) * group_size)
     k = kernel_inputs(plan, plan.chunks[0], "cpu" if exact is None else exact.device)
     return Payload(k.layouts[0], k.runs[0], k.sides[0], k.payload_bytes)
@@ -318,7 +319,8 @@ def test_gather_through_kernels():
     gen = torch.Generator().manual_seed(3)
     flat = weights(3 * 64 * 8 + 64, torch.bfloat16, gen)
     exact = [(0, 10), (500, 700), (1500, 1600)]
-    plan = plan_gather(flat.numel(), 1, fmt="int8", group_size=64, exact_ranges=exact, allgather_bucket_size=512)
+    plan = plan_gather(flat.numel(), 1, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=64,
+                       exact_ranges=exact, allgather_bucket_size=512)
     want = flat.clone()
     quantized_all_gather(want, exact_ranges=exact, allgather_bucket_size=512)  # the reference kernels, on the CPU
     got = flat.clone()
@@ -384,7 +386,8 @@ def test_gpu_pipeline_matches_unpipelined(fmt, stage):
     numel = 1 << 22
     flat = weights(numel, torch.bfloat16, gen, "cuda")
     exact = [(0, 1000), (70_000, 140_000), (numel - 300, numel)]
-    plan = plan_gather(numel, 1, fmt=fmt, group_size=64, exact_ranges=exact, allgather_bucket_size=1 << 19)
+    plan = plan_gather(numel, 1, zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=64,
+                       exact_ranges=exact, allgather_bucket_size=1 << 19)
     want = flat.clone()
     run_gather(want, plan, context=CommContext(flat.device, schedule="inline"))
     streams = CommContext(flat.device, schedule="streams", delays={} if stage is None else {stage: 2_000_000})
@@ -451,7 +454,8 @@ def test_launch_tables_live_as_long_as_their_index():
     import weakref
 
     launcher = Launcher(KernelTuning(block_elems=64, exact_block_elems=64))
-    plan = plan_gather(2 * 300, 2, fmt="int8", group_size=8, exact_ranges=[(0, 3), (40, 100)], allgather_bucket_size=600)
+    plan = plan_gather(2 * 300, 2, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=8,
+                       exact_ranges=[(0, 3), (40, 100)], allgather_bucket_size=600)
     chunk = plan.chunks[0]
     runs = plan.group_runs(chunk)
     assert runs is not None
@@ -501,7 +505,8 @@ def check_all_ranks_unpack(fmt, dtype, device, per_rank, kernels):
     world, gs = 3, 64
     numel = world * per_rank  # a short group at the end of every partition
     exact = [(0, 10), (60, 200), (470, 520), (700, 701), (numel - 30, numel)]
-    plan = plan_gather(numel, world, fmt=fmt, group_size=gs, exact_ranges=exact,
+    plan = plan_gather(numel, world, zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=gs,
+                       exact_ranges=exact,
                        allgather_bucket_size=world * (per_rank // 3 // gs * gs))
     assert len(plan.chunks) >= 3
     # rank 0's first chunk has exact groups (its own group runs), the last ones do not
@@ -620,7 +625,8 @@ def test_launchers_pass_constexprs_in_kernel_order():
 
     kernels = checking_kernels()
     gen = torch.Generator().manual_seed(5)
-    plan = plan_gather(2 * 256, 2, fmt="int8", group_size=64, exact_ranges=[(3, 9), (300, 310)], allgather_bucket_size=512)
+    plan = plan_gather(2 * 256, 2, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=64,
+                       exact_ranges=[(3, 9), (300, 310)], allgather_bucket_size=512)
     chunk = plan.chunks[0]
     flat = weights(512, torch.bfloat16, gen)
     buf = torch.zeros(2 * chunk.payload_bytes, dtype=torch.uint8)

@@ -117,14 +117,10 @@ def test_an_unknown_zero_optimization_key_gets_the_closest_name():
 NOT_SETTINGS = {"flat", "group", "process_group", "exact_ranges", "numel", "world_size", "elem_size", "shapes",
                 "alignment", "model", "mesh", "enabled", "name", "fsdp_params", "target", "param_groups",
                 "optimizer", "config"}
-#: The few public keywords that are ZeroConfig's short names, or the planner's own words, rather than
-#: its field names: the public gathers' and planners' format and group size (ZERO_ALIASES), the
-#: planner's flat order and delta payload (``flat_order``, ``zero_quantized_weights_delta``).
-SHORT_KEYWORDS = {
-    "quantized_all_gather": {"fmt", "group_size"},
-    "plan_gather": {"fmt", "group_size", "delta"},
-    "plan_flat_layout": {"fmt", "group_size", "order", "delta"},
-}
+#: Public keywords that are neither ZeroConfig fields nor NOT_SETTINGS, by callable: none. (The
+#: public gathers' and planners' short keywords, ``fmt``, ``group_size``, ``order`` and ``delta``,
+#: are refused now, naming the field: RENAMED_GATHER_KEYWORDS.)
+SHORT_KEYWORDS: dict[str, set[str]] = {}
 
 
 def public_callables() -> dict:
@@ -206,6 +202,13 @@ def test_the_renamed_keywords_are_the_expected_ones():
     found = {(name, old, new) for name, _, old, new in _renamed_cases()}
     for name in ("all_gather", "quantized_all_gather", "plan_gather", "plan_flat_layout"):
         assert (name, "bucket_numel", "allgather_bucket_size") in found
+    # the public gathers' and planners' short keywords of earlier releases, where the function takes the field
+    weights = {("fmt", "zero_quantized_weights_format"), ("group_size", "zero_quantized_weights_group_size")}
+    delta = {("delta", "zero_quantized_weights_delta")}
+    expected = {"all_gather": set(), "quantized_all_gather": weights, "plan_gather": weights | delta,
+                "plan_flat_layout": weights | delta | {("order", "flat_order")}}
+    for name, pairs in expected.items():
+        assert {(old, new) for n, old, new in found if n == name and old != "bucket_numel"} == pairs, name
     assert ("TrainSettings", "engine", "backend") in found
     for name, switch in (("GroupQuantizedAllGather", "weights"), ("GroupQuantizedReduceScatter", "gradients")):
         assert {(name, "group_size", f"zero_quantized_{switch}_group_size"),
@@ -219,6 +222,57 @@ def test_a_renamed_keyword_is_refused_naming_the_new_one(name, obj, old, new):
     message = str(e.value)
     assert message.startswith(f"{name}() got an unexpected keyword argument {old!r}; did you mean {new}=?")
     assert f"{old} of earlier releases is now {new}" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("old, new, value", [("fmt", "zero_quantized_weights_format", "int4"),
+                                             ("group_size", "zero_quantized_weights_group_size", 32),
+                                             ("delta", "zero_quantized_weights_delta", True),
+                                             ("order", "flat_order", "interleaved")])
+def test_the_planners_refuse_their_short_keywords_and_take_zero_config_fields(old, new, value):
+    """``plan_gather``/``plan_flat_layout`` (and ``quantized_all_gather``, for the format and the
+    group size) refuse the keywords of earlier releases by name, with a valid value, before any
+    work; the ZeroConfig field plans the same thing the short keyword did."""
+    import torch
+
+    import qzero
+
+    fmt = {"zero_quantized_weights_format": "int4"} if new == "zero_quantized_weights_delta" else {}
+    calls = {"plan_flat_layout": lambda **kw: qzero.plan_flat_layout([(512,), (8,)], 2, **fmt, **kw)}
+    if new != "flat_order":
+        calls["plan_gather"] = lambda **kw: qzero.plan_gather(1024, 2, exact_ranges=[(0, 8)], **fmt, **kw)
+    if new in ("zero_quantized_weights_format", "zero_quantized_weights_group_size"):
+        flat = torch.zeros(256, dtype=torch.bfloat16)
+        calls["quantized_all_gather"] = lambda **kw: qzero.quantized_all_gather(flat, **kw)
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument '{old}'; did you mean "
+                                            rf"{new}=\? \({old} of earlier releases is now {new}\)$"):
+            call(**{old: value})
+        call(**{new: value})  # the new name works
+    plan = qzero.plan_flat_layout([(512,), (8,)], 2, **fmt, **{new: value})
+    default = qzero.plan_flat_layout([(512,), (8,)], 2, **fmt)
+    assert plan != default  # the setting reached the plan
+    assert (plan.gather.fmt, plan.gather.group_size, plan.gather.delta, plan.order)[
+        ["zero_quantized_weights_format", "zero_quantized_weights_group_size", "zero_quantized_weights_delta",
+         "flat_order"].index(new)] == value
+
+
+def test_the_planners_errors_name_zero_config_fields():
+    import qzero
+
+    cases = [(dict(zero_quantized_weights_group_size=12), r"^zero_quantized_weights_group_size must be a positive "
+                                                          r"multiple of 8, got 12$"),
+             (dict(zero_quantized_weights_format="int2"), r"^zero_quantized_weights_format: unknown quantization "
+                                                          r"format 'int2'"),
+             (dict(zero_quantized_weights_format="fp8", zero_quantized_weights_delta=True),
+              r"^zero_quantized_weights_delta: a delta payload is one of the formats \['int4', 'int8'\], got "
+              r"zero_quantized_weights_format='fp8'$")]
+    for kwargs, match in cases:
+        for plan in (lambda **kw: qzero.plan_gather(1024, 2, **kw), lambda **kw: qzero.plan_flat_layout([(512,)], 2, **kw)):
+            with pytest.raises(ValueError, match=match):
+                plan(**kwargs)
+    with pytest.raises(ValueError, match=r"^flat_order must be one of \('auto', 'contiguous', 'interleaved'\), got "
+                                         r"'zigzag'$"):
+        qzero.plan_flat_layout([(512,)], 2, flat_order="zigzag")
 
 
 def test_the_public_gathers_refuse_bucket_numel_before_any_work():

@@ -14,7 +14,8 @@ from qzero.layout import GatherPlan, plan_gather
 
 
 def _plan(numel=2 * 64 * 8, world=1):
-    return plan_gather(numel, world, fmt="int8", group_size=16, allgather_bucket_size=64 * 4,
+    return plan_gather(numel, world, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=16,
+                       allgather_bucket_size=64 * 4,
                        exact_ranges=((0, 40), (300, 330)))
 
 
@@ -62,7 +63,8 @@ def test_the_public_gathers_leave_no_device_tensors_in_their_plan_cache():
 
     comm._cached_plan.cache_clear()
     flat = torch.randn(2 * 64 * 8).bfloat16()
-    qzero.quantized_all_gather(flat, group_size=16, exact_ranges=[(0, 40)], allgather_bucket_size=64 * 4)
+    qzero.quantized_all_gather(flat, zero_quantized_weights_group_size=16, exact_ranges=[(0, 40)],
+                               allgather_bucket_size=64 * 4)
     assert comm._cached_plan.cache_info().currsize == 1
     plan = comm._cached_plan(flat.numel(), 1, 2, 64 * 4, "int8", 16, ((0, 40),))
     assert _tensors_in(plan) == 0
@@ -110,7 +112,8 @@ def _ahead():
     from qzero.wire.overlap import GatherAhead
 
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    plan = plan_gather(64 * 16, 1, fmt="int8", group_size=16, allgather_bucket_size=64 * 2)
+    plan = plan_gather(64 * 16, 1, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=16,
+                       allgather_bucket_size=64 * 2)
     params = list(model.parameters())
     ranges = [(p, 0, i * plan.numel // len(params), (i + 1) * plan.numel // len(params))
               for i, p in enumerate(params)]

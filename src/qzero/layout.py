@@ -69,7 +69,7 @@ from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, SCALE_BYTES, Quan
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 DEFAULT_SMALL_PARAM_NUMEL = 65_536
-#: ``order="auto"`` takes the interleaved order unless it pads more than this share of the
+#: ``flat_order="auto"`` takes the interleaved order unless it pads more than this share of the
 #: parameters (a very large parameter placed late can leave partitions unbalanced).
 AUTO_INTERLEAVE_MAX_PADDING = 0.03
 #: Payload sections and whole payloads start on this many bytes.
@@ -428,19 +428,24 @@ def plan_gather(
     *,
     elem_size: int = 2,
     allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
-    fmt: str | None = DEFAULT_FORMAT,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    zero_quantized_weights_format: str | None = DEFAULT_FORMAT,
+    zero_quantized_weights_group_size: int = DEFAULT_GROUP_SIZE,
     exact_ranges: Sequence[Range] = (),
-    delta: bool = False,
+    zero_quantized_weights_delta: bool = False,
 ) -> GatherPlan:
     """Plan a gather of a flat buffer of ``numel`` elements over ``world_size`` ranks.
 
-    ``fmt=None`` plans the plain gather (payload = the original elements). ``delta``: the
-    payloads carry differences against the replica (``fmt`` one of :data:`DELTA_FORMATS`).
-    Raises ``ValueError``/``TypeError`` naming the bad value.
+    The settings are :class:`qzero.ZeroConfig`'s, with one difference:
+    ``zero_quantized_weights_format=None`` plans the plain gather (payload = the original
+    elements; ZeroConfig says it with ``zero_quantized_weights=False``). With
+    ``zero_quantized_weights_delta`` the payloads carry differences against the replica (the
+    format one of :data:`DELTA_FORMATS`). Raises ``ValueError``/``TypeError`` naming the bad value.
     """
+    fmt, group_size = zero_quantized_weights_format, zero_quantized_weights_group_size
+    delta = zero_quantized_weights_delta
     if delta and fmt not in DELTA_FORMATS:
-        raise ValueError(f"a delta payload is one of the formats {list(DELTA_FORMATS)}, got {fmt!r}")
+        raise ValueError(f"zero_quantized_weights_delta: a delta payload is one of the formats {list(DELTA_FORMATS)}, "
+                         f"got zero_quantized_weights_format={fmt!r}")
     check_positive_int("world_size", world_size)
     check_positive_int("allgather_bucket_size", allgather_bucket_size)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
@@ -451,8 +456,8 @@ def plan_gather(
         unit, group_size = 1, 1
         exact = ()
     else:
-        f = get_format(fmt)
-        unit = check_group_size(group_size)
+        f = check_format(fmt)
+        unit = check_group_size(group_size, "zero_quantized_weights_group_size")
         exact = check_exact_ranges(exact_ranges, numel)
     if allgather_bucket_size < world_size * unit:
         raise ValueError(
@@ -497,6 +502,14 @@ def _payload_layout(numel: int, value_bytes: int, groups: int, exact_numel: int,
     return PayloadLayout(0, scales_offset, exact_offset, exact_numel, nbytes)
 
 
+def check_format(fmt: object) -> QuantFormat:
+    """The format named ``fmt`` (``zero_quantized_weights_format``), or ``ValueError`` naming it."""
+    try:
+        return get_format(fmt)
+    except ValueError as e:
+        raise ValueError(f"zero_quantized_weights_format: {e}") from None
+
+
 def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -531,7 +544,8 @@ class FlatLayout:
     alignment: int
     gather: GatherPlan
     order: str = "contiguous"
-    """How parameters were placed: ``contiguous`` or ``interleaved`` (see :func:`plan_flat_layout`)."""
+    """How parameters were placed: ``contiguous`` or ``interleaved`` (the ``flat_order`` it was
+    planned with, ``auto`` resolved; see :func:`plan_flat_layout`)."""
 
     @property
     def padding(self) -> int:
@@ -577,29 +591,30 @@ def plan_flat_layout(
     *,
     elem_size: int = 2,
     alignment: int | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    zero_quantized_weights_group_size: int = DEFAULT_GROUP_SIZE,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
-    fmt: str | None = DEFAULT_FORMAT,
-    order: str = "contiguous",
-    delta: bool = False,
+    zero_quantized_weights_format: str | None = DEFAULT_FORMAT,
+    flat_order: str = "contiguous",
+    zero_quantized_weights_delta: bool = False,
 ) -> FlatLayout:
     """Pack parameters of ``shapes`` into a flat buffer and plan its gather.
 
-    ``order="contiguous"`` packs them back to back in the given order, padding at the tail;
-    ``order="interleaved"`` places them with :func:`interleaved_starts` (each partition in
+    ``flat_order="contiguous"`` packs them back to back in the given order, padding at the tail;
+    ``flat_order="interleaved"`` places them with :func:`interleaved_starts` (each partition in
     model order; padding at the end of every partition), which lets a gather that runs
     ahead of the forward finish chunks in the order the forward needs them.
-    ``order="auto"`` takes the interleaved order unless it pads more than
+    ``flat_order="auto"`` takes the interleaved order unless it pads more than
     :data:`AUTO_INTERLEAVE_MAX_PADDING` of the parameters beyond what the contiguous order pads.
     ``alignment`` defaults to the group size (so partitions hold whole groups).
-    Parameters with at most ``small_param_numel`` elements become exact ranges. ``delta``
-    plans delta payloads (see :func:`plan_gather`).
+    Parameters with at most ``small_param_numel`` elements become exact ranges. The format
+    (None: the plain gather) and ``zero_quantized_weights_delta`` are :func:`plan_gather`'s.
     """
+    fmt, group_size, order = zero_quantized_weights_format, zero_quantized_weights_group_size, flat_order
     check_positive_int("world_size", world_size)
     if fmt is not None:
-        check_group_size(group_size)
-        get_format(fmt)
+        check_group_size(group_size, "zero_quantized_weights_group_size")
+        check_format(fmt)
     alignment = group_size if alignment is None else alignment
     check_positive_int("alignment", alignment)
     if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int) or small_param_numel < 0:
@@ -612,7 +627,7 @@ def plan_flat_layout(
         shapes_t.append(shape)
         sizes.append(math.prod(shape))
     if order not in FLAT_ORDERS:
-        raise ValueError(f"order must be one of {FLAT_ORDERS}, got {order!r}")
+        raise ValueError(f"flat_order must be one of {FLAT_ORDERS}, got {order!r}")
     contiguous_numel = padded_flat_numel(sum(sizes), world_size, alignment)
     if order != "contiguous":
         starts, numel = interleaved_starts(sizes, world_size, alignment)
@@ -634,10 +649,10 @@ def plan_flat_layout(
         world_size,
         elem_size=elem_size,
         allgather_bucket_size=allgather_bucket_size,
-        fmt=fmt,
-        group_size=group_size,
+        zero_quantized_weights_format=fmt,
+        zero_quantized_weights_group_size=group_size,
         exact_ranges=merge_adjacent(exact),
-        delta=delta,
+        zero_quantized_weights_delta=zero_quantized_weights_delta,
     )
     return FlatLayout(slots, sum(sizes), numel, world_size, alignment, gather, order)
 

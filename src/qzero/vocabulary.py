@@ -20,6 +20,7 @@ each raise an error naming the name that replaced it.
 """
 
 import functools
+import inspect
 
 #: Short names of ZeroConfig fields.
 ZERO_ALIASES = {
@@ -33,8 +34,16 @@ ZERO_ALIASES = {
 
 #: Keyword arguments of the public gathers and planners in earlier releases (``qzero.all_gather``,
 #: ``qzero.quantized_all_gather``, ``qzero.plan_gather``, ``qzero.plan_flat_layout``, the DeepSpeed
-#: adapter), and the ZeroConfig fields that replaced them.
-RENAMED_GATHER_KEYWORDS = {"bucket_numel": "allgather_bucket_size"}
+#: adapter), and the ZeroConfig fields that replaced them. Each function refuses those whose new
+#: name it takes (:func:`refuse_renamed`): ``qzero.all_gather`` has no format, so ``fmt=`` is
+#: Python's unknown keyword there.
+RENAMED_GATHER_KEYWORDS = {
+    "bucket_numel": "allgather_bucket_size",
+    "fmt": "zero_quantized_weights_format",
+    "group_size": "zero_quantized_weights_group_size",
+    "delta": "zero_quantized_weights_delta",
+    "order": "flat_order",
+}
 #: Settings of the ``qzero`` command's workload in earlier releases (``TrainSettings`` fields,
 #: ``KEY=VALUE`` arms), and the names that replaced them ("engine" is qzero's gather engine,
 #: ``qzero.wire.engine``; what trains is a backend, one of :data:`BACKENDS`).
@@ -44,22 +53,27 @@ RENAMED_SETTINGS = {"engine": "backend"}
 def refuse_renamed(**renamed: str):
     """Decorate a function (or a class: its ``__init__``) so that a call with a keyword of
     ``renamed`` (``old="new"``) raises ``TypeError`` naming the keyword that replaced it, before
-    the function runs. The signature is the function's own (``inspect.signature`` reads it);
-    the table is the wrapper's ``renamed_keywords``."""
+    the function runs. Only the entries whose new name is one of the function's parameters
+    apply (one table serves several functions); the others' old names stay Python's unknown
+    keywords. The signature is the function's own (``inspect.signature`` reads it); the table
+    that applies is the wrapper's ``renamed_keywords``."""
 
     def decorate(target):
         function = target.__init__ if isinstance(target, type) else target
         name = getattr(target, "__qualname__", function.__name__)
+        taken = inspect.signature(function).parameters
+        renamed_here = {old: new for old, new in renamed.items() if new in taken}
 
         @functools.wraps(function)
         def call(*args, **kwargs):
             for old in kwargs:
-                if old in renamed:
+                if old in renamed_here:
+                    new = renamed_here[old]
                     raise TypeError(f"{name}() got an unexpected keyword argument {old!r}; did you mean "
-                                    f"{renamed[old]}=? ({old} of earlier releases is now {renamed[old]})")
+                                    f"{new}=? ({old} of earlier releases is now {new})")
             return function(*args, **kwargs)
 
-        call.renamed_keywords = dict(renamed)
+        call.renamed_keywords = renamed_here
         if isinstance(target, type):
             target.__init__ = call
             return target

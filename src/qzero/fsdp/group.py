@@ -260,7 +260,8 @@ def group_plan(sizes, small, world: int, elem_size: int, group_size: int, fmt: s
         offset += size
     ranges = merge_adjacent([(r * n + a, r * n + b) for r in range(world) for a, b in exact])
     return plan_gather(world * n, world, elem_size=elem_size, allgather_bucket_size=max(world * n, world * group_size),
-                       fmt=fmt, group_size=group_size, exact_ranges=ranges)
+                       zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=group_size,
+                       exact_ranges=ranges)
 
 
 # ---------------------------------------------------------------------- checks and the report

@@ -199,8 +199,8 @@ def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettin
         world,
         elem_size=flat.element_size(),
         allgather_bucket_size=bucket if bucket is not None else layout.allgather_bucket_size,
-        fmt=settings.zero_quantized_weights_format,
-        group_size=settings.zero_quantized_weights_group_size,
+        zero_quantized_weights_format=settings.zero_quantized_weights_format,
+        zero_quantized_weights_group_size=settings.zero_quantized_weights_group_size,
         exact_ranges=exact,
     )
     return GroupGather(index, group, plan), _fields(plan, flat.dtype, settings)
@@ -208,7 +208,7 @@ def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettin
 
 def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSettings) -> dict[str, int]:
     """What every rank of a group must agree on, as integers: the plan's, the threshold, gather-ahead."""
-    return {**plan_fields(plan, dtype), "small-param threshold": settings.small_param_numel,
+    return {**plan_fields(plan, dtype), "small_param_numel": settings.small_param_numel,
             "overlap_param_gather": int(settings.overlap_param_gather)}
 
 

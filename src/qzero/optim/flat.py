@@ -52,12 +52,12 @@ class FlatGroup:
             [tuple(p.shape) for p in params],
             world_size,
             elem_size=first.element_size(),
-            group_size=config.zero_quantized_weights_group_size,
+            zero_quantized_weights_group_size=config.zero_quantized_weights_group_size,
             small_param_numel=config.small_param_numel,
             allgather_bucket_size=bucket,
-            fmt=config.zero_quantized_weights_format if quantized else None,
-            order=config.flat_order,
-            delta=delta,
+            zero_quantized_weights_format=config.zero_quantized_weights_format if quantized else None,
+            flat_order=config.flat_order,
+            zero_quantized_weights_delta=delta,
         )
         self.gather_plan: GatherPlan = self.layout.gather
         self.exact_plan: GatherPlan = (
@@ -66,7 +66,7 @@ class FlatGroup:
                 world_size,
                 elem_size=first.element_size(),
                 allgather_bucket_size=bucket,
-                fmt=None,
+                zero_quantized_weights_format=None,
             )
             if quantized
             else self.gather_plan

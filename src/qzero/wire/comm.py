@@ -35,10 +35,10 @@ def quantized_all_gather(
     flat: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    zero_quantized_weights_group_size: int = DEFAULT_GROUP_SIZE,
     exact_ranges=(),
     allgather_bucket_size: int = DEFAULT_BUCKET_NUMEL,
-    fmt: str = DEFAULT_FORMAT,
+    zero_quantized_weights_format: str = DEFAULT_FORMAT,
 ) -> GatherStats:
     """Quantize every rank's partition of ``flat`` chunk by chunk, gather, dequantize in place.
 
@@ -47,9 +47,12 @@ def quantized_all_gather(
     step of its group (plus the rounding to ``flat.dtype``). Every rank's own
     partition is overwritten with its dequantized values too, so all replicas are
     bit-identical. Transient memory is bounded by ``allgather_bucket_size`` elements of
-    receive buffer; there is one collective per chunk.
+    receive buffer; there is one collective per chunk. The settings are named and checked as
+    :class:`qzero.ZeroConfig`'s (``zero_quantized_weights_format=None``: the plain gather, as
+    :func:`all_gather`).
     """
     world, _, agree_group, group_error = world_or_default(group)
+    fmt = zero_quantized_weights_format
 
     def build() -> GatherPlan:
         if group_error is not None:
@@ -61,7 +64,7 @@ def quantized_all_gather(
                 "an fp32 buffer has nothing to gain from quantization and would lose precision"
             )
         plan = _cached_plan(
-            flat.numel(), world, flat.element_size(), allgather_bucket_size, fmt, group_size,
+            flat.numel(), world, flat.element_size(), allgather_bucket_size, fmt, zero_quantized_weights_group_size,
             _freeze_ranges(exact_ranges)
         )
         check_finite_partition(flat, plan, _world_and_rank(group)[1])
@@ -199,8 +202,8 @@ def _cached_plan(numel, world, elem_size, allgather_bucket_size, fmt, group_size
         world,
         elem_size=elem_size,
         allgather_bucket_size=allgather_bucket_size,
-        fmt=fmt,
-        group_size=group_size,
+        zero_quantized_weights_format=fmt,
+        zero_quantized_weights_group_size=group_size,
         exact_ranges=exact_ranges,
     )
 
@@ -209,15 +212,16 @@ _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.flo
 
 
 def plan_fields(plan: GatherPlan, dtype: torch.dtype) -> dict[str, int]:
-    """What every rank of a gather must agree on, as named integers (for :func:`agree_or_raise`)."""
+    """What every rank of a gather must agree on, as named integers (for :func:`agree_or_raise`);
+    a setting by its ZeroConfig field name."""
     return {
         "flat numel": plan.numel,
         "flat dtype": _DTYPE_CODES.get(dtype, 99),
-        "format": 0 if plan.fmt is None else 1 + sorted(WEIGHT_FORMATS).index(plan.fmt),
-        "group size": plan.group_size,
+        "zero_quantized_weights_format": 0 if plan.fmt is None else 1 + sorted(WEIGHT_FORMATS).index(plan.fmt),
+        "zero_quantized_weights_group_size": plan.group_size,
         "allgather_bucket_size": plan.allgather_bucket_size,
         "exact ranges": digest(repr(plan.exact_ranges)),
-        "delta payload": int(plan.delta),
+        "zero_quantized_weights_delta": int(plan.delta),
     }
 
 

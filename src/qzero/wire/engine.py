@@ -223,8 +223,9 @@ def fitting_plan(plan: GatherPlan, buffers: int, cache: GatherCache | None = Non
         shrunk = int(bucket * budget / (buffers * work.max_recv_bytes)) // unit * unit
         bucket = max(unit, min(shrunk, bucket - unit))
         work = plan_gather(
-            plan.numel, plan.world_size, elem_size=plan.elem_size, allgather_bucket_size=bucket, fmt=plan.fmt,
-            group_size=plan.group_size, exact_ranges=plan.exact_ranges, delta=plan.delta,
+            plan.numel, plan.world_size, elem_size=plan.elem_size, allgather_bucket_size=bucket,
+            zero_quantized_weights_format=plan.fmt, zero_quantized_weights_group_size=plan.group_size,
+            exact_ranges=plan.exact_ranges, zero_quantized_weights_delta=plan.delta,
         )
     return work
 
@@ -235,7 +236,7 @@ def whole_buffer_plan(plan: GatherPlan, cache: GatherCache | None = None) -> Gat
         return cache.get(plan, "whole_buffer_plan", lambda: whole_buffer_plan(plan))
     return plan if len(plan.chunks) <= 1 else plan_gather(
         plan.numel, plan.world_size, elem_size=plan.elem_size, allgather_bucket_size=max(plan.numel, plan.world_size),
-        fmt=None,
+        zero_quantized_weights_format=None,
     )
 
 

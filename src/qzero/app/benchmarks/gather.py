@@ -149,7 +149,8 @@ def copy_bandwidth(n: int, dtype: torch.dtype) -> dict:
 def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl) -> dict:
     """Times of one pack and one unpack of a single-chunk payload of ``n`` elements."""
     ranges = exact_ranges_for(n) if exact else []
-    plan = plan_gather(n, 1, elem_size=2, allgather_bucket_size=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
+    plan = plan_gather(n, 1, elem_size=2, allgather_bucket_size=n, zero_quantized_weights_format=fmt,
+                       zero_quantized_weights_group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
     from qzero.wire.chunks import exact_index
 
@@ -181,7 +182,8 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
 def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     """Kernel bytes and elements equal the reference's on fresh random input with exact ranges."""
     ranges = exact_ranges_for(n)
-    plan = plan_gather(n, 1, elem_size=2, allgather_bucket_size=n, fmt=fmt, group_size=gs, exact_ranges=ranges)
+    plan = plan_gather(n, 1, elem_size=2, allgather_bucket_size=n, zero_quantized_weights_format=fmt,
+                       zero_quantized_weights_group_size=gs, exact_ranges=ranges)
     chunk = plan.chunks[0]
     from qzero.wire.chunks import exact_index
 
@@ -222,8 +224,9 @@ def tuned(tuning: KernelTuning) -> TritonKernels:
 def gather_plan(n: int, world: int, fmt: str | None, gs: int, bucket: int):
     """The static plan an optimizer keeps (bf16 elements; exact ranges only when quantized)."""
     if fmt is None:
-        return plan_gather(n, world, elem_size=2, allgather_bucket_size=bucket, fmt=None)
-    return plan_gather(n, world, elem_size=2, allgather_bucket_size=bucket, fmt=fmt, group_size=gs, exact_ranges=exact_ranges_for(n))
+        return plan_gather(n, world, elem_size=2, allgather_bucket_size=bucket, zero_quantized_weights_format=None)
+    return plan_gather(n, world, elem_size=2, allgather_bucket_size=bucket, zero_quantized_weights_format=fmt,
+                       zero_quantized_weights_group_size=gs, exact_ranges=exact_ranges_for(n))
 
 
 def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: int, pipelined: bool = True,
@@ -238,7 +241,9 @@ def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: in
         api = lambda: all_gather(flat, allgather_bucket_size=bucket)  # noqa: E731
     else:
         ranges = exact_ranges_for(n)
-        api = lambda: quantized_all_gather(flat, group_size=gs, exact_ranges=ranges, allgather_bucket_size=bucket, fmt=fmt)  # noqa: E731
+        api = lambda: quantized_all_gather(  # noqa: E731
+            flat, zero_quantized_weights_group_size=gs, exact_ranges=ranges, allgather_bucket_size=bucket,
+            zero_quantized_weights_format=fmt)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     ms = median_ms(lambda: run_gather(flat, plan, context=context), reps=reps_for(n))
@@ -432,7 +437,8 @@ def multi_gpu(args) -> dict:
             arms[f"{fmt} payload only"] = lambda pay=pay, recv=recv: dist.all_gather_into_tensor(recv, pay)
         fmt0 = formats[0]
         arms[f"{fmt0} via quantized_all_gather"] = lambda: quantized_all_gather(
-            flat, group_size=gs, exact_ranges=ranges, allgather_bucket_size=args.bucket, fmt=fmt0
+            flat, zero_quantized_weights_group_size=gs, exact_ranges=ranges, allgather_bucket_size=args.bucket,
+            zero_quantized_weights_format=fmt0,
         )
         for fn in arms.values():  # warm-up: compile, plans, NCCL channels
             fn()
