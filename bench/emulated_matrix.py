@@ -183,7 +183,7 @@ def _clearing_side_channel(pack_chunk):
 def _decoding_as_rank0(unpack_chunk):
     """``qzero.wire.chunks.unpack_chunk`` for ``qzero.wire.engine`` in an emulated world: where the ranks'
     payloads of a chunk have layouts of their own (some rank has an exact group: ``PER_RANK``,
-    ``[Note: exact groups]`` in qzero/layout.py), every slot, a copy of rank 0's, is decoded with
+    ``[Note: exact groups]`` in qzero/layout/gather_plan.py), every slot, a copy of rank 0's, is decoded with
     rank 0's layout, group runs and side elements into its own rank's slice (decoded with another
     rank's layout, rank 0's bytes would be read as scales where they are codes: NaN, say). The
     same kernels and launches as on a real world; the tables are built once per chunk."""

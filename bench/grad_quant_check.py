@@ -35,7 +35,7 @@ KERNEL_VARIANTS = [("int8", 0, False), ("fp8", 0, False), ("int4", 0, False), ("
 
 
 def kernel_check(numel: int, world: int = 2, device: str = "cuda") -> list[dict]:
-    from qzero.layout import _payload_layout
+    from qzero.layout import aligned_layout
     from qzero.quant import gradients as ref
     from qzero.quant import gradients_triton as kernels
     from qzero.quant.formats import get_format
@@ -48,7 +48,7 @@ def kernel_check(numel: int, world: int = 2, device: str = "cuda") -> list[dict]
     idx = torch.arange(1000, 1512, device=dev, dtype=torch.int64)
     for fmt, rot, ef in KERNEL_VARIANTS:
         gs = 64
-        layout = _payload_layout(numel, get_format(fmt).value_bytes(numel), -(-numel // gs), idx.numel(), 2)
+        layout = aligned_layout(get_format(fmt).value_bytes(numel), -(-numel // gs), idx.numel(), 2)
         a = torch.zeros(layout.nbytes, dtype=torch.uint8, device=dev)  # alignment padding: the same zeros
         b = torch.zeros_like(a)
         ra = (torch.randn(numel, device=dev, generator=gen) * 1e-5).to(ref.RESIDUAL_DTYPE) if ef else None

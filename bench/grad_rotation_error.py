@@ -69,12 +69,12 @@ def collect(preset: str, steps: int, probes: list[int], world: int, seq: int, pe
 
 def reduce_once(pieces: list[torch.Tensor], fmt: str, group: int, rotation: int, residuals=None):
     """Rank 0's fp32 sum of one parameter's piece over all ranks, and the payload errors."""
-    from qzero.layout import _payload_layout
+    from qzero.layout import aligned_layout
     from qzero.quant import gradients as ref
     from qzero.quant.formats import get_format
 
     world, n = len(pieces), pieces[0].numel()
-    layout = _payload_layout(n, get_format(fmt).value_bytes(n), -(-n // group), 0, 2)
+    layout = aligned_layout(get_format(fmt).value_bytes(n), -(-n // group), 0, 2)
     payloads, perr, pnorm = [], 0.0, 0.0
     for s in range(1, world):
         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)

@@ -1,6 +1,6 @@
 """Nothing is sent twice: exact groups carry no codes, and no gather sends more than a plain one.
 
-See ``[Note: exact groups]`` in ``qzero/layout.py``. Small parameters travel in the side
+See ``[Note: exact groups]`` in ``qzero/layout/gather_plan.py``. Small parameters travel in the side
 channel only; a group all (or most) of whose elements are exact sends no values and no
 scale, each rank's payload has its own layout where ranks differ, and a chunk that no rank
 codes is sent as it is. So for any model the quantized gather sends at most the bytes of a

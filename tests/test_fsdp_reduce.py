@@ -229,7 +229,7 @@ def test_group_reduce_against_reference_and_plain(world, reshard, reduce_dtype, 
 def test_group_reduce_int4_with_the_rotation():
     """``zero_quantized_gradients_format="int4"`` (the Hadamard rotation by default): each output is the gradient reference's
     rank-ordered sum of the recorded inputs (rotated, summed, rotated back), bit for bit."""
-    from qzero.layout import _payload_layout
+    from qzero.layout import aligned_layout
     from qzero.quant import gradients
     from qzero.quant.formats import get_format
 
@@ -248,7 +248,7 @@ def test_group_reduce_int4_with_the_rotation():
             offset += sizes[name][0]
         idx = torch.cat(exact) if exact else None
         count = 0 if idx is None else idx.numel()
-        layout = _payload_layout(n, get_format("int4").value_bytes(n), -(-n // GS), count, 4)
+        layout = aligned_layout(get_format("int4").value_bytes(n), -(-n // GS), count, 4)
         for dest, res in enumerate(results):
             _, got, kind, _ = res["qgrad"]["first"][group]
             assert kind == "AVG"

@@ -28,7 +28,7 @@ from test_grad_quant import (ADAMW, GS, HAVE_KERNELS, SHAPES, SMALL, Chosen, ass
                              contributions, grad_worker)
 
 import qzero
-from qzero.layout import _payload_layout
+from qzero.layout import aligned_layout
 from qzero.quant import gradients as ref
 from qzero.quant.formats import get_format
 
@@ -104,7 +104,7 @@ def test_rotation_lowers_the_error_of_a_group_with_an_outlier():
     x = torch.randn(n, generator=gen)
     x[::97] *= 30.0  # outliers
     x = x.bfloat16()
-    layout = _payload_layout(n, get_format("int4").value_bytes(n), n // gs, 0, 2)
+    layout = aligned_layout(get_format("int4").value_bytes(n), n // gs, 0, 2)
     errs = {}
     for rotation in (0, 32):
         p = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -231,7 +231,7 @@ def test_residual_is_what_the_payload_missed_and_the_sum_telescopes():
     gen = torch.Generator().manual_seed(11)
     n, gs, rounds = 1000, 32, 8
     idx = torch.tensor([10, 11, 12, 500], dtype=torch.int64)
-    layout = _payload_layout(n, get_format("int4").value_bytes(n), -(-n // gs), idx.numel(), 2)
+    layout = aligned_layout(get_format("int4").value_bytes(n), -(-n // gs), idx.numel(), 2)
 
     def decoded(g, res):
         p = torch.zeros(layout.nbytes, dtype=torch.uint8)

@@ -20,7 +20,7 @@ import torch
 from distributed import run_distributed
 
 import qzero
-from qzero.layout import _payload_layout
+from qzero.layout import aligned_layout
 from qzero.quant import gradients as ref
 from qzero.quant.formats import get_format
 
@@ -371,7 +371,7 @@ def assert_kernels_match_reference(dtype, fmt, group_size, rotation=0, error_fee
     world = 4
     idx = torch.tensor([3, 4, 5, 6, 100, 101, n - 1], dtype=torch.int64, device=device)
     f = get_format(fmt)
-    layout = _payload_layout(n, f.value_bytes(n), -(-n // group_size), idx.numel(), dtype.itemsize)
+    layout = aligned_layout(f.value_bytes(n), -(-n // group_size), idx.numel(), dtype.itemsize)
     payloads = []
     for s in range(world - 1):
         x = piece(n, dtype, gen, device)
@@ -425,7 +425,7 @@ def test_gradient_launchers_pass_constexprs_in_kernel_order():
     device = "cuda" if CUDA else "cpu"
     gen = torch.Generator().manual_seed(3)
     idx = torch.tensor([5, 6, 7], dtype=torch.int64, device=device)
-    layout = _payload_layout(n, n, -(-n // gs), idx.numel(), 2)
+    layout = aligned_layout(n, -(-n // gs), idx.numel(), 2)
     x, own = piece(n, torch.bfloat16, gen, device), piece(n, torch.bfloat16, gen, device)
     payload = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
     kernels.pack_gradient(x, payload, layout, gs, "int8", idx)
@@ -444,7 +444,7 @@ def test_reference_pack_leaves_finite_groups_alone():
     gen = torch.Generator().manual_seed(3)
     x = piece(250, torch.bfloat16, gen, "cpu")
     idx = torch.tensor([1, 2, 200], dtype=torch.int64)
-    layout = _payload_layout(250, 250, -(-250 // 64), 3, 2)
+    layout = aligned_layout(250, -(-250 // 64), 3, 2)
     a = torch.zeros(layout.nbytes, dtype=torch.uint8)
     b = a.clone()
     ref.pack_gradient(x, a, layout, 64, "int8", idx)

@@ -33,7 +33,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("vocabulary",),              # setting names and the values they take ([Note: vocabulary]); no torch
     ("quant",),                   # formats, the reference quantizer (the specification), kernels
-    ("layout",),                  # the pure planner: flat layouts, chunks, payload layouts, buckets
+    ("layout",),                  # the pure planner of the weight gather: flat layouts, chunks, payloads
     ("buckets", "config"),        # the gradient reduction's plan; ZeroConfig: the settings and their names
     ("wire",),                    # chunks, the gather engine, the gradient exchange, agreement
     ("optim",),                   # ZeroOptimizer: flat groups, gradients, update, checkpoints
@@ -171,6 +171,48 @@ def test_a_sibling_import_is_reported():
     path = SRC / "qzero" / "fsdp" / "group.py"
     edges = [("qzero.fsdp.group", path, 1, "qzero.integrations.deepspeed")]
     assert violations(edges) == ["qzero/fsdp/group.py:1: qzero.fsdp.group -> qzero.integrations.deepspeed (its own floor)"]
+
+
+#: The modules of the planner (``qzero.layout``), lowest first: each imports only those before it.
+LAYOUT_ORDER = ("gather_plan", "gather_planner", "flat_layout")
+
+
+def planner_violations(sources: dict[str, str]) -> list[str]:
+    """What breaks the planner's purity in ``sources`` (``{module stem: source}`` of
+    ``qzero/layout/``): an import of torch at any depth, or an import of a planner module
+    that is not below the importer in :data:`LAYOUT_ORDER`."""
+    package = SRC / "qzero" / "layout"
+    bad = []
+    for stem, source in sorted(sources.items()):
+        path = package / f"{stem}.py"
+        for node in ast.walk(ast.parse(source, str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(SRC)}:{node.lineno}: imports {n}" for n in names
+                    if n == "torch" or n.startswith("torch.")]
+        if stem == "__init__":
+            continue
+        for line, imported in imports_of(path, source):
+            other = imported.split(".")[2] if imported.startswith("qzero.layout.") else None
+            if other is not None and LAYOUT_ORDER.index(other) >= LAYOUT_ORDER.index(stem):
+                bad.append(f"{path.relative_to(SRC)}:{line}: imports {imported}, not below it in LAYOUT_ORDER")
+    return bad
+
+
+def test_the_planner_is_pure_and_its_modules_import_downward():
+    """``qzero.layout`` touches no process group and no tensor: none of its modules imports
+    torch; inside it, the plan's values know nothing of the planner, and the gather planner
+    nothing of the flat layout."""
+    package = SRC / "qzero" / "layout"
+    sources = {p.stem: p.read_text() for p in package.glob("*.py")}
+    assert sorted(sources) == sorted(("__init__", *LAYOUT_ORDER)), f"list {sorted(sources)} in LAYOUT_ORDER"
+    bad = planner_violations(sources)
+    assert not bad, "\n".join(bad)
+    # the check sees both kinds of import
+    broken = {**sources, "gather_plan": "import torch.distributed\nfrom .gather_planner import plan_gather\n"}
+    assert planner_violations(broken) == [
+        "qzero/layout/gather_plan.py:1: imports torch.distributed",
+        "qzero/layout/gather_plan.py:2: imports qzero.layout.gather_planner, not below it in LAYOUT_ORDER"]
 
 
 def test_importing_the_library_leaves_the_app_unimported():

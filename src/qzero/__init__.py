@@ -15,14 +15,14 @@ __version__ = "0.1.0"
 # ``qzero`` command answers ``--help`` and argument errors without waiting for it.
 _EXPORTS = {
     "FORMATS": ".quant",
-    "FlatLayout": ".layout",
-    "GatherPlan": ".layout",
+    "FlatLayout": ".layout.flat_layout",
+    "GatherPlan": ".layout.gather_plan",
     "GatherStats": ".wire.comm",
     "ZeroConfig": ".config",
     "ZeroOptimizer": ".optim",
     "all_gather": ".wire.comm",
-    "plan_flat_layout": ".layout",
-    "plan_gather": ".layout",
+    "plan_flat_layout": ".layout.flat_layout",
+    "plan_gather": ".layout.gather_planner",
     "quantized_all_gather": ".wire.comm",
 }
 

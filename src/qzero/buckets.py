@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import FlatLayout, check_positive_int
+from .layout.flat_layout import FlatLayout
+from .layout.gather_planner import check_positive_int
 
 
 @dataclass(frozen=True)

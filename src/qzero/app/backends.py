@@ -270,7 +270,7 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
     after forward; parameters marked for the quantized gather as qzero's payload, the others
     at 2 bytes an element (bf16/fp16)."""
     from ..fsdp.tensor import QuantizedGatherTensor, carries
-    from ..layout import quantized_payload_layout
+    from ..layout.gather_planner import quantized_payload_layout
 
     zero = settings.zero
     layers = getattr(getattr(model, "model", None), "layers", [])

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ZeroConfig
-from ..layout import DEFAULT_SMALL_PARAM_NUMEL
+from ..layout.flat_layout import DEFAULT_SMALL_PARAM_NUMEL
 
 SAMPLE_SIZE = 4096
 

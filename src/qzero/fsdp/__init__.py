@@ -44,7 +44,7 @@ from torch import nn
 
 from ..config import ZeroConfig
 from ..wire.comm import local_outcome
-from ..layout import is_small_param
+from ..layout.flat_layout import is_small_param
 from ._comms import (DeferredAgreement, agree_install, distributed, installer_config, log_report, mesh_group,
                      settings_of, stored_report)
 from .guards import StrippedCheck, rewrap_assigned, watch_optimizers

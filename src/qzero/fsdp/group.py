@@ -38,7 +38,9 @@ from torch import nn
 from ..wire.agreement import canonical
 from ..wire.comm import local_outcome
 from ..wire.engine import CommContext, finish_gather, start_gather
-from ..layout import is_small_param, merge_adjacent, plan_gather
+from ..layout.flat_layout import is_small_param
+from ..layout.gather_plan import merge_adjacent
+from ..layout.gather_planner import plan_gather
 from ..config import ZeroConfig
 from ..quant import kernels_for
 from ..vocabulary import refuse_renamed

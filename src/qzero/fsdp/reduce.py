@@ -39,7 +39,8 @@ from ..config import ZeroConfig
 from ..wire.agreement import canonical
 from ..wire.comm import local_outcome
 from ..wire.labels import REDUCE_GRADIENTS, label
-from ..layout import is_small_param, merge_adjacent
+from ..layout.flat_layout import is_small_param
+from ..layout.gather_plan import merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
 from ..vocabulary import refuse_renamed

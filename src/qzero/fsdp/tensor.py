@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from ..layout import quantized_payload_layout
+from ..layout.gather_planner import quantized_payload_layout
 from ..quant import kernels_for, reference
 from ..wire.chunks import pack_shard, unpack_shards
 

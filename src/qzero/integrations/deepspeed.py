@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from ..wire.comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
 from ..wire.engine import CommContext, finish_gather, start_gather
-from ..layout import GatherPlan, merge_adjacent, plan_gather
+from ..layout.gather_plan import GatherPlan, merge_adjacent
+from ..layout.gather_planner import plan_gather
 from ..config import ZeroConfig, keyword_settings
 from ..vocabulary import RENAMED_GATHER_KEYWORDS
 from .deepspeed_layout import KNOWN_OPTIMIZERS, FlatGroups, flat_groups, known_class

@@ -18,7 +18,9 @@ import torch.distributed as dist
 from ..wire.comm import GatherStats
 from ..config import ZeroConfig
 from ..wire.engine import CommContext, GatherHandle, finish_gather, start_gather
-from ..layout import FlatLayout, GatherPlan, plan_flat_layout, plan_gather
+from ..layout.flat_layout import FlatLayout, plan_flat_layout
+from ..layout.gather_plan import GatherPlan
+from ..layout.gather_planner import plan_gather
 from .delta import DeltaLoop
 
 

@@ -23,7 +23,7 @@ A partition's last group may be short; it is treated as if zero-padded.
 
 Payloads (:func:`pack_payload`): the values and scales of a slice, then its exact
 elements verbatim (the side channel). Where the plan says that some groups of the slice
-are *exact groups* (group runs, see ``[Note: exact groups]`` in :mod:`qzero.layout`),
+are *exact groups* (group runs, see ``[Note: exact groups]`` in :mod:`qzero.layout.gather_plan`),
 those groups send no values and no scales (all their elements are in the side channel):
 the payload's values and scales are those of the coded groups only, in slice order,
 which are exactly the codes that quantizing the whole slice gives them. The same holds

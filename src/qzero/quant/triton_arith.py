@@ -10,7 +10,7 @@ The weight, delta and gradient kernels (:mod:`qzero.quant.triton_weights`,
   FLT_MIN)`` and its reciprocal (both correctly rounded, like torch's tensor division;
   Triton's ``/`` is not), ``x * inv`` (one rounding), the integer rounding half to even;
 * where a program's tile lies: without group runs tile ``i`` is groups ``[i G, (i + 1) G)``;
-  with group runs (a ``PER_RANK`` chunk, see ``[Note: exact groups]`` in :mod:`qzero.layout`)
+  with group runs (a ``PER_RANK`` chunk, see ``[Note: exact groups]`` in :mod:`qzero.layout.gather_plan`)
   the slice is cut into tiles that never cross a run (one row of ``(first program, lo, hi,
   first coded group)`` per run, :class:`qzero.quant.triton_launch.RunsTable`), and each
   program finds its run by a binary search over the few runs (:func:`_run_tile`);

@@ -3,7 +3,7 @@
 These are the only functions that touch payload bytes; :mod:`qzero.wire.engine` schedules
 them and nothing else does. The vocabulary (partition, chunk, payload, exact range) is
 defined in ``docs/design.md``; what a payload holds (coded and exact groups, side
-elements, the payload kinds) in ``[Note: exact groups]`` in :mod:`qzero.layout`.
+elements, the payload kinds) in ``[Note: exact groups]`` in :mod:`qzero.layout.gather_plan`.
 
 What running a plan derives from it (device index tensors, group runs with the kernels'
 tables, plans cut to fit) is kept in a :class:`GatherCache` owned by whoever runs the plan (a
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..layout import ChunkPlan, GatherPlan, GroupRuns, PayloadKind, PayloadLayout
+from ..layout.gather_plan import ChunkPlan, GatherPlan, GroupRuns, PayloadKind, PayloadLayout
 from .labels import PACK, UNPACK, label
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .agreement import MAX_FIELDS, check_fields, describe_mismatch, digest
 from .chunks import PeerFailure, all_gather_into, peer_failure  # noqa: F401  (public names)
 from .engine import CommContext, GatherStats, finish_gather, start_gather, stats_of, world_and_rank  # noqa: F401
-from ..layout import DEFAULT_BUCKET_NUMEL, GatherPlan, plan_gather
+from ..layout.gather_plan import GatherPlan
+from ..layout.gather_planner import DEFAULT_BUCKET_NUMEL, plan_gather
 from ..quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE
 from ..vocabulary import RENAMED_GATHER_KEYWORDS, WEIGHT_FORMATS, refuse_renamed
 

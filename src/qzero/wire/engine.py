@@ -82,7 +82,8 @@ from . import chunks
 from .chunks import DeltaInputs, GatherCache, exact_index, exact_scatter, pack_chunk, peer_failure, unpack_chunk  # noqa: F401
 from .labels import ALL_GATHER, GATHER, label
 from ..vocabulary import GATHER_SCHEDULES
-from ..layout import GatherPlan, plan_gather
+from ..layout.gather_plan import GatherPlan
+from ..layout.gather_planner import plan_gather
 from ..quant import kernels_for
 
 STAGES = ("pack", "gather", "unpack")

@@ -51,7 +51,7 @@ import warnings
 import torch
 
 from .engine import GatherHandle
-from ..layout import GatherPlan
+from ..layout.gather_plan import GatherPlan
 #: Modules may run this many places before their registration order without a warning
 #: (a transformer layer runs its input norm, registered last, before its projections).
 REORDER_TOLERANCE = 16

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import peer_failure
-from ..layout import PayloadLayout, _clip_ranges, merge_adjacent, _payload_layout
+from ..layout.gather_plan import PayloadLayout, clip_ranges, merge_adjacent
+from ..layout.gather_planner import aligned_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
 
@@ -67,9 +68,9 @@ def plan_pieces(parts, exact_ranges, group_size: int, fmt: str, elem_size: int) 
     for dest, offset, numel, flat_lo in parts:
         if numel <= 0:
             continue
-        exact = tuple(_clip_ranges(exact_ranges, flat_lo, flat_lo + numel))
+        exact = tuple(clip_ranges(exact_ranges, flat_lo, flat_lo + numel))
         count = sum(b - a for a, b in exact)
-        layout = _payload_layout(numel, f.value_bytes(numel), -(-numel // group_size), count, elem_size)
+        layout = aligned_layout(f.value_bytes(numel), -(-numel // group_size), count, elem_size)
         out.append(Piece(dest, offset, numel, flat_lo, layout, exact))
     return tuple(sorted(out, key=lambda p: p.dest))
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from qzero.app.qualify.env import link_regime
 from qzero.wire.comm import all_gather, quantized_all_gather, run_gather
 from qzero.wire.engine import CommContext
-from qzero.layout import plan_gather
+from qzero.layout.gather_planner import plan_gather
 from qzero.quant import REFERENCE_KERNELS, get_format
 from qzero.quant.triton import AVAILABLE, DEFAULT_KERNELS, DEFAULT_TUNING, KernelTuning, Launcher, TritonKernels
 from qzero.vocabulary import PRECISIONS
