@@ -267,7 +267,8 @@ def test_the_planners_errors_name_zero_config_fields():
               r"^zero_quantized_weights_delta: a delta payload is one of the formats \['int4', 'int8'\], got "
               r"zero_quantized_weights_format='fp8'$")]
     for kwargs, match in cases:
-        for plan in (lambda **kw: qzero.plan_gather(1024, 2, **kw), lambda **kw: qzero.plan_flat_layout([(512,)], 2, **kw)):
+        for plan in (lambda **kw: qzero.plan_gather(1024, 2, **kw),
+                     lambda **kw: qzero.plan_flat_layout([(512,)], 2, **kw)):
             with pytest.raises(ValueError, match=match):
                 plan(**kwargs)
     with pytest.raises(ValueError, match=r"^flat_order must be one of \('auto', 'contiguous', 'interleaved'\), got "

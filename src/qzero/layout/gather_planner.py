@@ -79,7 +79,8 @@ def plan_gather(
         offset = c * chunk
         n = min(chunk, partition - offset)
         if fmt is None:
-            chunks.append(ChunkPlan(c, offset, n, n * elem_size, PayloadKind.PLAIN, PayloadLayout(0, 0, 0, 0, n * elem_size)))
+            plain = PayloadLayout(0, 0, 0, 0, n * elem_size)
+            chunks.append(ChunkPlan(c, offset, n, n * elem_size, PayloadKind.PLAIN, plain))
         else:
             chunks.append(_quantized_chunk(c, offset, n, world_size, f, group_size, elem_size, pieces))
     return GatherPlan(
