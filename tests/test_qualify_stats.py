@@ -97,7 +97,7 @@ def test_the_report_is_written_without_matplotlib(tmp_path, monkeypatch):
     from qzero.app.qualify import write
 
     r = synthetic()
-    r["environment"] = {"device": "x", "link_regime": "y", "backend": "z"}
+    r["environment"] = {"device": "x", "link_regime": "y", "process_group_backend": "z"}
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert write(r, str(tmp_path)) is False
     md = (tmp_path / "report.md").read_text()

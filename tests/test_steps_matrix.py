@@ -303,7 +303,7 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     m = json.loads((out / "matrix.json").read_text())
     assert m["complete"] and m["runs_done"] == 6 and m["regime_label"] == "fake"
     assert [s["arm"] for s in m["schedule"]] == calls
-    assert m["analysis"]["reference"] == "plain" and m["environment"]["backend"] == "gloo"
+    assert m["analysis"]["reference"] == "plain" and m["environment"]["process_group_backend"] == "gloo"
     assert row(m["analysis"], "int8")["vs_reference"]["ratio"] == pytest.approx(2.0)
     assert row(m["analysis"], "deepspeed")["status"] == "failed"
     assert all("sample" not in r for runs in m["runs"].values() for r in runs)

@@ -409,7 +409,7 @@ def _summary(settings, backend, losses, norms, times, skipped, device, gathered=
     return {
         "settings": dataclasses.asdict(settings),
         "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(),
+        "process_group_backend": dist.get_backend(),  # torch.distributed's; settings.backend is the training backend
         "losses": losses,
         "grad_norms": norms,
         "step_times": times,

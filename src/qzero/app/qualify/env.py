@@ -70,8 +70,8 @@ def describe(device: str) -> dict:
             cuda=torch.version.cuda,
             nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
             driver=_driver(),
-            backend="nccl",
+            process_group_backend="nccl",
         )
     else:
-        info.update(device=_cpu_name(), backend="gloo", cpu_count=os.cpu_count())
+        info.update(device=_cpu_name(), process_group_backend="gloo", cpu_count=os.cpu_count())
     return info

@@ -72,7 +72,7 @@ def markdown(r: dict, plotted: bool = True) -> str:
         f"- {scope['steps']} steps per arm, the first {scope['warmup']} excluded from timing; arm order "
         f"`{r['order']}`, each arm a fresh process, same seed and data",
         f"- arms differ in: {diff}",
-        f"- device: {env.get('device')} · link: {env['link_regime']} · backend {env.get('backend')}",
+        f"- device: {env.get('device')} · link: {env['link_regime']} · process group {env.get('process_group_backend', env.get('backend'))}",
         "",
         "## Speed",
         "",
