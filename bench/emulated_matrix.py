@@ -236,9 +236,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     import torch
 
     import qzero.wire.engine
-    from qzero.app.backends import make_backend
-    from qzero.app.train import TrainSettings, _summary, make_deterministic, resolve_device
-    from qzero.app.workload import build_model, load_corpus, model_config
+    from qzero.app.train import TrainSettings, _summary, build_backend, resolve_device
 
     qzero.wire.engine.pack_chunk = _clearing_side_channel(qzero.wire.engine.pack_chunk)
     qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
@@ -246,14 +244,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     s = TrainSettings(**given)
     kind = resolve_device(s)
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(device)
-        if s.deterministic:
-            make_deterministic()
-    dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
-    corpus = load_corpus(s.data)
-    config = model_config(s.preset, s.model_config, max_positions=max(4096, s.seq_len))
-    backend = make_backend(s, lambda dt_: build_model(config, dt_, device, s.seed), dtype, device)
+    backend, corpus = build_backend(s, device)
     records, losses, times, skipped = [], [], [], 0
     for i, model in enumerate(models):
         world.set_link(model)

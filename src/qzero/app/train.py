@@ -269,21 +269,14 @@ def _size(n: float) -> str:
 
 def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
     """Run the training loop on this rank (process group already initialised)."""
-    from .backends import make_backend
-    from .workload import build_model, global_batch, load_corpus, model_config
+    from .workload import global_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device_kind = resolve_device(settings)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if device_kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
-        if settings.deterministic:
-            make_deterministic()
-    dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
-    corpus = load_corpus(settings.data)
-    config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
-    backend = make_backend(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device)
+    backend, corpus = build_backend(settings, device)
     model = backend.model
     loss_sums, norms, marks, skipped, gathered = [], [], [], 0, []
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
@@ -343,6 +336,23 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             json.dump(result, f)
         os.replace(tmp, out_path)
     return result if rank == 0 else None
+
+
+def build_backend(settings: TrainSettings, device: torch.device):
+    """``(backend, corpus)`` of one rank: the device made current (and deterministic when
+    ``settings.deterministic``), the model built from its config on ``device``, wrapped by
+    ``settings.backend``."""
+    from .backends import make_backend
+    from .workload import build_model, load_corpus, model_config
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if settings.deterministic:
+            make_deterministic()
+    dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
+    corpus = load_corpus(settings.data)
+    config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
+    return make_backend(settings, lambda dt: build_model(config, dt, device, settings.seed), dtype, device), corpus
 
 
 def make_deterministic() -> None:
