@@ -133,6 +133,12 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
                    help=f"steps excluded from timing (default {DEFAULT_WARMUP}, fewer when --steps is small)")
     w.add_argument("--lr", type=float, default=1e-3)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
+                   help="hold out this fraction of the data (its end) and report the loss on it (default 0: none)")
+    w.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="with --heldout: measure the held-out loss every N steps too (default 0: after the last only)")
+    w.add_argument("--eval-sequences", type=int, default=32, metavar="N",
+                   help="held-out windows of seq-len + 1 tokens the held-out loss is measured on (default 32)")
     # each flag is the ZeroConfig field it sets, with - for _; not given: ZeroConfig's default
     z = p.add_argument_group("ZeRO (qzero.ZeroConfig fields)")
     z.add_argument("--stage", type=int, choices=(1, 2), help="stage (default 2)")
@@ -363,6 +369,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 f"({s['bytes_sent_per_step'] / max(s['plain_bytes_per_step'], 1):.2f} of plain); "
                 f"replicas identical: {s['replicas_identical']}"
             )
+            if s.get("heldout_losses"):
+                step, loss = s["heldout_losses"][-1]
+                print(f"held-out loss {loss:.4f} after step {step} ({settings.eval_sequences} windows of the last "
+                      f"{settings.heldout:g} of the data)")
         return 0
     if args.command == "qualify":
         return _qualify(args)

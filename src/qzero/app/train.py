@@ -4,7 +4,8 @@
 starts itself (gloo on CPU, NCCL with one GPU per rank) or, under torchrun, in the
 current process. Rank 0 writes a JSON record of the run: per-step losses, global
 gradient norms and step times, a sample of the final weights (values and hash),
-whether all replicas hold bit-identical weights, peak memory and bytes gathered.
+whether all replicas hold bit-identical weights, peak memory and bytes gathered, and
+(with ``heldout``) the held-out loss over the run.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ class TrainSettings:
     lr: float = 1e-3
     seed: int = 0
     deterministic: bool = True  # CUDA: deterministic kernels, so arms of one setting reproduce exactly
+    heldout: float = 0.0
+    """The fraction of the data held out, its last bytes ([Note: held-out text] in
+    :mod:`qzero.app.workload`): training batches are drawn from the rest only, and the held-out
+    loss is measured on ``eval_sequences`` fixed windows of it. 0: nothing held out, the batches
+    those of a run without this setting. 0 <= heldout < 1."""
+    eval_every: int = 0
+    """With ``heldout`` > 0: measure the held-out loss after every ``eval_every`` steps, and after
+    the last step always (0: after the last step only). A step followed by a measurement is left
+    out of ``step_times`` (its time would include it)."""
+    eval_sequences: int = 32
+    """The held-out windows (of ``seq_len + 1`` tokens each) the held-out loss is measured on,
+    spread over the ranks (any count and world size)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.zero, dict):
@@ -159,7 +172,8 @@ def validate(settings: TrainSettings) -> None:
     from .workload import WorkloadError, check_corpus, load_corpus, model_config
 
     model_config(settings.preset, settings.model_config)
-    check_corpus(load_corpus(settings.data), settings.seq_len)
+    corpus = load_corpus(settings.data)
+    check_corpus(corpus, settings.seq_len)
     device = resolve_device(settings)
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -214,8 +228,45 @@ def validate(settings: TrainSettings) -> None:
             f"one's start, so the last is never timed): use --warmup {max(0, settings.steps - 2)} or fewer, "
             f"or more --steps"
         )
+    _check_heldout(settings, corpus)
     if not isinstance(settings.zero, ZeroConfig):  # set after construction
         raise WorkloadError(f"zero must be a ZeroConfig, got {type(settings.zero).__name__}")
+
+
+def _check_heldout(settings: TrainSettings, corpus: torch.Tensor) -> None:
+    """``heldout``, ``eval_every`` and ``eval_sequences``, and both parts of the split corpus."""
+    from .workload import WorkloadError, split_corpus
+
+    heldout = settings.heldout
+    if isinstance(heldout, bool) or not isinstance(heldout, (int, float)) or not 0 <= heldout < 1:
+        raise WorkloadError(f"heldout must be a fraction of the data, 0 <= heldout < 1, got {heldout!r}")
+    for name, least in (("eval_every", 0), ("eval_sequences", 1)):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise WorkloadError(f"{name} must be an integer >= {least}, got {value!r}")
+    if settings.eval_every and not heldout:
+        raise WorkloadError(f"eval_every {settings.eval_every} measures the held-out loss, but heldout is 0 (nothing "
+                            "held out): set heldout > 0, or drop eval_every")
+    if heldout and not _timed_steps(settings):
+        raise WorkloadError(f"eval_every {settings.eval_every} measures the held-out loss after every step from "
+                            f"warmup {settings.warmup} on, which leaves no step of {settings.steps} timed (a step "
+                            "followed by a measurement is not): raise eval_every or --steps")
+    split_corpus(corpus, heldout, settings.seq_len)
+
+
+def _evaluates_after(settings: TrainSettings, step: int) -> bool:
+    """Whether the held-out loss is measured after ``step`` (0-based)."""
+    if not settings.heldout:
+        return False
+    every = settings.eval_every
+    return step == settings.steps - 1 or (every > 0 and (step + 1) % every == 0)
+
+
+def _timed_steps(settings: TrainSettings) -> list[int]:
+    """The steps (0-based) whose times ``step_times`` holds: from ``warmup`` on, the last one left
+    out (nothing starts after it to end its time), and those followed by a held-out measurement
+    (their time would include it)."""
+    return [j for j in range(settings.warmup, settings.steps - 1) if not _evaluates_after(settings, j)]
 
 
 #: Bytes each parameter needs at the least in any backend: its 16-bit weight on every rank, and
@@ -269,7 +320,8 @@ def _size(n: float) -> str:
 
 def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
     """Run the training loop on this rank (process group already initialised)."""
-    from .workload import global_batch
+    from .heldout import heldout_loss
+    from .workload import global_batch, heldout_windows, split_corpus
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device_kind = resolve_device(settings)
@@ -277,6 +329,9 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     backend, corpus = build_backend(settings, device)
+    corpus, held = split_corpus(corpus, settings.heldout, settings.seq_len)  # heldout 0: the whole corpus
+    windows = heldout_windows(held, settings.eval_sequences, settings.seq_len) if settings.heldout else None
+    heldout_losses, heldout_seconds = [], 0.0
     model = backend.model
     loss_sums, norms, marks, skipped, gathered = [], [], [], 0, []
     bar = _progress(settings.steps) if rank == 0 and show_progress else None
@@ -285,7 +340,9 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     # events; host clock on the CPU), with no synchronisation in between: a gather that runs
     # ahead into the next forward is then counted where it costs, as in real training (a
     # device-wide sync per step would serialise it back into its own step). Losses and norms
-    # are read after the loop. The last step is not timed (nothing starts after it).
+    # are read after the loop. The last step is not timed (nothing starts after it), nor is a
+    # step followed by a held-out measurement (its time would include it: _timed_steps); the
+    # wall time of the measured steps includes the measurements (heldout_seconds: their time).
     _sync(device)
     wall_start = None
     for step in range(settings.steps):
@@ -317,11 +374,15 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             if bar is not None:
                 sent, plain = backend.gathered_bytes()
                 bar.update(mean.item() / world, _seconds(marks[-1], _mark(device)), plain - sent)
+        if _evaluates_after(settings, step):  # between this step's mark and the next one's
+            began = time.perf_counter()
+            heldout_losses.append([step + 1, heldout_loss(model, windows, settings.micro_batch, device)])
+            heldout_seconds += time.perf_counter() - began  # the loss is read on the host: the measurement is done
     if bar is not None:
         bar.close()
     _sync(device)
     wall = time.perf_counter() - wall_start if wall_start is not None else None
-    times = [_seconds(a, b) for a, b in zip(marks, marks[1:])][settings.warmup :]
+    times = [_seconds(marks[j], marks[j + 1]) for j in _timed_steps(settings)]
     totals = torch.stack(loss_sums)
     dist.all_reduce(totals)
     losses = (totals / world).tolist()
@@ -330,6 +391,9 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     result = _summary(settings, backend, losses, norms, times, skipped, device, gathered[settings.warmup :] or gathered)
     # steps [warmup, steps) back to back between two synchronisations, the last one's gather included
     result["wall_seconds"], result["wall_steps"] = wall, settings.steps - settings.warmup
+    # [steps completed, loss] of every held-out measurement; None: nothing held out
+    result["heldout_losses"] = heldout_losses if settings.heldout else None
+    result["heldout_seconds"] = heldout_seconds if settings.heldout else None
     if rank == 0 and out_path:
         tmp = out_path + ".tmp"
         with open(tmp, "w") as f:

@@ -6,6 +6,13 @@ config JSON. Text is byte-level: by default this Python's own standard library
 sources in a fixed order (offline, identical on every machine with the same
 Python), or a user's file. Batches are drawn from a seeded generator per step, so
 every arm and every world size sees the same global batch.
+
+[Note: held-out text] With ``heldout`` > 0 the corpus's last ``int(heldout * tokens)``
+tokens are held out (:func:`split_corpus`): training batches are drawn from the part before
+the split only, and the held-out loss is measured on a fixed set of windows of that tail
+(:func:`heldout_windows`: evenly spaced starts, the same for every seed, step and world
+size, so every arm is evaluated on the same text). ``heldout`` 0 holds nothing out: the
+training part is the whole corpus and the draw is the one of a run without the setting.
 """
 
 from __future__ import annotations
@@ -230,6 +237,40 @@ def read_regular(path: str, what: str, limit: int) -> bytes:
 def check_corpus(corpus: torch.Tensor, seq_len: int) -> None:
     if corpus.numel() < seq_len + 2:
         raise WorkloadError(f"sequence length {seq_len} is longer than the data ({corpus.numel()} tokens)")
+
+
+def split_corpus(corpus: torch.Tensor, heldout: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(training part, held-out part)`` of ``corpus`` ([Note: held-out text]): views, the
+    held-out part its last ``int(heldout * tokens)`` tokens. Each part must hold what it is
+    used for: the training part a window of ``seq_len + 1`` tokens and a start to draw
+    (``seq_len + 2``, as :func:`check_corpus` asks of a whole corpus), the held-out part (when
+    ``heldout`` > 0) one window of ``seq_len + 1``; otherwise a WorkloadError naming
+    ``heldout`` and the lengths."""
+    total = corpus.numel()
+    held = int(heldout * total)
+    split = total - held
+    if heldout > 0 and held < seq_len + 1:
+        raise WorkloadError(f"heldout {heldout:g} of the {total:,}-token data holds out {held:,} tokens, fewer than "
+                            f"one window of seq_len + 1 = {seq_len + 1}: raise heldout or use more data")
+    if split < seq_len + 2:
+        raise WorkloadError(f"heldout {heldout:g} of the {total:,}-token data leaves {split:,} tokens to train on, "
+                            f"fewer than the seq_len + 2 = {seq_len + 2} a training window needs: lower heldout")
+    return corpus[:split], corpus[split:]
+
+
+def heldout_windows(held: torch.Tensor, sequences: int, seq_len: int) -> torch.Tensor:
+    """``sequences`` windows of ``seq_len + 1`` tokens of the held-out part ``held``, at evenly
+    spaced starts from its first token to its last window (``i * (len - seq_len - 1) //
+    (sequences - 1)``; one window: the first): no seed, no step, so every run evaluates the
+    same text. Windows overlap where the part is shorter than ``sequences`` windows."""
+    import torch
+
+    width = seq_len + 1
+    room = held.numel() - width
+    if room < 0:
+        raise WorkloadError(f"the held-out part has {held.numel():,} tokens, fewer than one window of {width}")
+    starts = [i * room // (sequences - 1) for i in range(sequences)] if sequences > 1 else [0]
+    return torch.stack([held[s : s + width] for s in starts])
 
 
 def global_batch(corpus: torch.Tensor, step: int, sequences: int, seq_len: int, seed: int) -> torch.Tensor:
