@@ -16,8 +16,9 @@ training dtype) and exposes ``model``, ``backward``, ``step`` (False when skippe
 ``zero_grad``, ``grad_norm``, ``gathered_bytes`` and ``reduced_bytes`` (sent, plain: weight
 gather and gradient reduction) of the last step,
 ``finish`` and ``flats`` (the replicated weight buffers whose bits must agree on every
-rank; empty where nothing is replicated) and ``sample(index)`` (weights at flat indices
-into the parameters laid end to end, identical on every rank).
+rank; empty where nothing is replicated), ``sample(index)`` (weights at flat indices
+into the parameters laid end to end, identical on every rank) and ``forward_only_done``
+(after forwards with no backward, the held-out loss's: what a backward would have undone).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class QZeroBackend:
 
     def finish(self):
         self.opt.wait_for_weights()
+
+    def forward_only_done(self):
+        pass  # the forward changes nothing a backward resets
 
     def flats(self):
         return [g.flat for g in self.opt.groups]
@@ -148,6 +152,9 @@ class DeepSpeedBackend:
         gather = getattr(self.engine, "qzero_gather", None)
         if gather is not None:
             gather.wait_for_weights()
+
+    def forward_only_done(self):
+        pass  # the forward changes nothing a backward resets
 
     def flats(self):
         return list(self.opt.bit16_groups_flat)
@@ -255,6 +262,16 @@ class FSDP2Backend:
 
     def finish(self):
         pass
+
+    def forward_only_done(self):
+        # With reshard_after_forward=False a forward leaves the weights unsharded for its
+        # backward, which reshards them; with no backward they are resharded here (the next
+        # forward gathers them again, as it would after a training step).
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def flats(self):
         return []  # sharded: no replicated weight buffer to compare

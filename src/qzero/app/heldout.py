@@ -7,10 +7,11 @@ whole set, for any number of windows and ranks. Every rank runs the same number 
 (a rank with no window left runs one on a window it does not count): a sharded backend
 (FSDP2) all-gathers its weights in each forward, so the ranks' forwards must pair up.
 
-The forward is the training one (the backend's ``model`` as the training loop calls it, so a
-gather still in flight is waited for by the same hooks), under ``torch.no_grad()`` with the
-model in eval mode (dropout off; the previous mode restored), the same cross-entropy on
-float logits. It draws no random numbers: the training's generator is untouched.
+The forward is the training one (the backend's ``model`` as the training loop calls it; the
+loop first finishes a weight gather that runs ahead, ``backend.finish()``, so the forward reads
+the weights of the step just taken), under ``torch.no_grad()`` with the model in eval mode
+(dropout off; the previous mode restored), the same cross-entropy on float logits. It draws no
+random numbers: the training's generator is untouched.
 """
 
 from __future__ import annotations

@@ -376,7 +376,9 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
                 bar.update(mean.item() / world, _seconds(marks[-1], _mark(device)), plain - sent)
         if _evaluates_after(settings, step):  # between this step's mark and the next one's
             began = time.perf_counter()
+            backend.finish()  # a gather running ahead lands first: the forward reads this step's weights
             heldout_losses.append([step + 1, heldout_loss(model, windows, settings.micro_batch, device)])
+            backend.forward_only_done()
             heldout_seconds += time.perf_counter() - began  # the loss is read on the host: the measurement is done
     if bar is not None:
         bar.close()
