@@ -144,11 +144,13 @@ def capture(rank, world, runs):
     every held-out measurement (the backend's gather finished first, gathered in full, bf16)."""
     import os
 
+    from qzero.app import workload
+
     os.environ["LOCAL_RANK"] = str(rank)  # deepspeed asks for it
-    real = train.build_backend
+    real, draw = train.build_backend, workload.global_batch
     out = []
     for s in runs:
-        snaps = []
+        snaps, drawn_from = [], set()
 
         def build(s, device):
             backend, corpus = real(s, device)
@@ -162,12 +164,16 @@ def capture(rank, world, runs):
             backend.forward_only_done = snapshot
             return backend, corpus
 
-        train.build_backend = build
+        def batch(corpus, *args):
+            drawn_from.add(corpus.numel())
+            return draw(corpus, *args)
+
+        train.build_backend, workload.global_batch = build, batch
         try:
             result = train.train_worker(s, None, show_progress=False)
         finally:
-            train.build_backend = real
-        out.append((result, snaps) if rank == 0 else None)
+            train.build_backend, workload.global_batch = real, draw
+        out.append((result, snaps, drawn_from) if rank == 0 else None)
     return out
 
 
@@ -199,7 +205,9 @@ def test_measuring_changes_no_training_loss_and_reads_the_current_weights_with_g
     every2 = settings(heldout=0.1, eval_every=2, eval_sequences=5, zero={**QUANTIZED, "overlap_param_gather": True})
     runs = [every2, settings(heldout=0.1, eval_sequences=5, zero={**QUANTIZED, "overlap_param_gather": True}),
             settings(heldout=0.1, eval_every=2, eval_sequences=5, zero={**QUANTIZED, "overlap_param_gather": False})]
-    (ahead, snaps), (last_only, _), (plain, _) = run_distributed(capture, 2, runs, timeout=600)[0]
+    (ahead, snaps, drawn_from), (last_only, _, _), (plain, _, _) = run_distributed(capture, 2, runs, timeout=600)[0]
+    total = load_corpus().numel()
+    assert drawn_from == {total - int(0.1 * total)}  # the batches come from the training part only
     assert ahead["losses"] == last_only["losses"] == plain["losses"]
     assert ahead["grad_norms"] == last_only["grad_norms"] == plain["grad_norms"]
     assert [s for s, _ in ahead["heldout_losses"]] == [2, 4] and [s for s, _ in last_only["heldout_losses"]] == [4]
@@ -218,7 +226,7 @@ def test_the_peer_backends_measure_their_current_weights():
     runs = [settings(backend="fsdp2", heldout=0.1, eval_every=2, eval_sequences=1),  # rank 1: no window, a forward
             settings(backend="fsdp2", heldout=0.1, eval_sequences=1),
             settings(backend="deepspeed", heldout=0.1, eval_every=2, eval_sequences=3)]
-    (fsdp, fsdp_snaps), (fsdp_last, _), (ds, ds_snaps) = run_distributed(capture, 2, runs, timeout=600)[0]
+    (fsdp, fsdp_snaps, _), (fsdp_last, _, _), (ds, ds_snaps, _) = run_distributed(capture, 2, runs, timeout=300)[0]
     assert fsdp["losses"] == fsdp_last["losses"] and fsdp["heldout_losses"][-1] == fsdp_last["heldout_losses"][-1]
     for result, snaps, s in ((fsdp, fsdp_snaps, runs[0]), (ds, ds_snaps, runs[2])):
         assert [step for step, _ in result["heldout_losses"]] == [2, 4]
