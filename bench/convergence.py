@@ -44,11 +44,19 @@ exact fp32 sums of the same staged gradients, and ``payload_rel_err`` = ||deq(pa
 ||g|| of what was sent (see :class:`GradErrorProbe`). The table adds the gradient bytes a rank
 sends per step relative to the plain reduction and the mean ``reduced_rel_err``.
 
-Outputs in ``--out``: ``convergence.png`` (raw and smoothed loss of every arm, and the
-smoothed difference from bf16), ``convergence.md`` (final loss = mean of the last 100 steps,
-its difference from bf16 in absolute and %, each arm against the 0.5% target), ``convergence.json``
-(every per-step loss, gradient norm and step time, gradient errors, the settings, versions, date)
-and per-arm logs (every rank's stderr). The table is printed last. With ``--time-limit`` the arms
+Held-out loss: the last ``--heldout`` of the corpus (default 5%) is held out of training
+(``TrainSettings.heldout``: the batches are drawn from the rest) and every arm measures its loss on
+the same ``--eval-sequences`` fixed windows of it every ``--eval-every`` steps and after the last
+(``eval_every``, ``eval_sequences``; ``--heldout 0``: none). The final held-out loss is the one after
+the last step every arm measured; its difference from bf16 is in the table and the verdicts. An arm
+stopped by ``--time-limit`` writes no record and so has none.
+
+Outputs in ``--out``: ``convergence.png`` (raw and smoothed loss of every arm with its held-out
+loss, and the smoothed difference from bf16), ``convergence.md`` (final loss = mean of the last 100 steps,
+its difference from bf16 in absolute and %, each arm against the 0.5% target, the final held-out loss and
+its difference from bf16 in %), ``convergence.json``
+(every per-step loss, gradient norm and step time, held-out losses, gradient errors, the settings, versions,
+date) and per-arm logs (every rank's stderr). The table is printed last. With ``--time-limit`` the arms
 still running when it expires are stopped and the report compares all arms over the steps every
 arm completed.
 
@@ -253,6 +261,9 @@ def arm_settings(arm: Arm, args):
         warmup=max(0, min(10, args.steps - 2)),  # steps left out of the step-time median only
         lr=args.lr,
         seed=args.seed,
+        heldout=getattr(args, "heldout", 0.0),
+        eval_every=getattr(args, "eval_every", 0) if getattr(args, "heldout", 0.0) else 0,
+        eval_sequences=getattr(args, "eval_sequences", 32),
     )
 
 
@@ -296,20 +307,43 @@ def final_losses(losses: dict[str, list[float]], reference: str, last: int = 100
     return {"steps_compared": common, "window": [lo, common], "reference": reference, "arms": rows}
 
 
+def final_heldout(entries: dict[str, dict], reference: str) -> dict | None:
+    """The final held-out loss per arm: the one after the last step that every arm with held-out
+    losses measured (``heldout_losses``: ``[step, loss]`` pairs), and its difference from
+    ``reference`` in % (None where the reference has none). None when no arm has any (older
+    records, ``--heldout 0``)."""
+    curves = {name: {step: loss for step, loss in e["heldout_losses"]}
+              for name, e in entries.items() if e.get("heldout_losses")}
+    common = set.intersection(*(set(c) for c in curves.values())) if curves else set()
+    if not common:
+        return None
+    step = max(common)
+    ref = curves.get(reference, {}).get(step)
+    return {"step": step, "reference": reference, "arms": {
+        name: {"loss": c[step], "diff_pct": 100.0 * (c[step] - ref) / ref if ref else None}
+        for name, c in curves.items()}}
+
+
 def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | None = None,
-                   grad: dict[str, tuple[float | None, float | None]] | None = None) -> str:
+                   grad: dict[str, tuple[float | None, float | None]] | None = None,
+                   heldout: dict | None = None) -> str:
     """The results table; ``payload`` (optional): gather bytes per step relative to a plain
     gather, per arm (evidence that the arm's weights really went through the quantizer);
     ``grad`` (optional, DP runs): per arm, the gradient bytes a rank sent per step relative to
-    the plain reduction, and the gradient error of the quantized reduction (None: not measured)."""
+    the plain reduction, and the gradient error of the quantized reduction (None: not measured);
+    ``heldout`` (optional, :func:`final_heldout`): the final held-out loss per arm and its Δ % from
+    the reference (— for an arm without one)."""
     lo, hi = summary["window"]
     ref = summary["reference"]
     extra = payload is not None
     lines = [
         f"| arm | final loss (mean of steps {lo + 1}–{hi}) | Δ vs {ref} | Δ % | paired SE of Δ |"
+        + (f" held-out loss (final, after step {heldout['step']}) | Δ held-out vs {heldout['reference']} % |"
+           if heldout else "")
         + (" gather bytes vs plain |" if extra else "")
         + (" grad bytes vs plain | grad rel. error |" if grad is not None else ""),
-        "|---|---|---|---|---|" + ("---|" if extra else "") + ("---|---|" if grad is not None else ""),
+        "|---|---|---|---|---|" + ("---|---|" if heldout else "") + ("---|" if extra else "")
+        + ("---|---|" if grad is not None else ""),
     ]
     for arm in arms:
         r = summary["arms"][arm.name]
@@ -318,6 +352,11 @@ def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | N
         else:
             row = (f"| {arm.label} | {r['final_loss']:.4f} | {r['diff']:+.4f} | {r['diff_pct']:+.2f}% "
                    f"| {r['diff_se']:.4f} |")
+        if heldout:
+            h = heldout["arms"].get(arm.name)
+            row += f" {h['loss']:.4f} |" if h else " — |"
+            row += (" — |" if not h or h["diff_pct"] is None or arm.name == heldout["reference"]
+                    else f" {h['diff_pct']:+.2f}% |")
         if extra:
             ratio = payload.get(arm.name)
             row += f" {ratio:.3f} |" if ratio is not None else " — |"
@@ -341,16 +380,28 @@ def verdict(summary: dict) -> str | None:
             + f" (mean of the last {summary['window'][1] - summary['window'][0]} steps).")
 
 
-def verdicts(summary: dict, arms: list[Arm]) -> list[str]:
-    """One line per arm other than bf16: its Δ % and whether it is within the target."""
+def verdicts(summary: dict, arms: list[Arm], heldout: dict | None = None) -> list[str]:
+    """One line per arm other than bf16: its Δ % and whether it is within the target, and its
+    held-out Δ % where both it and bf16 have one (``heldout``: :func:`final_heldout`)."""
     if summary["reference"] != "bf16":
         return []
     n = summary["window"][1] - summary["window"][0]
+
+    def held(name: str) -> str:
+        h = (heldout or {}).get("arms", {}).get(name)
+        if not h or h["diff_pct"] is None or heldout["reference"] != "bf16":
+            return ""
+        return f"; held-out loss {h['diff_pct']:+.2f}% (after step {heldout['step']})"
+
     return [_verdict_line(a.label, summary["arms"][a.name], DELTA_TARGET_PCT if a.delta else TARGET_PCT)
-            + f" (mean of the last {n} steps)." for a in arms if a.name != "bf16" and a.name in summary["arms"]]
+            + f" (mean of the last {n} steps){held(a.name)}." for a in arms
+            if a.name != "bf16" and a.name in summary["arms"]]
 
 
-def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: str, window: int, title: str):
+def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: str, window: int, title: str,
+         heldout: dict[str, list] | None = None):
+    """``heldout`` (optional): per arm its ``[step, loss]`` held-out losses, drawn as markers
+    joined by a dashed line in the arm's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -366,20 +417,29 @@ def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: 
         ax.plot(x, y, color=c, alpha=0.25, linewidth=0.6)
         ys = smooth(y, window)
         ax.plot(x, ys, color=c, linewidth=1.6, label=f"{arm.label} (smoothed)")
+        points = (heldout or {}).get(arm.name)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=c, linestyle="--", marker="o",
+                    markersize=4, linewidth=1.0, label=f"{arm.label} (held-out)")
         if arm.name != reference:
             n = min(len(ys), len(ref_s))
             dx.plot(range(1, n + 1), [a - b for a, b in zip(ys[:n], ref_s[:n])], color=c, label=arm.label)
+            ref_points = dict((heldout or {}).get(reference) or [])
+            both = [(step, loss - ref_points[step]) for step, loss in points or [] if step in ref_points]
+            if both:
+                dx.plot([p[0] for p in both], [p[1] for p in both], color=c, linestyle="--", marker="o",
+                        markersize=4, linewidth=1.0)
     ax.set_yscale("log")
     from matplotlib.ticker import ScalarFormatter
 
     for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
         axis_formatter(ScalarFormatter())
-    ax.set_ylabel("training loss (raw: faint; smoothed: bold)")
+    ax.set_ylabel("training loss (raw: faint; smoothed: bold)" + ("; held-out: dashed" if heldout and any(heldout.values()) else ""))
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     dx.axhline(0.0, color="black", linewidth=0.8)
-    dx.set_ylabel(f"smoothed loss − {reference}")
+    dx.set_ylabel(f"smoothed loss − {reference}" + ("\n(held-out: dashed)" if heldout and any(heldout.values()) else ""))
     dx.set_xlabel("step")
     dx.grid(alpha=0.3)
     if len(arms) > 1:
@@ -798,6 +858,13 @@ def parse_args(argv=None):
     ap.add_argument("--replica-error-every", type=int, default=20,
                     help="quantized arms: measure ||replica - bf16(master)|| / ||bf16(master)|| every this many steps "
                          "(and at the last; 0: never). A measured step waits for its gather to finish")
+    ap.add_argument("--heldout", type=float, default=0.05,
+                    help="hold out this fraction of the data (its end) and measure every arm's loss on it "
+                         "(default 0.05; 0: none)")
+    ap.add_argument("--eval-every", type=int, default=200,
+                    help="with --heldout: measure the held-out loss every this many steps (and after the last)")
+    ap.add_argument("--eval-sequences", type=int, default=32,
+                    help="held-out windows of --seq-len + 1 tokens the held-out loss is measured on (default 32)")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--out", default="bench/results/convergence")
     ap.add_argument("--render", default=None, metavar="JSON",
@@ -834,6 +901,11 @@ def parse_args(argv=None):
         if args.share_gpu and args.device == "cpu":
             ap.error("--share-gpu is for CUDA (on the CPU every rank already shares the machine): drop it or use "
                      "--device cuda")
+        if not 0 <= args.heldout < 1:
+            ap.error(f"--heldout must be a fraction of the data, 0 <= heldout < 1, got {args.heldout}")
+        if args.eval_every < 0 or args.eval_sequences < 1:
+            ap.error(f"--eval-every must be 0 or more and --eval-sequences at least 1, got {args.eval_every} and "
+                     f"{args.eval_sequences}")
         if args.grad_error_every < 0:
             ap.error(f"--grad-error-every must be 0 or more, got {args.grad_error_every}")
         gq = [a.name for a in args.arm_list if a.grad_quantized]
@@ -1039,6 +1111,7 @@ def main(argv=None) -> int:
     usable = [a for a in arms if study["arms"][a.name]["losses"]]
     losses = {a.name: study["arms"][a.name]["losses"] for a in usable}
     study["summary"] = final_losses(losses, "bf16" if "bf16" in losses else usable[0].name, args.last)
+    study["heldout_summary"] = final_heldout(study["arms"], study["summary"]["reference"])
     study["target"]["verdict"] = verdict(study["summary"])
     with open(os.path.join(args.out, "convergence.json"), "w") as f:
         json.dump(study, f, indent=1)
@@ -1085,6 +1158,7 @@ def arm_entry(arm: Arm, record: dict, *, losses, exit_code, step_seconds) -> dic
         "losses": losses,
         "step_seconds": step_seconds,
         "grad_norms": record.get("grad_norms"),
+        "heldout_losses": record.get("heldout_losses"),  # [step, loss]; None: not measured (older records too)
         "peak_allocated_bytes": record.get("peak_allocated_bytes"),
         "bytes_sent_per_step": record.get("bytes_sent_per_step"),
         "plain_bytes_per_step": record.get("plain_bytes_per_step"),
@@ -1201,6 +1275,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
         study["note"] = note
     losses = {a.name: study["arms"][a.name]["losses"] for a in present}
     study["summary"] = final_losses(losses, "bf16" if "bf16" in losses else present[0].name, last)
+    study["heldout_summary"] = final_heldout(study["arms"], study["summary"]["reference"])
     study["target"]["verdict"] = verdict(study["summary"])
     return study
 
@@ -1224,15 +1299,17 @@ def render(study: dict, out: str) -> None:
             sent, plain = a.get("grad_bytes_sent_per_step"), a.get("grad_plain_bytes_per_step")
             errs = [e for e in ((a.get("grad_error") or {}).get("reduced_rel_err") or []) if e is not None]
             grad[name] = (sent / plain if sent is not None and plain else None, sum(errs) / len(errs) if errs else None)
-    table = markdown_table(summary, arms, payload, grad)
-    lines = verdicts(summary, arms)
+    heldout = final_heldout({a.name: study["arms"][a.name] for a in arms}, reference)
+    table = markdown_table(summary, arms, payload, grad, heldout)
+    lines = verdicts(summary, arms, heldout)
     env_info = study["environment"]
     wall = f"{study['wall_s']:.0f} s" if study.get("wall_s") is not None else "not recorded"
     steps_done = ", ".join(f"{name} {a['steps_completed']}" for name, a in study["arms"].items())
     try:
         title = (f"{study['preset']} ({study['params'] / 1e6:.1f}M params), {study['micro_batch']}x{study['seq_len']} "
                  f"tokens/step, bf16, lr {study['lr']:g}" + (f", DP{world}" if world > 1 else ""))
-        plot(os.path.join(out, "convergence.png"), losses, arms, reference, study["smooth"], title)
+        plot(os.path.join(out, "convergence.png"), losses, arms, reference, study["smooth"], title,
+             {a.name: study["arms"][a.name].get("heldout_losses") for a in arms})
         plotted = "Curves: `convergence.png`"
     except ImportError as e:  # no matplotlib here: render the plot elsewhere with --render
         print(f"no plot ({e}); run bench/convergence.py --render {out}/convergence.json where matplotlib is installed")
@@ -1268,6 +1345,13 @@ def render(study: dict, out: str) -> None:
            "bytes vs plain = the payload of the post-step gather per step relative to a plain bf16 gather "
            "(below 1: the weights went through the quantizer). "
            f"{plotted}; every per-step loss: `convergence.json`.", ""]
+    if heldout:
+        st = study["settings"][next(iter(heldout["arms"]))]
+        md += [f"Held-out loss = the mean next-token loss on {st.get('eval_sequences')} fixed windows of "
+               f"{study['seq_len'] + 1} tokens of the last {st.get('heldout', 0):g} of the data, which no arm trains "
+               f"on, measured every {st.get('eval_every')} steps and after the last; final = after step "
+               f"{heldout['step']}, the last step every arm measured (— : no held-out loss). Every measurement: "
+               "`convergence.json` (`heldout_losses` of each arm).", ""]
     if grad is not None:
         md += [f"Grad bytes vs plain = the gradient bytes a rank sends per step relative to the plain bf16 reduction "
                f"(below 1: the gradients went through the quantizer). Grad rel. error = the mean over the measured "

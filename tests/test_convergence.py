@@ -30,7 +30,8 @@ def test_end_to_end_on_the_cpu(tmp_path):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     res = subprocess.run(
         [sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(steps), "--seq-len", "32", "--micro-batch", "2",
-         "--arms", "bf16,int8-g64", "--device", "cpu", "--last", "4", "--smooth", "3", "--out", str(out)],
+         "--arms", "bf16,int8-g64", "--device", "cpu", "--last", "4", "--smooth", "3", "--heldout", "0.05",
+         "--eval-every", "3", "--eval-sequences", "4", "--out", str(out)],
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -57,11 +58,19 @@ def test_end_to_end_on_the_cpu(tmp_path):
     assert q["bytes_sent_per_step"] < 0.6 * q["plain_bytes_per_step"]
     assert study["arms"]["bf16"]["bytes_sent_per_step"] == study["arms"]["bf16"]["plain_bytes_per_step"]
     assert study["summary"]["reference"] == "bf16" and study["summary"]["window"] == [2, 6]
+    for name, arm in study["arms"].items():  # measured after steps 3 and 6 on the held-out 5%
+        assert [step for step, _ in arm["heldout_losses"]] == [3, 6]
+        assert all(math.isfinite(loss) and loss > 0 for _, loss in arm["heldout_losses"])
+        assert study["settings"][name]["heldout"] == 0.05 and study["settings"][name]["eval_sequences"] == 4
+    assert study["heldout_summary"]["step"] == 6
 
     md = (out / "convergence.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| arm |") and len(rows) == 3
     assert rows[1].startswith("| bf16 (plain gather) |") and rows[2].startswith("| INT8 g64 |")
+    assert "| held-out loss (final, after step 6) | Δ held-out vs bf16 % |" in rows[0]
+    assert f"| {study['arms']['int8-g64']['heldout_losses'][-1][1]:.4f} |" in rows[2]
+    assert "; held-out loss " in md
     assert "INT8 g64 vs bf16" in md and "standard-library" in md
     assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -446,3 +455,70 @@ def test_delta_arms_and_their_replica_error_on_the_cpu(tmp_path):
     md = (out / "convergence.md").read_text()
     assert "INT4 delta g64 vs bf16:" in md and "the 0.25% target" in md and "Replica error" in md
     assert (out / "replica_error.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_heldout_losses_are_tabled_plotted_and_kept(tmp_path):
+    """Records with held-out losses: the table gains the final held-out loss (after the last step every
+    arm with one measured) and its Δ % from bf16 (— for an arm without one), the verdicts name the
+    held-out Δ, convergence.json keeps every arm's curve, and the arms' settings carry the flags."""
+    import dataclasses
+
+    conv = load_script()
+    steps = 40
+    run_args = conv.parse_args(["--steps", str(steps), "--micro-batch", "8", "--heldout", "0.1", "--eval-every", "10",
+                                "--eval-sequences", "7"])
+    s = conv.arm_settings(conv.parse_arm("int8-g64"), run_args)
+    assert (s.heldout, s.eval_every, s.eval_sequences) == (0.1, 10, 7)
+    assert conv.arm_settings(conv.parse_arm("bf16"), conv.parse_args(["--heldout", "0"])).eval_every == 0
+    base = [3.0 - i / steps for i in range(steps)]
+    held = {"bf16": [[10, 3.2], [20, 3.0], [30, 2.9], [40, 2.8]],
+            "int8-g64": [[10, 3.21], [20, 3.01], [30, 2.91], [40, 2.828]],  # +1.00% at step 40
+            "fp8-g64": None}  # an older record: none
+    src = tmp_path / "records"
+    src.mkdir()
+    for name in held:
+        settings = dataclasses.asdict(dataclasses.replace(conv.arm_settings(conv.parse_arm(name), run_args),
+                                                          device="cuda"))
+        record = {"settings": settings, "world_size": 1, "losses": [x * (1.002 if name != "bf16" else 1) for x in base],
+                  "grad_norms": [1.0] * steps, "step_times": [0.1], "params": 1000, "heldout_losses": held[name],
+                  "bytes_sent_per_step": 1000 if name == "bf16" else 531, "plain_bytes_per_step": 1000}
+        (src / f"arm_{name}.json").write_text(json.dumps(record))
+    out = tmp_path / "out"
+    assert conv.main(["--from-arms", str(src), "--arms", "bf16,int8-g64,fp8-g64", "--last", "10", "--out", str(out)]) == 0
+    study = json.loads((out / "convergence.json").read_text())
+    assert study["arms"]["int8-g64"]["heldout_losses"] == held["int8-g64"] and study["arms"]["fp8-g64"]["heldout_losses"] is None
+    assert study["heldout_summary"]["step"] == 40
+    assert study["heldout_summary"]["arms"]["int8-g64"]["diff_pct"] == pytest.approx(1.0)
+    md = (out / "convergence.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert "| paired SE of Δ | held-out loss (final, after step 40) | Δ held-out vs bf16 % | gather bytes" in rows[0]
+    assert rows[1].endswith("| — | 2.8000 | — | 1.000 |")
+    assert rows[2].endswith("| 2.8280 | +1.00% | 0.531 |")
+    assert rows[3].endswith("| — | — | 0.531 |")  # FP8: no held-out loss
+    assert "INT8 g64 vs bf16: +0.20% — within the 0.5% target (mean of the last 10 steps); held-out loss +1.00% " \
+           "(after step 40)." in md
+    assert "FP8 g64 vs bf16: +0.20% — within the 0.5% target (mean of the last 10 steps)." in md
+    assert "7 fixed windows of 513 tokens of the last 0.1 of the data" in md
+    assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    # an arm that measured fewer steps: the final is the last step all of them measured
+    partial = {"a": {"heldout_losses": [[10, 1.0], [20, 0.9]]}, "b": {"heldout_losses": [[10, 1.1]]}}
+    assert conv.final_heldout(partial, "a") == {"step": 10, "reference": "a", "arms": {
+        "a": {"loss": 1.0, "diff_pct": 0.0}, "b": {"loss": 1.1, "diff_pct": pytest.approx(10.0)}}}
+    assert conv.final_heldout({"a": {"heldout_losses": None}}, "a") is None
+
+
+def test_committed_records_without_heldout_losses_still_render(tmp_path):
+    """The committed world-1 study's per-arm records (from before the held-out loss) rebuild and render
+    as before: no held-out columns, no held-out verdicts."""
+    conv = load_script()
+    results = os.path.join(os.path.dirname(SCRIPT), "results", "convergence")
+    arms = "bf16,int8-g64,fp8-g64,int4-g64"
+    assert all(os.path.exists(os.path.join(results, f"arm_{a}.json")) for a in arms.split(","))
+    out = tmp_path / "out"
+    assert conv.main(["--from-arms", results, "--arms", arms, "--out", str(out)]) == 0
+    study = json.loads((out / "convergence.json").read_text())
+    assert study["heldout_summary"] is None and all(a["heldout_losses"] is None for a in study["arms"].values())
+    md = (out / "convergence.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(rows) == 5 and "held-out" not in md.lower() and rows[0].endswith("| gather bytes vs plain |")
+    assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
