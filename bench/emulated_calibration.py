@@ -114,6 +114,13 @@ ARMS = {
     "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4",
     "delta_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
                           "zero_quantized_gradients_format=int4",
+    # INT4 gradients in larger groups: fewer scale bits (4 + 32/G bits an element)
+    "int8_ahead_qgrad4_g128": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
+                              "zero_quantized_gradients_group_size=128",
+    "int8_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
+                              "zero_quantized_gradients_group_size=256",
+    "delta_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
+                               "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256",
 }
 #: Arms the contention is fitted on (the seed's 4B PCIe-class matrix, both timing kinds).
 FIT_ARMS = ("plain", "int8", "int8_ahead", "plain_ahead", "fsdp2")

@@ -33,8 +33,18 @@ BLOCK = 4096
 SCRATCH_BYTES = 128 << 20
 #: Pieces a CTA's share of the traffic is paced in (at most).
 PIECES = 64
-#: Delivery bandwidth assumed for its estimated time (bytes per nanosecond: read + write of a copy).
-DELIVERY_BYTES_PER_NS = 3.0
+#: Delivery bandwidth assumed for its estimated time: bytes per nanosecond, read + write of a
+#: device copy (3,000 B/ns = 3 TB/s, below an H200's HBM rate: an underestimate of the time only
+#: starts a transfer a little later than it was issued, never earlier).
+DELIVERY_BYTES_PER_NS = 3000.0
+#: Fixed cost of a delivery (its kernel's launch on the device), nanoseconds.
+DELIVERY_FIXED_NS = 2000
+
+
+def delivery_ns(delivered_bytes: int) -> int:
+    """The estimated device time of a delivery of ``delivered_bytes`` (what the hold backdates
+    a transfer's start by: the delivery ran on the link's stream just before the hold)."""
+    return round(DELIVERY_FIXED_NS + delivered_bytes / DELIVERY_BYTES_PER_NS)
 
 
 @triton.jit
@@ -125,7 +135,7 @@ class DeviceLink:
     def hold(self, index: int, seconds: float, delivered_bytes: int, model, wire) -> None:
         """Enqueue the hold of one transfer on the current stream (the link's)."""
         duration_ns = max(0, round(seconds * 1e9))
-        deliver_ns = round(2000 + delivered_bytes / DELIVERY_BYTES_PER_NS)
+        deliver_ns = delivery_ns(delivered_bytes)
         ctas = model.ctas
         pieces = piece_elems = 0
         wrap = 1

@@ -56,6 +56,12 @@ ARMS = {
     "plain_direct": {},
     # timing only: the forward never waits for the gather (see the module note)
     "int8_ahead_nowait": {"quantized": True, "overlap": True},
+    # diagnosis only: gather-ahead whose waits run under torch.no_grad() (see NO_GRAD_WAITS)
+    "int8_ahead_nograd": {"quantized": True, "overlap": True},
+    # diagnosis only: gather-ahead that enqueues every chunk in step() (see EAGER)
+    "int8_ahead_eager": {"quantized": True, "overlap": True},
+    "delta_ahead": {"quantized": True, "overlap": True, "zero_quantized_weights_delta": True},
+    "delta": {"quantized": True, "overlap": False, "zero_quantized_weights_delta": True},
     # PyTorch FSDP2, plain and with qzero.fsdp's quantized gather, both reshard modes
     "fsdp2": {"backend": "fsdp2"},
     "fsdp2_int8": {"backend": "fsdp2", "quantized": True},
@@ -65,6 +71,24 @@ ARMS = {
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}
+#: Arms whose gather-ahead waits (forward pre-hooks, parameter reads) run under torch.no_grad()
+#: (patched here: a diagnosis of what the autograd-enabled forward adds to a chunk's launch).
+NO_GRAD_WAITS = {"int8_ahead_nograd"}
+#: Arms whose streamed gathers enqueue every chunk when they start (in ``step()``), not
+#: ``LOOKAHEAD`` at a time from the next forward's waits (patched here: ``engine.LOOKAHEAD``).
+EAGER = {"int8_ahead_eager"}
+
+
+@contextlib.contextmanager
+def eager_enqueue():
+    from qzero.wire import engine
+
+    lookahead = engine.LOOKAHEAD
+    engine.LOOKAHEAD = 1 << 30
+    try:
+        yield
+    finally:
+        engine.LOOKAHEAD = lookahead
 #: Arms whose stage-2 reducers add each sum straight into the fp32 shard (no landing shard).
 DIRECT_ADD = {"int8_ahead_direct", "plain_direct"}
 
@@ -108,6 +132,139 @@ def forward_never_waits():
         engine._Streamed.wait_until = wait_until
 
 
+@contextlib.contextmanager
+def waits_without_grad():
+    """Gather-ahead's forward pre-hooks and parameter reads run under ``torch.no_grad()``
+    (must wrap the backend's construction, as :func:`forward_never_waits`)."""
+    from qzero.wire import overlap
+
+    hook, wait_for = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for
+
+    def no_grad(method):
+        def wrapper(*args):
+            with torch.no_grad():
+                return method(*args)
+
+        return wrapper
+
+    overlap.GatherAhead._hook, overlap.GatherAhead.wait_for = no_grad(hook), no_grad(wait_for)
+    try:
+        yield
+    finally:
+        overlap.GatherAhead._hook, overlap.GatherAhead.wait_for = hook, wait_for
+
+
+class HostBreakdown:
+    """Where the host time of each phase (forward, backward, step) goes (``--host-breakdown``):
+    seconds and calls of the gather's chunk launches (``_Streamed._enqueue_through`` and the
+    inline schedule's ``_pump``), its packs and unpacks, gather-ahead's hooks and parameter
+    reads; synchronizing CUDA calls (``torch.cuda.set_sync_debug_mode``, with the qzero or
+    transformers frame that made them), the caching allocator's device allocations, frees and
+    retries, and Python's garbage collections. Installed before the backend is built (the
+    hooks are bound then); counts only while :attr:`phase` is set."""
+
+    TIMED = (("wire.engine", "_Streamed._enqueue_through"), ("wire.engine", "_Inline._pump"),
+             ("wire.engine", "pack_chunk"), ("wire.engine", "unpack_chunk"),
+             ("wire.overlap", "GatherAhead._hook"), ("wire.overlap", "GatherAhead.wait_for"))
+    ALLOC = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+    def __init__(self):
+        self.phase = None
+        self.totals: dict = {}
+        self._undo = []
+        self._stats = None
+        self.syncs: dict = {}
+
+    def _add(self, key, seconds, n=1):
+        if self.phase is None:
+            return
+        t = self.totals.setdefault(self.phase, {}).setdefault(key, [0, 0.0])
+        t[0] += n
+        t[1] += seconds
+
+    def install(self):
+        import gc
+        import importlib
+
+        for mod_name, qual in self.TIMED:
+            mod = importlib.import_module("qzero." + mod_name)
+            owner, _, attr = qual.rpartition(".")
+            target = getattr(mod, owner) if owner else mod
+            orig = getattr(target, attr)
+            key = qual.rpartition(".")[2].lstrip("_")
+
+            def timed(*args, _orig=orig, _key=key, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _orig(*args, **kw)
+                finally:
+                    self._add(_key, time.perf_counter() - t0)
+
+            setattr(target, attr, timed)
+            self._undo.append((target, attr, orig))
+        self._gc_t = None
+
+        def on_gc(phase, info):
+            if phase == "start":
+                self._gc_t = time.perf_counter()
+            elif self._gc_t is not None:
+                self._add("gc", time.perf_counter() - self._gc_t)
+
+        gc.callbacks.append(on_gc)
+        self._undo.append((gc.callbacks, None, on_gc))
+
+    def uninstall(self):
+        for target, attr, orig in reversed(self._undo):
+            if attr is None:
+                target.remove(orig)
+            else:
+                setattr(target, attr, orig)
+        self._undo = []
+
+    @contextlib.contextmanager
+    def counting(self, phase: str, sync: bool = False):
+        import traceback
+        import warnings
+
+        before = torch.cuda.memory_stats()
+        self.phase = phase
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            show = warnings.showwarning
+            sites = []
+
+            def record(message, category, filename, lineno, file=None, line=None):
+                frames = [f for f in traceback.extract_stack()[:-1]
+                          if "qzero" in f.filename or "transformers" in f.filename or "torch/nn" in f.filename]
+                sites.append(f"{str(message)[:60]} @ " + " < ".join(
+                    f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in frames[-3:][::-1]))
+
+            warnings.showwarning = record
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                warnings.showwarning = show
+                self.phase = None
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                record(w.message, w.category, w.filename, w.lineno)
+        for site in sites:
+            if "synchroniz" in site:
+                self.syncs[site] = self.syncs.get(site, 0) + 1
+        after = torch.cuda.memory_stats()
+        for k in self.ALLOC:
+            t = self.totals.setdefault(phase, {}).setdefault(k, [0, 0.0])
+            t[0] += after.get(k, 0) - before.get(k, 0)
+
+    def report(self, steps: int) -> dict:
+        """Per phase, per key: calls and host milliseconds per measured step; the sync sites."""
+        out = {ph: {k: [round(n / steps, 2), round(1e3 * sec / steps, 3)] for k, (n, sec) in d.items()}
+               for ph, d in self.totals.items()}
+        return {"per_step": out, "syncs": dict(sorted(self.syncs.items(), key=lambda kv: -kv[1])[:12])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-1.7b")
@@ -117,6 +274,9 @@ def main() -> None:
     ap.add_argument("--arms", default="plain,int8,int8_ahead")
     ap.add_argument("--deterministic", default="1", help="1, 0 or 1,0 (both)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--host-breakdown", action="store_true",
+                    help="per phase: host time of the gather's launches, packs, unpacks, hooks and reads; "
+                         "synchronizing CUDA calls; allocator device allocations/frees/retries; gc (see HostBreakdown)")
     ap.add_argument("--allgather-bucket-size", type=float, default=5e8, help="ZeroConfig.allgather_bucket_size")
     ap.add_argument("--reduce-bucket-size", type=float, default=5e7, help="ZeroConfig.reduce_bucket_size")
     ap.add_argument("--out", default=None)
@@ -149,8 +309,13 @@ def main() -> None:
                                    micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket_size),
                                    reduce_bucket_size=int(a.reduce_bucket_size), lr=1e-4, **ARMS[name],
                                    **({"check_finite": False} if a.fake_world and "backend" not in ARMS[name] else {})))
-            patch = forward_never_waits() if name in NO_WAIT else contextlib.nullcontext()
+            patch = (forward_never_waits() if name in NO_WAIT else
+                     waits_without_grad() if name in NO_GRAD_WAITS else
+                     eager_enqueue() if name in EAGER else contextlib.nullcontext())
             patch.__enter__()
+            hb = HostBreakdown() if a.host_breakdown else None
+            if hb is not None:
+                hb.install()
             backend = make_backend(s, lambda dt: build_model(cfg, dt, dev, 0), torch.bfloat16, dev)
             if name in DIRECT_ADD:
                 for grads in backend.opt.grads:
@@ -172,17 +337,24 @@ def main() -> None:
                                                               torch.profiler.ProfilerActivity.CUDA])
                     prof.__enter__()
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                # the breakdown counts the measured steps; synchronizing calls in the first of them
+                counting = (hb.counting if hb is not None and 2 <= step <= a.steps
+                            else lambda phase, sync=False: contextlib.nullcontext())
+                sync = step == 2
                 h0 = time.perf_counter()
                 ev[0].record()
-                logits = backend.model(input_ids=tokens[:, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                         tokens[:, 1:].reshape(-1))
+                with counting("fwd", sync):
+                    logits = backend.model(input_ids=tokens[:, :-1]).logits
+                    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                             tokens[:, 1:].reshape(-1))
                 h1 = time.perf_counter()
                 ev[1].record()
-                backend.backward(loss)
+                with counting("bwd", sync):
+                    backend.backward(loss)
                 ev[2].record()
                 h2 = time.perf_counter()
-                backend.step()
+                with counting("step", sync):
+                    backend.step()
                 h3 = time.perf_counter()
                 backend.zero_grad()
                 ev[3].record()
@@ -210,6 +382,9 @@ def main() -> None:
             backend.finish()
             patch.__exit__(None, None, None)
             row = {"arm": name, "deterministic": det, **{k: statistics.median(v) for k, v in t.items()}}
+            if hb is not None:
+                hb.uninstall()
+                row["host_breakdown"] = hb.report(a.steps - 1)
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)

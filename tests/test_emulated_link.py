@@ -411,3 +411,17 @@ def test_calibration_compares_exposures_and_fits_the_resident_ctas(tmp_path, mon
     fitted = cal.fit(emu, real, 1.25)
     assert fitted["ctas"] == 8 and set(fitted["scores"]) == {0, 8, 16}
     assert cal.time_scale(emu, real) == pytest.approx(floor / 400.0)
+
+
+def test_a_delivery_backdates_a_transfer_by_a_device_copy_not_by_milliseconds():
+    """The hold backdates a transfer's start by the delivery's estimated device time. At the
+    rate of a device copy (terabytes a second) 64 MiB take tens of microseconds; an estimate
+    in milliseconds would start transfers at the previous one's end although they were issued
+    later, and hide the gaps between a gather's chunks."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, BENCH)
+    import link_kernels as lk
+
+    ns = lk.delivery_ns(64 << 20)
+    assert 10_000 < ns < 100_000, ns
+    assert lk.delivery_ns(0) == lk.DELIVERY_FIXED_NS
