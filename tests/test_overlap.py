@@ -246,3 +246,28 @@ def test_parameters_read_inside_another_modules_forward_are_waited_for():
         for (l0, f0), (l1, f1) in zip(sync, ahead):
             assert l0 == l1, f"{order}: a stale out_proj weight was read under gather-ahead"
             assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(f0, f1))
+
+
+def two_forwards_per_step(rank, world):
+    """An evaluation forward between step() and the next training forward (no backward
+    between them): each forward starts again at the first module, in order."""
+    torch.manual_seed(0)
+    model = Net().bfloat16()
+    cfg = qzero.ZeroConfig(**CASES[0], overlap_param_gather=True)
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=cfg)
+    tokens = torch.randint(0, 41, (2, 9), generator=torch.Generator().manual_seed(rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with torch.no_grad():
+                model(tokens[:, :-1])  # evaluation: overlaps the gather
+            opt.backward(F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 41), tokens[:, 1:].reshape(-1)))
+            opt.step()
+            opt.zero_grad()
+    opt.wait_for_weights()
+    return [str(w.message) for w in caught if "gather-ahead" in str(w.message)]
+
+
+def test_a_second_forward_after_a_step_is_not_taken_for_an_out_of_order_one():
+    for warned in run_distributed(two_forwards_per_step, 2):
+        assert warned == []

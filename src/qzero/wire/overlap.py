@@ -180,6 +180,8 @@ class GatherAhead:
         self._position: dict[torch.nn.Module, int] = {}
         self._parent: dict[torch.nn.Module, torch.nn.Module] = {}
         self._handles: dict[torch.nn.Module, object] = {}
+        #: The model: its hook marks the start of a forward (the order check starts again there).
+        self._root = model
         for module in model.modules():
             for child in module.children():
                 self._parent.setdefault(child, module)
@@ -189,7 +191,8 @@ class GatherAhead:
             if ranges:
                 self._needs[module] = ranges
             # Every module gets a hook until the first forward has shown which ones run (see
-            # _learn); afterwards only those that wait for something keep theirs.
+            # _learn); afterwards only those that wait for something keep theirs, and the
+            # model (its hook marks where a forward starts).
             self._position[module] = len(self._position)
             self._handles[module] = module.register_forward_pre_hook(self._hook)
         #: Modules whose forward ran while LEARNING.
@@ -255,7 +258,7 @@ class GatherAhead:
                     up = self._parent.get(up)
                 if up is not None:
                     self._needs.setdefault(up, []).extend(self._needs.pop(module))
-        for module in [m for m in self._handles if m not in self._needs]:
+        for module in [m for m in self._handles if m not in self._needs and m is not self._root]:
             self._handles.pop(module).remove()
         self._index_needs()
 
@@ -274,6 +277,8 @@ class GatherAhead:
             return  # a copy of the model's module (see __deepcopy__)
         if self.state is AheadState.LEARNING:
             self._ran.add(module)
+        if module is self._root:
+            self._furthest = -1  # a new forward (an evaluation's, say, before the next training forward)
         if self.state in _OVERLAPPED and position < self._furthest - REORDER_TOLERANCE and not self._warned:
             warnings.warn(
                 "qzero gather-ahead: the forward runs modules far out of their registration order; weights stay "
