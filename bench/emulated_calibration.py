@@ -99,6 +99,8 @@ ARMS = {
     "plain": "",
     "int8": "quantized=true,overlap=false",
     "int8_ahead": "quantized=true,overlap=true",
+    # gather-ahead enqueuing 4 chunks past the one a forward waits for (the default enqueues all in step())
+    "int8_ahead_lazy": "quantized=true,overlap=true,gather_lookahead=4",
     "plain_ahead": "overlap=true",
     "int8_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_gradients=true",
     "fsdp2": "backend=fsdp2",

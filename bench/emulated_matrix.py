@@ -240,11 +240,6 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
 
     qzero.wire.engine.pack_chunk = _clearing_side_channel(qzero.wire.engine.pack_chunk)
     qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
-    # An experiment, not a setting: EMULATED_LOOKAHEAD=N makes the streamed gathers enqueue N
-    # chunks beyond the one waited for (``all``: every chunk when the gather starts, in step()).
-    lookahead = os.environ.get("EMULATED_LOOKAHEAD")
-    if lookahead:
-        qzero.wire.engine.LOOKAHEAD = 1 << 30 if lookahead == "all" else int(lookahead)
 
     s = TrainSettings(**given)
     kind = resolve_device(s)
@@ -254,7 +249,6 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     for i, model in enumerate(models):
         world.set_link(model)
         rec = _measure(backend, s, world, device, corpus, first_step=i * s.steps)
-        rec["lookahead"] = qzero.wire.engine.LOOKAHEAD
         records.append(rec)
         losses += rec["losses"]
         times += rec["step_times"]

@@ -58,8 +58,9 @@ ARMS = {
     "int8_ahead_nowait": {"quantized": True, "overlap": True},
     # diagnosis only: gather-ahead whose waits run under torch.no_grad() (see NO_GRAD_WAITS)
     "int8_ahead_nograd": {"quantized": True, "overlap": True},
-    # diagnosis only: gather-ahead that enqueues every chunk in step() (see EAGER)
-    "int8_ahead_eager": {"quantized": True, "overlap": True},
+    # gather-ahead enqueuing 4 chunks past the one waited for, from the forward's waits
+    # (ZeroConfig.gather_lookahead; the default 0 enqueues every chunk in step())
+    "int8_ahead_lazy": {"quantized": True, "overlap": True, "gather_lookahead": 4},
     "delta_ahead": {"quantized": True, "overlap": True, "zero_quantized_weights_delta": True},
     "delta": {"quantized": True, "overlap": False, "zero_quantized_weights_delta": True},
     # PyTorch FSDP2, plain and with qzero.fsdp's quantized gather, both reshard modes
@@ -74,21 +75,6 @@ NO_WAIT = {"int8_ahead_nowait"}
 #: Arms whose gather-ahead waits (forward pre-hooks, parameter reads) run under torch.no_grad()
 #: (patched here: a diagnosis of what the autograd-enabled forward adds to a chunk's launch).
 NO_GRAD_WAITS = {"int8_ahead_nograd"}
-#: Arms whose streamed gathers enqueue every chunk when they start (in ``step()``), not
-#: ``LOOKAHEAD`` at a time from the next forward's waits (patched here: ``engine.LOOKAHEAD``).
-EAGER = {"int8_ahead_eager"}
-
-
-@contextlib.contextmanager
-def eager_enqueue():
-    from qzero.wire import engine
-
-    lookahead = engine.LOOKAHEAD
-    engine.LOOKAHEAD = 1 << 30
-    try:
-        yield
-    finally:
-        engine.LOOKAHEAD = lookahead
 #: Arms whose stage-2 reducers add each sum straight into the fp32 shard (no landing shard).
 DIRECT_ADD = {"int8_ahead_direct", "plain_direct"}
 
@@ -108,7 +94,7 @@ def forward_never_waits():
         if not inside[0]:
             return wait_until(self, chunk_index)
         n = len(self.plan.chunks)
-        last = min(min(chunk_index, n - 1) + engine.LOOKAHEAD, n - 1)
+        last = min(min(chunk_index, n - 1) + self._lookahead, n - 1)
         if self._enqueued <= last:
             self._enqueue_through(last)
 
@@ -310,8 +296,7 @@ def main() -> None:
                                    reduce_bucket_size=int(a.reduce_bucket_size), lr=1e-4, **ARMS[name],
                                    **({"check_finite": False} if a.fake_world and "backend" not in ARMS[name] else {})))
             patch = (forward_never_waits() if name in NO_WAIT else
-                     waits_without_grad() if name in NO_GRAD_WAITS else
-                     eager_enqueue() if name in EAGER else contextlib.nullcontext())
+                     waits_without_grad() if name in NO_GRAD_WAITS else contextlib.nullcontext())
             patch.__enter__()
             hb = HostBreakdown() if a.host_breakdown else None
             if hb is not None:

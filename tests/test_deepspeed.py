@@ -379,6 +379,8 @@ def test_moe_groups_use_their_own_process_group():
             "did you mean small_param_numel?"]),
         (dict(zero_quantized_weights=False, zero_quantized_weights_small_param_numel=64), {}, ["small_param_numel"]),
         (dict(zero_quantized_weights="yes"), {}, ["'yes'"]),
+        (dict(gather_lookahead=-2), {}, ["gather_lookahead must be an int >= 0", "-2"]),
+        (dict(stage=3, gather_lookahead=4), {}, ["stage 3", "gather_lookahead=4"]),
     ],
 )
 def test_config_refusals(zero, extra, words):
@@ -404,6 +406,8 @@ def test_prepare_config_strips_only_a_copy():
     assert not any(k in zero for k in qds.QZERO_KEYS) and "zero_quantized_weights" not in zero
     assert prepared.settings == qds.QuantizedWeightsSettings(zero_quantized_weights_group_size=32,
                                                              small_param_numel=SMALL)
+    lazy = qds.prepare_config(ds_config(zero_quantized_weights=True, gather_lookahead=4))
+    assert lazy.settings.gather_lookahead == 4 and "gather_lookahead" not in lazy.ds_config["zero_optimization"]
     # off: qzero's keys go, DeepSpeed's own key stays, nothing to patch
     off = qds.prepare_config(ds_config(zero_quantized_weights=False, zero_quantized_weights_group_size=32))
     assert not off.quantize and off.ds_config["zero_optimization"]["zero_quantized_weights"] is False

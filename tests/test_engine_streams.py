@@ -46,10 +46,10 @@ def fake_cuda(monkeypatch_like, log):
     return streams, state
 
 
-def worker(rank, world, fmt):
+def worker(rank, world, fmt, lookahead=4):
     import qzero.wire.chunks as chunks
     import qzero.wire.engine as engine
-    from qzero.wire.engine import LOOKAHEAD, CommContext, start_gather
+    from qzero.wire.engine import CommContext, start_gather
     from qzero.layout import plan_gather
 
     log = []
@@ -88,7 +88,7 @@ def worker(rank, world, fmt):
     want[rank * p : (rank + 1) * p] = truth[rank * p : (rank + 1) * p]
     got = want.clone()
     start_gather(want, plan, None, CommContext("cpu", schedule="inline")).wait()
-    context = CommContext("cpu", schedule="inline", all_gather=gather)
+    context = CommContext("cpu", schedule="inline", all_gather=gather, lookahead=lookahead)
     context.schedule, context.streams = "streams", {"pack": streams["pack"], "unpack": streams["unpack"]}
     del log[:]
     handle = start_gather(got, plan, None, context, ahead=True)
@@ -105,13 +105,15 @@ def worker(rank, world, fmt):
                                             for e in log]
 
 
-@pytest.mark.parametrize("world,fmt", [(3, "int8"), (3, None), (1, "int8")])
-def test_streams_schedule_host_protocol(world, fmt):
-    from qzero.wire.engine import LOOKAHEAD
-
-    for want, got, n, counts, restored, log in run_distributed(worker, world, fmt):
+@pytest.mark.parametrize("world,fmt,lookahead", [(3, "int8", 4), (3, None, 4), (1, "int8", 4), (3, "int8", 0),
+                                                (3, None, 0)])
+def test_streams_schedule_host_protocol(world, fmt, lookahead):
+    """``lookahead`` 4: four chunks out when the gather starts, each wait enqueues through four
+    past its chunk; 0 (ZeroConfig.gather_lookahead's default): every chunk out at the start."""
+    for want, got, n, counts, restored, log in run_distributed(worker, world, fmt, lookahead):
         assert torch.equal(want.view(torch.int16), got.view(torch.int16))
-        assert n > LOOKAHEAD + 1
+        assert n > 4 + 1
+        ahead = lookahead or n
         assert all(restored)
         records = [e for e in log if e[0] == "record"]
         if world == 1:  # no collective: the unpack stream waits for the pack's event
@@ -120,7 +122,9 @@ def test_streams_schedule_host_protocol(world, fmt):
             assert sum(e[0] == "wait" and e[1] == "unpack" for e in log) == n
             continue
         # how many collectives are out depends on the calls alone
-        assert counts == [min(LOOKAHEAD, n)] + [min(k + 1 + LOOKAHEAD, n) for k in range(n)]
+        assert counts == [min(ahead, n)] + [min(k + 1 + ahead, n) for k in range(n)]
+        if lookahead == 0:
+            assert counts == [n] * (n + 1)
         kinds = [e[0] for e in log]
         assert kinds.count("collective") == n and all(e[1:] == ("pack", True) for e in log if e[0] == "collective")
         assert kinds.count("work.wait") == n and not any(e[0] == "wait" and e[1] == "unpack" for e in log)
@@ -157,12 +161,13 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
                        allgather_bucket_size=64 * 4)
     params = list(model.parameters())
     ranges = [(p, 0, i * plan.numel // len(params), (i + 1) * plan.numel // len(params)) for i, p in enumerate(params)]
-    context = CommContext("cpu", schedule="inline")
+    context = CommContext("cpu", schedule="inline", lookahead=4)  # lazily: the forward's waits enqueue
     context.schedule, context.streams = "streams", {"pack": streams["pack"], "unpack": streams["unpack"]}
     with sp.forward_never_waits():
         ahead = overlap.GatherAhead.from_ranges(model, ranges, 1)
         handle = start_gather(torch.zeros(plan.numel, dtype=torch.bfloat16), plan, None, context, ahead=True)
         ahead.start(0, handle)
+        assert handle._enqueued == 4
         del log[:]
         model(torch.zeros(2, 4))
         assert handle._enqueued == len(handle.plan.chunks) > 4 and handle.finished == 0

@@ -2,6 +2,7 @@
 
 import functools
 import random
+import re
 import time
 import warnings
 
@@ -271,3 +272,32 @@ def two_forwards_per_step(rank, world):
 def test_a_second_forward_after_a_step_is_not_taken_for_an_out_of_order_one():
     for warned in run_distributed(two_forwards_per_step, 2):
         assert warned == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4", None])
+def test_gather_lookahead_must_be_a_count(bad):
+    with pytest.raises(ValueError, match=rf"gather_lookahead must be an int >= 0 .*got {re.escape(repr(bad))}"):
+        qzero.ZeroConfig(gather_lookahead=bad)
+    with pytest.raises(ValueError, match="gather lookahead must be an int >= 0"):
+        from qzero.wire.engine import CommContext
+
+        CommContext("cpu", lookahead=bad)
+
+
+def lookahead_on_one_rank(rank, world):
+    model = Net().bfloat16()
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = qzero.ZeroConfig(**CASES[0], overlap_param_gather=True, gather_lookahead=4 if rank == world - 1 else 0)
+    try:
+        qzero.ZeroOptimizer(model, torch.optim.AdamW, config=cfg)
+    except ValueError as e:
+        return str(e), all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return None, True
+
+
+def test_a_gather_lookahead_that_differs_across_ranks_is_refused_on_every_rank():
+    """Ranks that enqueue their chunks at different points would order a collective the user
+    issues during the forward differently (and hang): refused at construction, on every rank."""
+    for message, unchanged in run_distributed(lookahead_on_one_rank, 3):
+        assert message is not None and "config differs between ranks: gather_lookahead: 0 (ranks 0, 1), 4 (rank 2)" in message, message
+        assert unchanged

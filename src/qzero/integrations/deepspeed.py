@@ -210,7 +210,7 @@ def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettin
 def _fields(plan: GatherPlan, dtype: torch.dtype, settings: QuantizedWeightsSettings) -> dict[str, int]:
     """What every rank of a group must agree on, as integers: the plan's, the threshold, gather-ahead."""
     return {**plan_fields(plan, dtype), "small_param_numel": settings.small_param_numel,
-            "overlap_param_gather": int(settings.overlap_param_gather)}
+            "overlap_param_gather": int(settings.overlap_param_gather), "gather_lookahead": settings.gather_lookahead}
 
 
 # --------------------------------------------------------------------------- the replacement gather
@@ -263,7 +263,8 @@ class QuantizedGather:
         if error is not None:
             raise error  # no flat group has peers to tell
         # The streams and kernels of the gathers (DeepSpeed's flat groups share one device).
-        self.context = CommContext(self.groups_flat[0].device) if self.groups_flat else None
+        self.context = (CommContext(self.groups_flat[0].device, lookahead=settings.gather_lookahead)
+                        if self.groups_flat else None)
         _warn_if_no_saving(self.plans)
 
     def _plan_agreed(self, layout: FlatGroups, index: int, error: Exception | None = None) -> GroupGather | None:
@@ -407,6 +408,7 @@ def enable(
     small_param_numel: int = ZeroConfig.small_param_numel,
     allgather_bucket_size: int | None = None,
     overlap_param_gather: bool = False,
+    gather_lookahead: int = 0,
     model: torch.nn.Module | None = None,
     **short,
 ) -> QuantizedGather:
@@ -434,7 +436,8 @@ def enable(
         settings = QuantizedWeightsSettings(**keyword_settings(enable, dict(
             zero_quantized_weights_group_size=zero_quantized_weights_group_size,
             zero_quantized_weights_format=zero_quantized_weights_format, small_param_numel=small_param_numel,
-            allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather), short,
+            allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather,
+            gather_lookahead=gather_lookahead), short,
             RENAMED_GATHER_KEYWORDS))
         check_deepspeed_version()
         _check_optimizer_state(flat_groups(opt))

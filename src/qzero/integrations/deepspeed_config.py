@@ -22,9 +22,10 @@ GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
 FORMAT_KEY = "zero_quantized_weights_format"
 SMALL_PARAM_KEY = "small_param_numel"
 OVERLAP_KEY = "overlap_param_gather"
+LOOKAHEAD_KEY = "gather_lookahead"
 #: qzero's own ``zero_optimization`` keys: DeepSpeed's config model rejects unknown keys,
 #: so they are taken out of (a copy of) the config before DeepSpeed sees it.
-QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY, OVERLAP_KEY)
+QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY, OVERLAP_KEY, LOOKAHEAD_KEY)
 #: DeepSpeed's ZeRO++ gradient key (DeepSpeed implements it at stage 3 only) and qzero's
 #: refinements of it (:attr:`qzero.ZeroConfig.zero_quantized_gradients`), which DeepSpeed does not know.
 GRAD_ENABLE_KEY = "zero_quantized_gradients"
@@ -57,6 +58,9 @@ class QuantizedWeightsSettings:
     """Gather-ahead: start the gather at the end of the optimizer step and let each module of
     the next forward wait for its own chunks (:mod:`qzero.integrations.deepspeed_ahead`).
     Off by default here: DeepSpeed users opt in with ``zero_optimization.overlap_param_gather``."""
+    gather_lookahead: int = ZeroConfig.gather_lookahead
+    """:attr:`qzero.ZeroConfig.gather_lookahead`: 0, every chunk enqueued by the optimizer step;
+    N, N chunks past the one a forward waits for."""
 
     def __post_init__(self) -> None:
         if self.allgather_bucket_size is not None:
@@ -77,6 +81,7 @@ class QuantizedWeightsSettings:
             zero_quantized_weights_format=self.zero_quantized_weights_format,
             small_param_numel=self.small_param_numel,
             overlap_param_gather=self.overlap_param_gather,
+            gather_lookahead=self.gather_lookahead,
             allgather_bucket_size=max(self.allgather_bucket_size or 0, group if isinstance(group, int) else 0,
                                       DEFAULT_GROUP_SIZE),
         )
@@ -218,6 +223,8 @@ def _describe_non_default(settings: QuantizedWeightsSettings) -> str:
         parts.append(f"{SMALL_PARAM_KEY}={settings.small_param_numel}")
     if settings.overlap_param_gather != default.overlap_param_gather:
         parts.append(f"{OVERLAP_KEY}={settings.overlap_param_gather}")
+    if settings.gather_lookahead != default.gather_lookahead:
+        parts.append(f"{LOOKAHEAD_KEY}={settings.gather_lookahead}")
     return ", ".join(parts)
 
 

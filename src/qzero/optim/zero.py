@@ -78,7 +78,8 @@ class ZeroOptimizer:
             groups, names = _split_groups(model, param_groups)
             _check_flattenable(groups, names, config, world)
             # The streams and kernels of every gather this optimizer runs.
-            context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels)
+            context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels,
+                                  lookahead=config.gather_lookahead)
             if config.copy_engine_collectives:
                 check_copy_engine_support(context.device, process_group)
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
@@ -95,6 +96,8 @@ class ZeroOptimizer:
             # model, and the inner optimizer as built (class, every group's hyperparameters).
             # Later changes to param_groups (an LR scheduler's) are the caller's to keep alike.
             inner_fields, details = optimizer_fields(inner)
+            # a config that differs is reported by the fields that differ
+            details = {**(details or {}), "config": {k: repr(v) for k, v in config.to_dict().items()}}
             fields = {**_delta_fields(config), "config": config.digest(),
                       "model (parameter and buffer shapes)": _model_digest(model, groups), **inner_fields}
         except Exception as e:  # noqa: BLE001 - any local failure is agreed on, so no peer waits for this rank

@@ -32,13 +32,15 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
     the current stream twice and records one event (after the unpack); the Triton kernels
     are launched through their compiled form (:meth:`qzero.quant.triton_launch.Launcher.launch`).
 
-    The host *enqueues* chunks lazily: the first ``LOOKAHEAD`` at the start, and each
-    ``wait_until(k)`` enqueues through ``k + LOOKAHEAD`` before it waits. Launching a
-    chunk costs the host a few kernel and collective launches; enqueuing all of them at the
-    end of ``step()`` held the next forward back by that much (184 ms of host time in
-    ``step()`` for a Qwen3-4B at a 50M-element bucket, at about 1 ms per chunk with the
-    update sliced per chunk), while inside the forward the host mostly runs ahead of the
-    device.
+    The host enqueues every chunk when the gather starts (``CommContext.lookahead`` 0,
+    ``ZeroConfig.gather_lookahead``'s default), or lazily with a lookahead ``L > 0``: the
+    first ``L`` at the start, and each ``wait_until(k)`` enqueues through ``k + L`` before it
+    waits. Launching a chunk costs the host about 0.2-0.3 ms (a few kernel and collective
+    launches). Inside a forward that is host-bound (a small model, a fast link) that time
+    is the step's: Qwen3-1.7B with 37 chunks spent 22 ms more forward time enqueuing lazily
+    than with every chunk enqueued in ``step()``, where the device is still busy with the
+    update. The lazy form is for models that run collectives of their own on the same
+    group during the forward: those queue behind every chunk already enqueued.
 
 ``inline`` (every device; the only one off CUDA)
     Pack and unpack run on the current stream; collectives are launched asynchronously
@@ -89,8 +91,6 @@ from ..quant import kernels_for
 STAGES = ("pack", "gather", "unpack")
 #: Chunks the ``inline`` schedule keeps in flight under gather-ahead.
 DEPTH = 2
-#: Chunks the ``streams`` schedule enqueues beyond the one being waited for.
-LOOKAHEAD = 4
 
 
 class GatherStats(NamedTuple):
@@ -153,14 +153,18 @@ class CommContext:
     e.g. one that delays every launch and wait to shake out a missing wait. ``delays``: GPU
     clock cycles to spin before each step of a stage (``pack``, ``gather``: on the pack stream
     before the collective is issued, ``unpack``), on CUDA only: delaying one stage exposes any
-    missing wait between streams.
+    missing wait between streams. ``lookahead``: the ``streams`` schedule's chunks enqueued
+    beyond the one waited for; 0 (default): every chunk when the gather starts (see the note
+    above; ``ZeroConfig.gather_lookahead``).
     """
 
     def __init__(self, device: torch.device | str, *, schedule: str = "auto", kernels="auto",
-                 all_gather=None, delays: dict[str, int] | None = None):
+                 all_gather=None, delays: dict[str, int] | None = None, lookahead: int = 0):
         device = torch.device(device)
         if schedule not in GATHER_SCHEDULES:
             raise ValueError(f"gather schedule must be one of {GATHER_SCHEDULES}, got {schedule!r}")
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"gather lookahead must be an int >= 0 (0: every chunk at the start), got {lookahead!r}")
         if schedule == "streams" and device.type != "cuda":
             raise ValueError(f"gather schedule 'streams' needs CUDA tensors, got device {device}")
         delays = dict(delays or {})
@@ -182,6 +186,9 @@ class CommContext:
         self.copy_engine = None
         #: The collective every chunk runs.
         self.all_gather = chunks.all_gather_into if all_gather is None else all_gather
+        #: Chunks the ``streams`` schedule enqueues beyond the one being waited for; 0: every
+        #: chunk when the gather starts (``ZeroConfig.gather_lookahead``).
+        self.lookahead = lookahead
         #: Cycles to spin before each stage (see above).
         self.delays = {stage: int(delays.get(stage, 0)) for stage in STAGES}
         #: What running plans derives, kept for as long as this context lives.
@@ -431,7 +438,8 @@ class _Streamed(_ChunkLoop):
         self._waited = None  # the last of self._ready the pack stream waits for
         self._enqueued = 0
         # Never more, never fewer, depending on timing: see "the same on every rank" above.
-        self._enqueue_through(min(LOOKAHEAD, n) - 1)
+        self._lookahead = context.lookahead or n
+        self._enqueue_through(min(self._lookahead, n) - 1)
 
     def _buffer(self, k: int) -> torch.Tensor:
         return self._recv[k % 2][: self.world * self.plan.chunks[k].payload_bytes]
@@ -473,7 +481,7 @@ class _Streamed(_ChunkLoop):
     def wait_until(self, chunk_index: int) -> None:
         n = len(self.plan.chunks)
         k = min(chunk_index, n - 1)
-        last = min(k + LOOKAHEAD, n - 1)
+        last = min(k + self._lookahead, n - 1)
         if self._enqueued <= last:
             with peer_failure("the weight gather"):
                 self._enqueue_through(last)
