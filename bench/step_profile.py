@@ -270,6 +270,14 @@ def main() -> None:
                     help="one process as rank 0 of N under torch's fake process group (one GPU): every arm's "
                          "local work at DP-N (its kernels, launches and update on its partition), no traffic")
     a = ap.parse_args()
+    for name in a.arms.split(","):  # every arm checked before any work
+        if name not in ARMS:
+            raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
+        if a.fake_world and ARMS[name].get("zero_quantized_weights_delta"):
+            # the fake group's collectives leave their outputs unwritten: a delta gather then
+            # adds garbage differences to the replicas and (rightly) refuses them as non-finite
+            raise SystemExit(f"arm {name!r}: a delta gather needs collectives that deliver data; "
+                             "--fake-world's do not (use bench/emulated_matrix.py --links none)")
     if a.fake_world:
         from one_gpu import init_fake_world
 
@@ -289,8 +297,6 @@ def main() -> None:
         else:
             torch.use_deterministic_algorithms(False)
         for name in a.arms.split(","):
-            if name not in ARMS:
-                raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
             s = settings_from(dict(preset=a.preset, world_size=world, device="cuda", seq_len=a.seq_len,
                                    micro_batch=a.micro_batch, allgather_bucket_size=int(a.allgather_bucket_size),
                                    reduce_bucket_size=int(a.reduce_bucket_size), lr=1e-4, **ARMS[name],
