@@ -200,14 +200,18 @@ class ZeroConfig:
     when the gather starts, so the next forward carries none of the gather's host work (its
     pre-hooks only make the compute stream wait for events). ``N > 0``: ``step()`` enqueues
     ``N`` chunks and each wait enqueues through ``N`` past the chunk it waits for. Memory is the
-    same either way (two receive buffers, reused in stream order). Measured on one H200
-    (``bench/results/profiles/gather_ahead_enqueue/``): enqueuing every chunk in ``step()`` was
-    never slower and up to 15% faster per step where the forward is host-bound (Qwen3-1.7B
-    with no link: 212.0 ms against 249.1 ms with ``N = 4``; emulated NVLink 4B: 401.1 against
-    441.6 ms). Set ``N`` where the model runs collectives of its own on the data-parallel
-    group inside the forward (SyncBatchNorm, say): those queue behind every chunk already
-    enqueued on that group. The inline schedule (off CUDA) keeps two chunks in flight either
-    way."""
+    same either way (two receive buffers, reused in stream order). Why 0: a chunk's launch
+    costs the host ~0.2-0.3 ms, and where the forward is host-bound (a small model, a fast
+    link) that time lands on the step when it is spent inside the forward, while ``step()``
+    spends it as the device runs the update. Measured on one H200, one run each
+    (``bench/results/profiles/gather_ahead_enqueue/``): the same step on emulated PCIe- and
+    Ethernet-class links (Qwen3-4B: 488.0 against 488.7 ms, 1766.6 against 1764.6 ms with
+    ``N = 4``); faster where the forward is host-bound (Qwen3-1.7B with 37 chunks and no
+    link: 212.0 against 249.1 ms; emulated NVLink 4B: 401.1 against 441.6 ms), in a regime
+    where single runs of one setting differ by up to 20%. Set ``N`` where the model runs
+    collectives of its own on the data-parallel group inside the forward (SyncBatchNorm, say):
+    those queue behind every chunk already enqueued on that group. The inline schedule (off
+    CUDA) keeps two chunks in flight either way."""
 
     sliced_update: bool = True
     """Adam/AdamW, from the second step: update the master shard in slices as the gather
