@@ -1196,7 +1196,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     listed under ``rebuilt_from``. What the records do not hold is null: exit codes, the streamed per-step
     seconds (the records' ``step_times`` give ``median_step_s``), and whatever ``environment`` / ``wall_s``
     leave out."""
-    from qzero.app.train import flat_settings
+    from qzero.app.train import TrainSettings, flat_settings
 
     present = [a for a in arm_order if a.name in records]
     if not present:
@@ -1205,9 +1205,13 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
     flat = {a.name: flat_settings(records[a.name]["settings"]) for a in present}  # older records too
     # what the arms share: every setting but the gather's format (and gather-ahead, which follows it)
     own = (*Arm("", False).zero_fields(), "overlap_param_gather", "zero_quantized_weights_delta")
+    # a setting an older record lacks is the TrainSettings default the code then had
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)
+                if f.default is not dataclasses.MISSING}
     for arm in present:
         s, f = flat[arm.name], flat[present[0].name]
-        diff = [k for k in sorted(set(s) | set(f)) if k not in own and s.get(k) != f.get(k)]
+        diff = [k for k in sorted(set(s) | set(f))
+                if k not in own and s.get(k, defaults.get(k)) != f.get(k, defaults.get(k))]
         if diff or records[arm.name].get("params") != first.get("params"):
             raise ValueError(f"arm {arm.name}: its record differs from {present[0].name}'s in {diff or ['params']}")
         q, fmt, group = s["zero_quantized_weights"], s["zero_quantized_weights_format"], s["zero_quantized_weights_group_size"]
