@@ -172,6 +172,9 @@ def test_callback_refusals():
         QZeroCallback(fmt="int3")
     with pytest.raises(ValueError, match="zero_quantized_weights_group_size must be a positive multiple of 8"):
         QZeroCallback(zero_quantized_weights_group_size=12)
+    with pytest.raises(ValueError, match=r"gather_lookahead must be an int >= 0 .*got -1"):
+        QZeroCallback(gather_lookahead=-1)
+    assert QZeroCallback(gather_lookahead=4).settings.gather_lookahead == 4  # handed to enable() as it is
     # a keyword of an earlier release: refused, naming the one that replaced it
     with pytest.raises(TypeError, match=r"QZeroCallback\(\) got an unexpected keyword argument 'bucket_numel'; "
                                         r"did you mean allgather_bucket_size="):

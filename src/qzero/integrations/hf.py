@@ -59,6 +59,7 @@ class QZeroCallback(TrainerCallback):
         small_param_numel: int = ZeroConfig.small_param_numel,
         allgather_bucket_size: int | None = None,
         overlap_param_gather: bool = False,
+        gather_lookahead: int = ZeroConfig.gather_lookahead,
         **short,
     ):
         if enabled is not None and not isinstance(enabled, bool):
@@ -67,8 +68,8 @@ class QZeroCallback(TrainerCallback):
         self.settings = qds.QuantizedWeightsSettings(**keyword_settings(QZeroCallback.__init__, dict(
             zero_quantized_weights_group_size=zero_quantized_weights_group_size,
             zero_quantized_weights_format=zero_quantized_weights_format, small_param_numel=small_param_numel,
-            allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather), short,
-            RENAMED_GATHER_KEYWORDS))
+            allgather_bucket_size=allgather_bucket_size, overlap_param_gather=overlap_param_gather,
+            gather_lookahead=gather_lookahead), short, RENAMED_GATHER_KEYWORDS))
         self.enabled = enabled
         self.gather: qds.QuantizedGather | None = None
         self._optimizer = None  # DeepSpeed's optimizer, for its overflow flag
