@@ -1,0 +1,181 @@
+"""Convergence over several runs: does an arm's final loss differ from bf16 by more than a
+target, once the spread between runs is counted?
+
+One run of ``bench/convergence.py`` gives each arm's final loss (mean of the last ``--last``
+steps) and its difference from the reference arm of the same run (bf16, same batches). Two
+runs of the same arm differ by a few tenths of a percent (non-deterministic kernels; other
+seeds), so a single run cannot decide a target of that size. This script reads the
+``convergence.json`` of several runs (other seeds, or repeats of one seed) and, per arm:
+
+* the difference from the reference in every run (Δ %, paired within the run: the reference
+  saw the same batches), and their mean, standard deviation and a two-sided 95% interval
+  of the mean (Student's t over the runs);
+* the same for the final held-out loss, where the runs measured one;
+* a verdict against ``--target`` (percent): **within** when the whole interval lies inside
+  ±target, **outside** when the whole interval lies outside it, **undecided** otherwise
+  (too few runs, or a mean near the edge). One run is always undecided.
+
+The reference's own spread is reported too, where two runs share a seed: the difference
+between their reference arms' final losses is what one run's Δ can be off by.
+
+    python bench/convergence_seeds.py bench/results/convergence/dp2_delta_gathers/seed0 \\
+        bench/results/convergence/dp2_delta_gathers/seed1 --target 0.25 --out OUT
+
+Writes ``OUT/seeds.md`` and ``OUT/seeds.json`` and prints the table. Pure Python: no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+#: Two-sided 97.5% quantiles of Student's t by degrees of freedom (1..30); larger: the normal's.
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042]
+
+
+def t975(dof: int) -> float:
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {dof}")
+    return _T975[dof - 1] if dof <= len(_T975) else 1.960
+
+
+def load_run(path: str) -> dict:
+    """A run's ``convergence.json`` (``path`` is the file or its folder), checked for what the
+    aggregation needs."""
+    file = os.path.join(path, "convergence.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"{path}: no convergence.json there")
+    with open(file) as f:
+        run = json.load(f)
+    summary = run.get("summary")
+    if not isinstance(summary, dict) or "arms" not in summary or "reference" not in summary:
+        raise ValueError(f"{file}: not a bench/convergence.py study (no summary with arms and a reference)")
+    run["_file"] = file
+    return run
+
+
+def interval(values: list[float]) -> dict:
+    """Mean, standard deviation and the 95% interval of the mean (None with one value)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return {"n": n, "mean": mean, "sd": None, "lo": None, "hi": None}
+    sd = statistics.stdev(values)
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
+
+
+def verdict(stats: dict, target: float) -> str:
+    """``within``, ``outside`` or ``undecided`` (see the module note)."""
+    if stats["lo"] is None:
+        return "undecided"
+    if -target <= stats["lo"] and stats["hi"] <= target:
+        return "within"
+    if stats["lo"] > target or stats["hi"] < -target:
+        return "outside"
+    return "undecided"
+
+
+def aggregate(runs: list[dict], target: float) -> dict:
+    """Per arm, over the runs that have it: Δ % of the final loss (and of the final held-out
+    loss) from each run's reference, their interval and the verdict."""
+    references = {r["summary"]["reference"] for r in runs}
+    if len(references) != 1:
+        raise ValueError(f"the runs compare against different reference arms: {sorted(references)}")
+    reference = references.pop()
+    shapes = {(r.get("preset"), r.get("steps"), r.get("seq_len"), r.get("micro_batch"), r.get("world_size"),
+               r.get("lr"), r.get("last")) for r in runs}
+    if len(shapes) != 1:
+        raise ValueError("the runs are of different studies (preset, steps, seq_len, micro_batch, world_size, lr, "
+                         f"last differ): {sorted(map(str, shapes))}")
+    names = []
+    for r in runs:
+        names += [n for n in r["summary"]["arms"] if n not in names]
+    arms = {}
+    for name in names:
+        if name == reference:
+            continue
+        have = [r for r in runs if name in r["summary"]["arms"]]
+        deltas = [r["summary"]["arms"][name]["diff_pct"] for r in have]
+        held = [r["heldout_summary"]["arms"][name]["diff_pct"] for r in have
+                if (r.get("heldout_summary") or {}).get("arms", {}).get(name, {}).get("diff_pct") is not None]
+        stats = interval(deltas)
+        arms[name] = {
+            "label": have[0]["arms"].get(name, {}).get("label", name),
+            "runs": [{"file": r["_file"], "seed": r.get("seed"), "diff_pct": d} for r, d in zip(have, deltas)],
+            "diff_pct": stats,
+            "verdict": verdict(stats, target),
+            "heldout_diff_pct": interval(held) if held else None,
+        }
+    # the reference against itself: runs that share a seed
+    by_seed: dict = {}
+    for r in runs:
+        by_seed.setdefault(r.get("seed"), []).append(r["summary"]["arms"][reference]["final_loss"])
+    repeats = {str(seed): losses for seed, losses in by_seed.items() if len(losses) > 1}
+    spread = {seed: 100.0 * (max(v) - min(v)) / min(v) for seed, v in repeats.items()}
+    return {"reference": reference, "target_pct": target, "runs": [r["_file"] for r in runs],
+            "seeds": [r.get("seed") for r in runs], "arms": arms, "reference_spread_pct": spread}
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.2f}%"
+
+
+def markdown(result: dict) -> str:
+    ref, target = result["reference"], result["target_pct"]
+    lines = [
+        f"# Final loss against {ref} over {len(result['runs'])} runs (seeds {', '.join(map(str, result['seeds']))})",
+        "",
+        f"Δ = the arm's final loss minus {ref}'s in the same run, in % of {ref}'s; interval: two-sided 95% of "
+        f"the mean over the runs (Student's t); verdict against ±{target}%: within when the whole interval "
+        "is inside, outside when it is wholly outside, otherwise undecided.",
+        "",
+        "| arm | runs | Δ per run | mean Δ | SD | 95% interval | verdict | held-out: mean Δ [95%] |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in result["arms"].items():
+        d = a["diff_pct"]
+        per = ", ".join(_pct(x["diff_pct"]) for x in a["runs"])
+        iv = "—" if d["lo"] is None else f"[{d['lo']:+.2f}%, {d['hi']:+.2f}%]"
+        sd = "—" if d["sd"] is None else f"{d['sd']:.2f}%"
+        h = a["heldout_diff_pct"]
+        held = "—" if h is None else (_pct(h["mean"]) + ("" if h["lo"] is None else f" [{h['lo']:+.2f}%, {h['hi']:+.2f}%]"))
+        lines.append(f"| {a['label']} | {d['n']} | {per} | {_pct(d['mean'])} | {sd} | {iv} | {a['verdict']} | {held} |")
+    if result["reference_spread_pct"]:
+        lines += ["", f"{ref} against itself (runs of one seed): " + "; ".join(
+            f"seed {s}: {v:.2f}% between its runs" for s, v in result["reference_spread_pct"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of bench/convergence.py runs")
+    ap.add_argument("--target", type=float, default=0.5, help="percent (default 0.5)")
+    ap.add_argument("--out", default=None, help="write seeds.md and seeds.json here")
+    args = ap.parse_args(argv)
+    if not args.target > 0:
+        ap.error(f"--target must be a positive percent, got {args.target}")
+    try:
+        result = aggregate([load_run(p) for p in args.runs], args.target)
+    except ValueError as e:
+        print(f"convergence_seeds: error: {e}", file=sys.stderr)
+        return 2
+    text = markdown(result)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "seeds.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(args.out, "seeds.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
