@@ -86,39 +86,36 @@ class HostBreakdown:
 
     @contextlib.contextmanager
     def counting(self, phase: str, sync: bool = False):
+        """Count ``phase`` while the block runs; ``sync``: also record synchronizing CUDA calls."""
         import traceback
         import warnings
 
         cuda = torch.cuda.is_available()
         before = torch.cuda.memory_stats() if cuda else {}
+        sites = []
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "qzero" in f.filename or "transformers" in f.filename or "torch/nn" in f.filename]
+            sites.append(f"{str(message)[:60]} @ " + " < ".join(
+                f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in frames[-3:][::-1]))
+
         self.phase = phase
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():  # restores the filters and showwarning on the way out
             warnings.simplefilter("always")
+            warnings.showwarning = record
             if cuda and sync:
                 torch.cuda.set_sync_debug_mode(1)  # warn at every synchronizing call
-            show = warnings.showwarning
-            sites = []
-
-            def record(message, category, filename, lineno, file=None, line=None):
-                frames = [f for f in traceback.extract_stack()[:-1]
-                          if "qzero" in f.filename or "transformers" in f.filename or "torch/nn" in f.filename]
-                sites.append(f"{str(message)[:60]} @ " + " < ".join(
-                    f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in frames[-3:][::-1]))
-
-            warnings.showwarning = record
             try:
                 yield
             finally:
-                if cuda:
+                if cuda and sync:
                     torch.cuda.set_sync_debug_mode(0)
-                warnings.showwarning = show
                 self.phase = None
-        for w in caught:
-            if "synchroniz" in str(w.message):
-                record(w.message, w.category, w.filename, w.lineno)
         for site in sites:
-            if "synchroniz" in site:
-                self.syncs[site] = self.syncs.get(site, 0) + 1
+            self.syncs[site] = self.syncs.get(site, 0) + 1
         after = torch.cuda.memory_stats() if cuda else {}
         for k in self.ALLOC:
             t = self.totals.setdefault(phase, {}).setdefault(k, [0, 0.0])

@@ -1,5 +1,6 @@
 """bench/host_breakdown.py: what it counts, per phase, on a CPU gather-ahead run."""
 
+import contextlib
 import functools
 import warnings
 
@@ -25,28 +26,20 @@ def breakdown_run(rank, world):
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=cfg)
     x = torch.randn(4, 64).bfloat16()
     for step in range(3):
-        with hb.counting("fwd", sync=step == 0) if step else _nothing():
+        with hb.counting("fwd", sync=step == 0) if step else contextlib.nullcontext():
             loss = F.mse_loss(model(x).float(), torch.zeros(4, 64))
             # what torch.cuda.set_sync_debug_mode(1) warns at a synchronizing call (a stand-in
             # on the CPU), once; and a warning of another kind, which is no sync
             warnings.warn("called a synchronizing CUDA operation" if step == 1 else "something else")
-        with hb.counting("bwd") if step else _nothing():
+        with hb.counting("bwd") if step else contextlib.nullcontext():
             opt.backward(loss)
-        with hb.counting("step") if step else _nothing():
+        with hb.counting("step") if step else contextlib.nullcontext():
             opt.step()
         opt.zero_grad()
     opt.wait_for_weights()
     hb.uninstall()
     restored = (engine._Inline._pump, engine.pack_chunk, overlap.GatherAhead._hook) == originals
     return hb.report(2), restored
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_the_breakdown_counts_each_phase_and_restores_what_it_wrapped():
