@@ -43,22 +43,25 @@ if HERE not in sys.path:
 #: Fields of a run record that are per link (the rest are the arm's, once per process).
 PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps", "finite", "link", "link_model",
             "link_per_step", "link_busy_ms_modelled", "link_busy_ms_measured", "peak_allocated_bytes",
-            "peak_reserved_bytes")
+            "peak_reserved_bytes", "timeline")
 
 
 # ---------------------------------------------------------------------- one arm, in its own process
 
 
-def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
+def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool = False) -> dict:
     """``s.steps`` training steps back to back on the current link; the timing of
     ``qzero.app.train.train_worker`` (per step on the compute stream, and the wall time of the
-    steps after the warm-up between two synchronizations)."""
+    steps after the warm-up between two synchronizations). ``timeline``: also stamp each step's
+    phases and join them with the link's transfers (``bench/emulated_timeline.py``'s note) into
+    ``rec["timeline"]``."""
     import torch
 
     from qzero.app.train import _mark, _seconds, _sync
     from qzero.app.workload import global_batch
 
     from emulated_link import totals_since
+    from emulated_timeline import BACKWARD_END, FORWARD_END, START, STEP_END, StepStamps
 
     link = world.link
     n = world.world
@@ -68,6 +71,7 @@ def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
     marks, loss_sums, skipped = [], [], 0
     wall_start, before, first_index = None, link.snapshot(), link.count
     pauses = _HostPauses()
+    stamps = StepStamps(link, device, s.steps) if timeline else None
     _sync(device)
     for k in range(s.steps):
         if k == s.warmup:
@@ -77,16 +81,24 @@ def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
         batch = global_batch(corpus, first_step + k, per_step, s.seq_len, s.seed)
         mine = batch.view(s.grad_accum, n, s.micro_batch, -1)[:, 0].to(device)
         marks.append(_mark(device))
+        if stamps:
+            stamps.mark(k, START)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for m in range(s.grad_accum):
             tokens = mine[m]
             logits = backend.model(input_ids=tokens[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / s.grad_accum
+            if stamps and m == s.grad_accum - 1:
+                stamps.mark(k, FORWARD_END)
             backend.backward(loss)
             loss_sum += loss.detach()
+        if stamps:
+            stamps.mark(k, BACKWARD_END)
         skipped += not backend.step()
         backend.zero_grad()
+        if stamps:
+            stamps.mark(k, STEP_END)
         loss_sums.append(loss_sum)
     _sync(device)
     wall = time.perf_counter() - wall_start if wall_start is not None else None
@@ -112,6 +124,8 @@ def _measure(backend, s, world, device, corpus, first_step: int) -> dict:
         "link_busy_ms_measured": busy_measured / measured if busy_measured is not None else None,
         "host_pauses": host_pauses,
     }
+    if stamps:
+        rec["timeline"] = stamps.record(first=s.warmup)
     if device.type == "cuda":
         rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -222,10 +236,11 @@ def _decoding_as_rank0(unpack_chunk):
     return unpack
 
 
-def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
+def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = False) -> None:
     """The body of one arm's process: the emulated world first (before anything imports
     qzero, whose modules bind torch.distributed's collectives), then the engine, then each
-    link in turn; rank 0's record per link, written to ``out_path`` as JSON."""
+    link in turn; rank 0's record per link, written to ``out_path`` as JSON. ``timeline``:
+    each record has its step timeline (:func:`_measure`), whose table goes to the output."""
     from emulated_link import init_emulated_world, parse_link
 
     models = [parse_link(x) for x in links]
@@ -248,7 +263,13 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     records, losses, times, skipped = [], [], [], 0
     for i, model in enumerate(models):
         world.set_link(model)
-        rec = _measure(backend, s, world, device, corpus, first_step=i * s.steps)
+        rec = _measure(backend, s, world, device, corpus, first_step=i * s.steps, timeline=timeline)
+        if timeline:
+            import emulated_timeline
+
+            print(f"{model.name}: " + emulated_timeline.table(rec["timeline"]["median"]), end="", flush=True)
+            if rec["timeline"].get("note"):
+                print(f"{model.name}: timeline: {rec['timeline']['note']}", flush=True)
         records.append(rec)
         losses += rec["losses"]
         times += rec["step_times"]
@@ -268,12 +289,14 @@ def run_arm_here(given: dict, links: list[str], out_path: str) -> None:
     os.replace(tmp, out_path)
 
 
-def run_arm(settings, links: list[str], out_path: str, log_path: str, timeout: float) -> list[dict]:
-    """One arm in a fresh process, every link of ``links`` in that order; its records."""
+def run_arm(settings, links: list[str], out_path: str, log_path: str, timeout: float,
+            timeline: bool = False) -> list[dict]:
+    """One arm in a fresh process, every link of ``links`` in that order; its records
+    (with their step timelines where ``timeline``)."""
     from qzero.app.qualify.run import ArmFailed
 
     cmd = [sys.executable, os.path.abspath(__file__), "_arm", json.dumps(dataclasses.asdict(settings)),
-           json.dumps(links), out_path]
+           json.dumps(links), out_path, json.dumps({"timeline": timeline})]
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -321,6 +344,8 @@ def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) 
     """Per cell, link and arm: median and wall step, exposed communication against the floor
     arm (median minus the floor's median), link busy per step (pure: testable). ``cell_info``:
     each cell's ``(preset, gather bucket, reduce bucket)``, copied into its rows."""
+    import emulated_timeline
+
     rows = []
     for (cell, link), arms in done.items():
         preset, ag, rs = (cell_info or {}).get(cell, (None, None, None))
@@ -344,6 +369,7 @@ def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) 
                 "link_busy_ms_measured": statistics.median(busy_m) if busy_m else None,
                 "finite": all(r.get("finite") for r in ok) if ok else None,
                 "error": next((r.get("error", "")[-300:] for r in runs if r.get("failed")), None),
+                "timeline": emulated_timeline.medians([x for r in ok if r.get("timeline") for x in r["timeline"]["steps"]]),
             })
     return {"floor_arm": floor_arm, "rows": rows}
 
@@ -361,7 +387,9 @@ def summary_markdown(summ: dict, header: list[str]) -> str:
         lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {f(r['median_ms'])} | {f(r['wall_ms'])} | "
                      f"{f(r['exposed_ms'])} | {f(r['link_busy_ms_modelled'])} | {f(r['link_busy_ms_measured'])} | "
                      f"{'yes' if r['finite'] else '**NO**'} |")
-    return "\n".join(lines) + "\n"
+    import emulated_timeline
+
+    return "\n".join(lines) + "\n" + emulated_timeline.markdown(summ["rows"])
 
 
 def build_parser():
@@ -378,6 +406,10 @@ def build_parser():
                         "regimes: none, pcie, ethernet, nvlink (bench/emulated_link.py)")
     e.add_argument("--budget", type=float, default=0, help="seconds: start no run that would not end inside it")
     e.add_argument("--arm-timeout", type=float, default=540, help="seconds per arm process (default 540)")
+    e.add_argument("--timeline", action="store_true",
+                   help="stamp each step's forward, backward and optimizer step on the compute stream and join them "
+                        "with the link's transfers: rec['timeline'], a table in summary.md (bench/emulated_timeline.py "
+                        "draws it); off by default, the steps' timing as without it")
     return p
 
 
@@ -444,13 +476,18 @@ def main(argv: list[str] | None = None) -> int:
             log = os.path.join(args.out, "logs", f"r{r}_{c}_{name}.log")
             t0 = time.monotonic()
             try:
-                recs = run_arm(arms[name], run_links, out, log, timeout=min(args.arm_timeout, max(remaining, 1)))
+                recs = run_arm(arms[name], run_links, out, log, timeout=min(args.arm_timeout, max(remaining, 1)),
+                               timeline=args.timeline)
                 for link, rec in zip(run_links, recs):
                     rec["round"], rec["index"] = r, i
                     done[(c, link)][name].append(rec)
                     ms = 1e3 * statistics.median(rec["step_times"]) if rec["step_times"] else float("nan")
                     print(f"emulated_matrix:   {link}: {ms:.1f} ms median, wall "
                           f"{1e3 * rec['wall_seconds'] / rec['wall_steps']:.1f} ms/step", flush=True)
+                    if rec.get("timeline"):
+                        import emulated_timeline
+
+                        print(emulated_timeline.table(rec["timeline"]["median"]), end="", flush=True)
             except (ArmFailed, OSError, ValueError) as e:
                 for link in run_links:
                     done[(c, link)][name].append({"failed": True, "round": r, "index": i, "error": str(e)[-3000:]})
@@ -508,7 +545,7 @@ def parse_link_text(text: str) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "_arm":
-        run_arm_here(json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])
+        run_arm_here(json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], **json.loads(sys.argv[5]))
         sys.stdout.flush()
         os._exit(0)  # as qzero.app.train's ranks: leave without the interpreter's finalization
     sys.exit(main())

@@ -167,3 +167,30 @@ class DeviceLink:
         rows = self.state[LOG_BASE:].view(-1, 2).tolist()
         first = self.count - len(self.indices)
         return [(idx, *rows[(first + k) % LOG]) for k, idx in enumerate(self.indices)]
+
+
+@triton.jit(do_not_specialize=["slot"])
+def _stamp_kernel(buf_ptr, slot):
+    tl.store(buf_ptr + slot, _now())
+
+
+class DeviceStamps:
+    """Times on the GPU's global timer (the clock of :meth:`DeviceLink.log`) at points of the
+    current stream: :meth:`stamp` enqueues one one-warp kernel that writes the timer into its
+    slot of a buffer allocated up front; nothing synchronizes until :meth:`read`."""
+
+    def __init__(self, device: torch.device, slots: int):
+        self.device = device
+        self.buf = torch.zeros(slots, dtype=torch.int64, device=device)
+        self._launch = _launcher()
+
+    def stamp(self, slot: int) -> None:
+        """Enqueue the write of the timer into ``slot`` on the current stream."""
+        if not 0 <= slot < self.buf.numel():
+            raise IndexError(f"stamp slot {slot} outside the buffer's {self.buf.numel()}")
+        self._launch(_stamp_kernel, (1,), (self.buf, slot), {}, {"num_warps": 1})
+
+    def read(self) -> list[int]:
+        """Every slot's timer value, nanoseconds (synchronizes)."""
+        torch.cuda.synchronize(self.device)
+        return self.buf.tolist()

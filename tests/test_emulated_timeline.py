@@ -1,0 +1,148 @@
+"""bench/emulated_timeline.py: a step's phases against the link's transfers (clipped at the
+phase borders, overlaps, idle, tail, after), the stamps' join with the link's transfers on the
+CPU, and bench/emulated_matrix.py --timeline end to end on a tiny model with its chart."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+import emulated_link as el  # noqa: E402
+import emulated_matrix as em  # noqa: E402
+import emulated_timeline as et  # noqa: E402
+
+PHASES = {"forward": (0.0, 10.0), "backward": (10.0, 25.0), "step": (25.0, 30.0)}
+
+
+def tr(op, issued, start, end, sent=100):
+    return {"op": op, "issued": issued, "start_ms": start, "end_ms": end, "sent": sent}
+
+
+def test_busy_is_clipped_at_phase_borders_with_overlaps_idle_tail_and_after():
+    transfers = [
+        tr("all_gather", "earlier", -3.0, 4.0, sent=1),  # issued by the step before: in forward only
+        tr("all_gather", "forward", 6.0, 12.0, sent=10),  # across forward | backward
+        tr("reduce_scatter", "backward", 20.0, 27.0, sent=20),  # across backward | step: the tail
+        tr("reduce_scatter", "backward", 22.0, 24.0, sent=30),  # overlaps the one before
+        tr("all_gather", "step", 28.0, 33.0, sent=40),  # issued in the step, runs past its end
+        tr("all_reduce", "backward", None, None, sent=7),  # never held: bytes, no time
+    ]
+    got = et.analyse_step(PHASES, transfers)
+    f, b, s = (got["by_phase"][n] for n in ("forward", "backward", "step"))
+    assert f["ms"] == 10 and b["ms"] == 15 and s["ms"] == 5
+    assert f["busy_ms"] == pytest.approx({"all_gather": 4 + 4})
+    assert f["idle_ms"] == pytest.approx(10 - 8)  # [0, 4] and [6, 10] busy
+    assert b["busy_ms"] == pytest.approx({"all_gather": 2, "reduce_scatter": 5 + 2})
+    assert b["idle_ms"] == pytest.approx(15 - (2 + 5))  # [10, 12], [20, 25]: the overlap counted once
+    assert s["busy_ms"] == pytest.approx({"reduce_scatter": 2, "all_gather": 2})
+    assert s["idle_ms"] == pytest.approx(5 - 4)
+    assert got["tail_ms"] == pytest.approx({"reduce_scatter": 2})  # not the gather the step itself issued
+    assert got["after_ms"] == pytest.approx({"all_gather": 3})
+    assert got["sent"] == {"all_gather": 50, "reduce_scatter": 50, "all_reduce": 7}  # not the earlier one's
+
+
+def test_an_idle_link_and_the_medians_count_a_missing_collective_as_zero():
+    quiet = et.analyse_step(PHASES, [])
+    assert [quiet["by_phase"][n]["idle_ms"] for n in et.PHASES] == [10, 15, 5] and quiet["tail_ms"] == {}
+    busy = et.analyse_step(PHASES, [tr("reduce_scatter", "backward", 24.0, 29.0)])
+    med = et.medians([quiet, busy, busy])
+    assert med["steps"] == 3 and med["tail_ms"] == {"reduce_scatter": 4.0}
+    assert et.medians([quiet, quiet, busy])["by_phase"]["step"]["busy_ms"] == {"reduce_scatter": 0.0}
+    text = et.table(med)
+    assert "emulated link" in text and "reduce_scatter 4.0" in text
+    md = et.markdown([{"cell": "c", "link": "pcie", "arm": "a", "timeline": med}, {"cell": "c", "link": "x", "arm": "b",
+                                                                                  "timeline": {}}])
+    assert md.count("| c |") == 1 and "emulated link" in md
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_stamps_join_the_transfers_issued_carried_and_missing_on_the_cpu():
+    clock = FakeClock()
+    link = el.Link(el.parse_link("pcie"), clock=clock, sleep=lambda dt: None, keep=2)
+    wire = el.Wire(1000, 1000, 1)
+    cpu = torch.device("cpu")
+    stamps = et.StepStamps(link, cpu, 2)
+    stamps.mark(0, et.START)
+    link.place("all_gather", wire, cpu, True)  # step 0's forward
+    clock.now += 1.0
+    stamps.mark(0, et.FORWARD_END)
+    stamps.mark(0, et.BACKWARD_END)
+    ahead = link.place("all_gather", el.Wire(int(4e9), int(4e9), 1), cpu, True)  # long: into step 1
+    clock.now += 0.01
+    stamps.mark(0, et.STEP_END)
+    stamps.mark(1, et.START)
+    clock.now += 0.01
+    stamps.mark(1, et.FORWARD_END)
+    for _ in range(3):  # three between two stamps, the link keeps two: one is missing
+        link.place("reduce_scatter", wire, cpu, True)
+    clock.now += 0.01
+    stamps.mark(1, et.BACKWARD_END)
+    stamps.mark(1, et.STEP_END)
+    rec = stamps.record(first=1)
+    assert json.loads(json.dumps(rec)) == rec and rec["clock"] == "host clock"
+    assert rec["missing_transfers"] == 1 and "left the link's record" in rec["note"]
+    (step,) = rec["steps"]
+    assert step["step"] == 1
+    got = {t["index"]: t["issued"] for t in step["transfers"]}
+    assert got == {ahead.index: "earlier", 3: "backward", 4: "backward"}
+    assert step["sent"] == {"reduce_scatter": 2000}
+    fwd = step["by_phase"]["forward"]
+    assert fwd["busy_ms"]["all_gather"] == pytest.approx(10.0) and fwd["idle_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
+MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
+
+
+def test_the_matrix_with_timeline_on_the_cpu_and_its_chart(tmp_path):
+    """A tiny arm with gradient accumulation and the gather ahead, ``--timeline``: every measured
+    step, its stamps in order, its transfers' bytes those of the record's link per step; the
+    summary's table; a PNG from the plot script."""
+    config = tmp_path / "mini.json"
+    config.write_text(json.dumps(MINI))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(BENCH, "emulated_matrix.py"), "--device", "cpu", "--model-config", str(config),
+           "--seq-len", "16", "--micro-batch", "1", "--grad-accum", "2", "--steps", "3", "--warmup", "1",
+           "--allgather-bucket-size", "200000", "--reduce-bucket-size", "100000", "--world-size", "2",
+           "--links", "pcie:time_scale=1e-2", "--rounds", "1", "--arm", "ahead:quantized=true,overlap=true",
+           "--timeline", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cell = next(p for p in out.iterdir() if p.is_dir() and p.name != "logs")
+    rec = json.load(open(cell / "pcie_time_scale1e-2" / "matrix.json"))["runs"]["ahead"][0]
+    tl = rec["timeline"]
+    assert [s["step"] for s in tl["steps"]] == [1, 2] and tl["missing_transfers"] == tl["missing_times"] == 0
+    for s in tl["steps"]:
+        edges = [s["phases"]["forward"][0], *(s["phases"][n][1] for n in et.PHASES)]
+        assert edges[0] == 0 and edges == sorted(edges), edges
+        for t in s["transfers"]:
+            assert t["start_ms"] <= t["end_ms"]
+    measured = rec["wall_steps"]
+    for op, per in rec["link_per_step"].items():
+        got = sum(t["sent"] for s in tl["steps"] for t in s["transfers"] if t["op"] == op and t["issued"] != "earlier")
+        assert got == pytest.approx(per["sent"] * measured), op
+        assert sum(s["sent"].get(op, 0) for s in tl["steps"]) == got
+    assert sum(v for s in tl["steps"] for p in s["by_phase"].values() for v in p["busy_ms"].values()) > 0
+    assert "Step timeline" in (out / "summary.md").read_text() and "timeline (emulated link" in proc.stdout
+    plot = subprocess.run([sys.executable, os.path.join(BENCH, "emulated_timeline.py"), str(out)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    png = cell / "pcie_time_scale1e-2" / "timeline_ahead.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
