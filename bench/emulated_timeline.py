@@ -296,7 +296,7 @@ def plot(rec: dict, title: str, path: str, step: int | None = None) -> str:
                  fontsize=9)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=6, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -63,6 +63,29 @@ def test_an_idle_link_and_the_medians_count_a_missing_collective_as_zero():
     assert md.count("| c |") == 1 and "emulated link" in md
 
 
+COMPILE = r"""
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import link_kernels as lk
+k = triton.compile(ASTSource(fn=lk._stamp_kernel, signature=dict(buf_ptr="*i64", slot="i32"), constexprs={}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+ptx = k.asm["ptx"]
+print(ptx.count("%globaltimer"), ptx.count("st.global"))
+"""
+
+
+def test_stamp_kernel_compiles_for_sm90_and_writes_the_global_timer():
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", COMPILE, BENCH], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    timer, stores = map(int, out.stdout.split())
+    assert timer == 1 and stores >= 1, out.stdout
+
+
 class FakeClock:
     def __init__(self):
         self.now = 1.0
@@ -110,6 +133,7 @@ MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermed
         "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
 
 
+@pytest.mark.slow  # an end-to-end run of a benchmark script (about 15 s): python -m pytest -m slow
 def test_the_matrix_with_timeline_on_the_cpu_and_its_chart(tmp_path):
     """A tiny arm with gradient accumulation and the gather ahead, ``--timeline``: every measured
     step, its stamps in order, its transfers' bytes those of the record's link per step; the
