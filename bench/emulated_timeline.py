@@ -88,8 +88,9 @@ class StepStamps:
         self._keep()
         if self.cuda:
             raw = self._dev.read()
-            stamps = [[raw[4 * k + p] * 1e-6 for p in range(4)] for k in range(self.steps)]  # ns -> ms
-            log = {i: (a * 1e-6, b * 1e-6) for i, a, b in self.link.device_log()}
+            base = raw[0]  # integer nanoseconds from one origin first: no float rounding of the timer's 1e18
+            stamps = [[(raw[4 * k + p] - base) * 1e-6 for p in range(4)] for k in range(self.steps)]  # ns -> ms
+            log = {i: ((a - base) * 1e-6, (b - base) * 1e-6) for i, a, b in self.link.device_log()}
             held = self.link.model.holds
         else:
             stamps = [[x * 1e3 for x in row] for row in self.host]  # s -> ms

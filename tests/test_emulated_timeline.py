@@ -128,6 +128,45 @@ def test_stamps_join_the_transfers_issued_carried_and_missing_on_the_cpu():
     assert fwd["busy_ms"]["all_gather"] == pytest.approx(10.0) and fwd["idle_ms"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_the_device_path_joins_the_timer_stamps_with_the_device_log():
+    """The CUDA branch of the join, with the device's two reads stood in for: stamps and log on
+    the GPU's global timer (nanoseconds near 1.7e18: read relative to the first stamp), a held
+    transfer whose entry left the device log counted as missing, a transfer of no ring step
+    (never held) with its bytes and no time."""
+    base = 1_700_000_000_123_456_789
+
+    class Timer:
+        def __init__(self):
+            self.slots = {}
+
+        def stamp(self, slot):
+            self.slots[slot] = base + 1_000_000 * (slot % 4)  # the phases 1 ms each
+
+        def read(self):
+            return [self.slots[k] for k in range(len(self.slots))]
+
+    link = el.Link(el.parse_link("pcie"), clock=FakeClock(), sleep=lambda dt: None)
+    gpu = torch.device("cuda", 0)  # only named: the link books a CUDA transfer without touching a device
+    stamps = et.StepStamps(link, torch.device("cpu"), 1)
+    stamps.cuda, stamps._dev = True, Timer()
+    stamps.mark(0, et.START)
+    link.place("all_gather", el.Wire(1000, 1000, 1), gpu, True)
+    stamps.mark(0, et.FORWARD_END)
+    link.place("reduce_scatter", el.Wire(500, 500, 1), gpu, True)
+    link.place("barrier", el.Wire(0, 0, 0), gpu, False)
+    stamps.mark(0, et.BACKWARD_END)
+    stamps.mark(0, et.STEP_END)
+    link.device_log = lambda: [(0, base + 500_000, base + 1_500_250)]
+    rec = stamps.record(first=0)
+    assert rec["clock"] == "GPU global timer" and rec["missing_times"] == 1 and rec["missing_transfers"] == 0
+    (step,) = rec["steps"]
+    assert step["phases"] == {"forward": [0.0, 1.0], "backward": [1.0, 2.0], "step": [2.0, 3.0]}
+    assert step["by_phase"]["forward"]["busy_ms"] == {"all_gather": pytest.approx(0.5)}
+    assert step["by_phase"]["backward"]["busy_ms"] == {"all_gather": pytest.approx(0.50025, abs=1e-9)}
+    assert step["sent"] == {"all_gather": 1000, "reduce_scatter": 500, "barrier": 0}
+    assert [t["start_ms"] for t in step["transfers"]] == [pytest.approx(0.5), None, None]
+
+
 MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
