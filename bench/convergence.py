@@ -1135,7 +1135,7 @@ def world_note(world: int, shared: bool = False) -> str:
     if world == 1:
         return GROUPS_NOTE
     where = ("all ranks of an arm on one GPU, their collectives through each other's device memory: the values "
-             "NCCL delivers at world size 2, step times not comparable" if shared else
+             f"NCCL delivers at world size {world}, step times not comparable" if shared else
              "on CUDA rank r on the r-th GPU of the arm's, the arms sharing the GPUs")
     return (f"ZeRO-2 partitions over {world} ranks, the gradients reduced and the weights gathered between them "
             f"({where}). The global batch of a step "

@@ -522,3 +522,9 @@ def test_committed_records_without_heldout_losses_still_render(tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(rows) == 5 and "held-out" not in md.lower() and rows[0].endswith("| gather bytes vs plain |")
     assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_shared_gpu_note_names_the_arms_world_size():
+    conv = bench_scripts.load("convergence")
+    assert "at world size 4," in conv.world_note(4, shared=True)
+    assert "at world size 2," in conv.world_note(2, shared=True) and "world size 2," not in conv.world_note(4, shared=True)

@@ -1,0 +1,67 @@
+"""bench/emulated_ratios.py: speed-ups between arms of emulated matrices, read from their
+matrix.json files, with the runs' medians and an interval that holds the ratio."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+import emulated_ratios as er  # noqa: E402
+
+
+def matrix(arms: dict[str, list[list[float]]]) -> dict:
+    return {"emulated_link": {"name": "pcie:ctas=0"},
+            "analysis": {"arms": [{"arm": a, "step_times_by_run": runs} for a, runs in arms.items()]
+                         + [{"arm": "failed", "step_times_by_run": []}]}}
+
+
+def write(tmp_path, arms):
+    d = tmp_path / "out" / "qwen3-4b_ag5e+07_rs2.6e+07" / "pcie_ctas0"
+    d.mkdir(parents=True)
+    (d / "matrix.json").write_text(json.dumps(matrix(arms)))
+    return tmp_path / "out"
+
+
+def test_a_pair_is_the_ratio_of_pooled_medians_with_run_medians_and_an_interval(tmp_path, capsys):
+    out = write(tmp_path, {"slow": [[0.50, 0.52, 0.51], [0.60, 0.61, 0.59]], "fast": [[0.40, 0.41, 0.39], [0.42, 0.43, 0.44]]})
+    runs = er.arm_runs(json.loads(next(out.rglob("matrix.json")).read_text()))
+    assert set(runs) == {"slow", "fast"}  # an arm with no run is left out
+    r = er.compare(runs, "slow", "fast")
+    assert r["base_ms"] == pytest.approx(555.0) and r["cand_ms"] == pytest.approx(415.0)
+    assert r["ratio"] == pytest.approx(555.0 / 415.0)
+    assert r["base_runs_ms"] == pytest.approx([510.0, 600.0]) and r["cand_runs_ms"] == pytest.approx([400.0, 430.0])
+    lo, hi = r["ci95"]
+    assert lo <= r["ratio"] <= hi and lo > 1.0  # every resample has "fast" faster
+    assert er.compare(runs, "slow", "absent") is None
+    assert er.main([str(out), "--pair", "slow/fast", "--pair", "fast/absent", "--out", str(tmp_path / "r.md")]) == 0
+    text = capsys.readouterr().out
+    assert "| slow | fast | 555.0 (510.0 / 600.0) | 415.0 (400.0 / 430.0) | 1.337×" in text
+    assert "absent" not in text and (tmp_path / "r.md").read_text() == text
+
+
+def test_bad_pairs_and_empty_folders_are_refused_with_their_value(tmp_path, capsys):
+    out = write(tmp_path, {"a": [[0.1]], "b": [[0.2]]})
+    with pytest.raises(SystemExit) as e:
+        er.main([str(out), "--pair", "a-b"])
+    assert e.value.code == 2 and "'a-b'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        er.main([str(tmp_path / "nothing"), "--pair", "a/b"])
+    assert "no CELL/LINK/matrix.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        er.main([str(out), "--pair", "x/y"])
+    assert "none of the pairs" in capsys.readouterr().err
+
+
+def test_runs_of_one_cell_and_link_are_pooled_over_folders(tmp_path, capsys):
+    one = write(tmp_path / "a", {"slow": [[0.50]], "fast": [[0.40]]})
+    two = write(tmp_path / "b", {"slow": [[0.70]], "fast": [[0.44]]})
+    assert er.main([str(one), str(two), "--pair", "slow/fast"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("| slow | fast |") == 1  # one row, both folders' runs
+    assert "| 600.0 (500.0 / 700.0) | 420.0 (400.0 / 440.0) |" in text
