@@ -126,6 +126,15 @@ class ZeroConfig:
     overlap_comm: bool = True
     """Stage 2: reduce gradient buckets while backward is still running."""
 
+    reduce_buckets_in_flight: int = 2
+    """Bucket reductions that may stay pending in the backward (stage 2) or the step's
+    reduction (stage 1): a launch that leaves one more finishes the oldest (the compute stream
+    waits there for its collective, then its sum is consumed). Each costs one staging
+    buffer of ``reduce_bucket_size`` elements in the reduce dtype (with
+    ``zero_quantized_gradients``, also one set of payload buffers); more lets a slow link fall
+    further behind a bursty backward before the compute stream waits for it. The bits are the
+    same for any value. The default 2 is the bound qzero has always had."""
+
     reduce_dtype: str | None = None
     """Dtype of the gradient reduction: ``bf16``, ``fp16`` or ``fp32``; None means the
     model's own dtype (what FSDP2 and DeepSpeed users expect)."""
@@ -313,6 +322,10 @@ class ZeroConfig:
         lookahead = self.gather_lookahead
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"gather_lookahead must be an int >= 0 (0: every chunk enqueued by step()), got {lookahead!r}")
+        in_flight = self.reduce_buckets_in_flight
+        if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+            raise ValueError(f"reduce_buckets_in_flight must be a positive int (bucket reductions in flight), "
+                             f"got {in_flight!r}")
         if self.gather_schedule not in GATHER_SCHEDULES:
             raise ValueError(f"gather_schedule must be one of {GATHER_SCHEDULES}, got {self.gather_schedule!r}")
         if self.quant_kernels not in KERNELS:

@@ -206,6 +206,9 @@ def validate(settings: TrainSettings) -> None:
     if settings.zero.copy_engine_collectives and settings.backend != "qzero":
         raise WorkloadError(f"copy_engine_collectives is a setting of the qzero backend: it moves ZeroOptimizer's own "
                             f"gather and all-to-all, which the {settings.backend} backend does not run")
+    if settings.zero.reduce_buckets_in_flight != ZeroConfig.reduce_buckets_in_flight and settings.backend != "qzero":
+        raise WorkloadError(f"reduce_buckets_in_flight is a setting of the qzero backend: it bounds ZeroOptimizer's own "
+                            f"gradient reductions, which the {settings.backend} backend does not run")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
         raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.backend != "deepspeed":

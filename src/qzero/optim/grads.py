@@ -40,6 +40,10 @@ The two stages differ only in *when*:
   element is still quantized once per reduction, never re-quantized); stage 1 quantizes
   once per optimizer step.
 
+Either way at most ``in_flight`` (:attr:`qzero.ZeroConfig.reduce_buckets_in_flight`)
+collectives stay pending: a launch that leaves one more finishes the oldest (reductions finish
+in launch order; the new one is issued first), and the compute stream waits for it there.
+
 Every reducer counts what it sent since the last :meth:`take_stats` (:class:`ReduceStats`).
 """
 
@@ -58,8 +62,6 @@ from .flat import FlatGroup
 from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: Stage 2 keeps at most this many reduced buckets waiting to be consumed.
-MAX_IN_FLIGHT = 2
 #: Elements of the landing shard added into the fp32 shard at a time (a 16 MiB fp32 temporary).
 FOLD_CHUNK = 1 << 22
 
@@ -84,19 +86,21 @@ class ReduceStats(NamedTuple):
 
 def make_reducer(
     group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant: GradientQuantization | None = None,
-    dtype: torch.dtype | None = None, error_feedback=None,
+    dtype: torch.dtype | None = None, error_feedback=None, *, in_flight: int,
 ):
     """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`;
     ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives;
-    ``error_feedback``: this rank's :class:`qzero.optim.error_feedback.ErrorFeedback` of the group)."""
+    ``error_feedback``: this rank's :class:`qzero.optim.error_feedback.ErrorFeedback` of the group;
+    ``in_flight``: :attr:`ZeroConfig.reduce_buckets_in_flight`, the most collectives its user keeps
+    pending)."""
     if group.layout.order == "interleaved":
-        return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback)
-    return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback)
+        return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback, in_flight=in_flight)
+    return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback, in_flight=in_flight)
 
 
 class _Reducer:
     def __init__(self, group: FlatGroup, quant: GradientQuantization | None, dtype: torch.dtype | None,
-                 error_feedback=None):
+                 error_feedback=None, *, in_flight: int):
         self.group = group
         self.pg = group.process_group
         self.world = group.world_size
@@ -107,7 +111,7 @@ class _Reducer:
             else list(range(self.world))
         )
         # One rank has nothing to send: the plain path is already exact there.
-        self.quant = (QuantizedExchange(group, quant, dtype, error_feedback)
+        self.quant = (QuantizedExchange(group, quant, dtype, error_feedback, in_flight=in_flight)
                       if quant is not None and self.world > 1 else None)
         self._sent = self._plain = self._collectives = 0
         #: Plain sums land in the landing shard (see [Note: landing shard]); set by Stage2Grads.
@@ -187,8 +191,9 @@ class OwnerReducer(_Reducer):
 
     solo: tuple[int, ...] = ()
 
-    def __init__(self, group: FlatGroup, reduce_bucket_size: int, quant=None, dtype=None, error_feedback=None):
-        super().__init__(group, quant, dtype, error_feedback)
+    def __init__(self, group: FlatGroup, reduce_bucket_size: int, quant=None, dtype=None, error_feedback=None, *,
+                 in_flight: int):
+        super().__init__(group, quant, dtype, error_feedback, in_flight=in_flight)
         self.buckets = plan_reduce_buckets(group.layout, reduce_bucket_size)
 
     def _parts(self, bucket) -> list[tuple[int, int, int, int]]:
@@ -230,8 +235,8 @@ class ScatterReducer(_Reducer):
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
     def __init__(self, group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant=None, dtype=None,
-                 error_feedback=None):
-        super().__init__(group, quant, dtype, error_feedback)
+                 error_feedback=None, *, in_flight: int):
+        super().__init__(group, quant, dtype, error_feedback, in_flight=in_flight)
         self.solo = solo_slots(group.layout, reduce_bucket_size) if solo else ()
         self.buckets = plan_scatter_buckets(group.layout, reduce_bucket_size, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
@@ -304,15 +309,18 @@ class ScatterReducer(_Reducer):
 
 
 class Stage1Grads:
-    """Full gradient buffer; one bucketed reduction per step."""
+    """Full gradient buffer; one bucketed reduction per step, at most ``in_flight`` collectives
+    pending."""
 
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, solo: bool = False,
-        quant: GradientQuantization | None = None, error_feedback=None,
+        quant: GradientQuantization | None = None, error_feedback=None, *, in_flight: int,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback)
+        self.in_flight = in_flight
+        self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback,
+                                    in_flight=in_flight)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -343,7 +351,7 @@ class Stage1Grads:
         for launch, finish, unit, buf in self._units():
             with label(REDUCE_GRADIENTS):
                 pending.append((finish, launch(buf, unit), buf, unit))
-            if len(pending) > MAX_IN_FLIGHT:
+            if len(pending) > self.in_flight:
                 done, works, b, u = pending.popleft()
                 with label(REDUCE_GRADIENTS):
                     done(works, b, u)
@@ -366,15 +374,18 @@ class Stage1Grads:
 
 
 class Stage2Grads:
-    """Bucketed reduction during backward; only the fp32 gradient shard persists."""
+    """Bucketed reduction during backward, at most ``in_flight`` collectives pending; only the
+    fp32 gradient shard persists."""
 
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, overlap: bool, solo: bool = False,
-        quant: GradientQuantization | None = None, error_feedback=None,
+        quant: GradientQuantization | None = None, error_feedback=None, *, in_flight: int,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback)
+        self.in_flight = in_flight
+        self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback,
+                                    in_flight=in_flight)
         # [Note: landing shard]: plain 16-bit sums wait in the reduce dtype until backward ends
         self.reducer.use_landing = self.reducer.quant is None and self.dtype.itemsize < 4
         self.overlap = overlap
@@ -444,7 +455,7 @@ class Stage2Grads:
         self._bound_in_flight()
 
     def _bound_in_flight(self) -> None:
-        while len(self._pending) > MAX_IN_FLIGHT:
+        while len(self._pending) > self.in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:

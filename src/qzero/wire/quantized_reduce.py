@@ -19,7 +19,8 @@ rank's residual of the piece (:class:`qzero.optim.error_feedback.ErrorFeedback`)
 the new one, in the same pass ([Note: gradient rotation] and the residual in
 :mod:`qzero.quant.gradients`).
 
-Transient memory per bucket in flight: the packed payloads (about half the staged bucket
+Transient memory per bucket in flight (at most
+:attr:`qzero.ZeroConfig.reduce_buckets_in_flight` of them): the packed payloads (about half the staged bucket
 for 8-bit codes from bf16, a quarter for int4), the received ones (``world - 1`` payloads
 of this rank's piece) and an fp32 sum of this rank's piece.
 
@@ -42,11 +43,6 @@ from ..layout.gather_plan import PayloadLayout, clip_ranges, merge_adjacent
 from ..layout.gather_planner import aligned_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
-
-
-#: Payload buffers reused in turn under copy-engine collectives: one more than the exchanges a
-#: reducer keeps waiting (``qzero.optim.grads.MAX_IN_FLIGHT``).
-RING = 3
 
 
 class Piece(NamedTuple):
@@ -102,7 +98,8 @@ class _Pending(NamedTuple):
 class QuantizedExchange:
     """Packs, moves and sums the pieces of one flat group's buckets."""
 
-    def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype, error_feedback=None):
+    def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype, error_feedback=None, *,
+                 in_flight: int):
         self._setup(
             quant, dtype, group.process_group, group.world_size, group.rank, group.device,
             gradient_kernels_for(group.device, group.context.kernels_choice),
@@ -115,6 +112,9 @@ class QuantizedExchange:
         self.copy_engine = group.context.copy_engine
         if self.copy_engine is not None:
             self.pg = self.copy_engine.group
+        #: Payload buffer sets reused in turn under copy-engine collectives: one more than the
+        #: exchanges its reducer keeps pending (``in_flight``: ZeroConfig.reduce_buckets_in_flight).
+        self.ring = in_flight + 1
 
     @classmethod
     def over(cls, quant: GradientQuantization, dtype: torch.dtype, process_group, world: int, rank: int,
@@ -137,6 +137,7 @@ class QuantizedExchange:
         self._plans: dict = {}
         self._index: dict = {}
         self.copy_engine = None
+        self.ring = None  # only with a copy engine (set by __init__)
         self._launches = 0
 
     def pieces(self, key, parts) -> tuple[Piece, ...]:
@@ -192,16 +193,16 @@ class QuantizedExchange:
 
     def _payload_buffers(self, pieces, send_bytes: int, recv_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The send and receive buffers of one launch: fresh ones, or with copy-engine
-        collectives views into one of ``RING`` reused symmetric slabs (launch ``n`` reuses launch
-        ``n - RING``'s, finished by then: the reducers finish in launch order and keep at most
-        ``RING - 1`` waiting), sized by the largest payload of any rank so that every rank
+        collectives views into one of ``ring`` reused symmetric slabs (launch ``n`` reuses launch
+        ``n - ring``'s, finished by then: the reducers finish in launch order and keep at most
+        ``ring - 1`` pending), sized by the largest payload of any rank so that every rank
         grows them alike."""
         if self.copy_engine is None:
             return (torch.empty(send_bytes, dtype=torch.uint8, device=self.device),
                     torch.empty(recv_bytes, dtype=torch.uint8, device=self.device))
         sends = [sum(p.layout.nbytes for p in pieces if p.dest != r) for r in range(self.world)]
         most_recv = max((p.layout.nbytes * (self.world - 1) for p in pieces), default=0)
-        ring, self._launches = self._launches % RING, self._launches + 1
+        ring, self._launches = self._launches % self.ring, self._launches + 1
         send = self.copy_engine.buffers((self, ring, "send"), 1, max(sends, default=0))[0][:send_bytes]
         recv = self.copy_engine.buffers((self, ring, "recv"), 1, most_recv)[0][:recv_bytes]
         return send, recv
