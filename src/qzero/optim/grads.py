@@ -40,8 +40,8 @@ The two stages differ only in *when*:
   element is still quantized once per reduction, never re-quantized); stage 1 quantizes
   once per optimizer step.
 
-Either way at most ``in_flight`` (:attr:`qzero.ZeroConfig.reduce_buckets_in_flight`)
-collectives stay pending: a launch that leaves one more finishes the oldest (reductions finish
+Either way at most :attr:`qzero.ZeroConfig.reduce_buckets_in_flight` collectives stay
+pending: a launch that leaves one more finishes the oldest (reductions finish
 in launch order; the new one is issued first), and the compute stream waits for it there.
 
 Every reducer counts what it sent since the last :meth:`take_stats` (:class:`ReduceStats`).
@@ -86,21 +86,22 @@ class ReduceStats(NamedTuple):
 
 def make_reducer(
     group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant: GradientQuantization | None = None,
-    dtype: torch.dtype | None = None, error_feedback=None, *, in_flight: int,
+    dtype: torch.dtype | None = None, error_feedback=None, *, reduce_buckets_in_flight: int,
 ):
     """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`;
     ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives;
     ``error_feedback``: this rank's :class:`qzero.optim.error_feedback.ErrorFeedback` of the group;
-    ``in_flight``: :attr:`ZeroConfig.reduce_buckets_in_flight`, the most collectives its user keeps
-    pending)."""
+    ``reduce_buckets_in_flight``: the most collectives its user keeps pending)."""
     if group.layout.order == "interleaved":
-        return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback, in_flight=in_flight)
-    return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback, in_flight=in_flight)
+        return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback,
+                              reduce_buckets_in_flight=reduce_buckets_in_flight)
+    return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback,
+                        reduce_buckets_in_flight=reduce_buckets_in_flight)
 
 
 class _Reducer:
     def __init__(self, group: FlatGroup, quant: GradientQuantization | None, dtype: torch.dtype | None,
-                 error_feedback=None, *, in_flight: int):
+                 error_feedback=None, *, reduce_buckets_in_flight: int):
         self.group = group
         self.pg = group.process_group
         self.world = group.world_size
@@ -111,7 +112,8 @@ class _Reducer:
             else list(range(self.world))
         )
         # One rank has nothing to send: the plain path is already exact there.
-        self.quant = (QuantizedExchange(group, quant, dtype, error_feedback, in_flight=in_flight)
+        self.quant = (QuantizedExchange(group, quant, dtype, error_feedback,
+                                        reduce_buckets_in_flight=reduce_buckets_in_flight)
                       if quant is not None and self.world > 1 else None)
         self._sent = self._plain = self._collectives = 0
         #: Plain sums land in the landing shard (see [Note: landing shard]); set by Stage2Grads.
@@ -192,8 +194,8 @@ class OwnerReducer(_Reducer):
     solo: tuple[int, ...] = ()
 
     def __init__(self, group: FlatGroup, reduce_bucket_size: int, quant=None, dtype=None, error_feedback=None, *,
-                 in_flight: int):
-        super().__init__(group, quant, dtype, error_feedback, in_flight=in_flight)
+                 reduce_buckets_in_flight: int):
+        super().__init__(group, quant, dtype, error_feedback, reduce_buckets_in_flight=reduce_buckets_in_flight)
         self.buckets = plan_reduce_buckets(group.layout, reduce_bucket_size)
 
     def _parts(self, bucket) -> list[tuple[int, int, int, int]]:
@@ -235,8 +237,8 @@ class ScatterReducer(_Reducer):
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
     def __init__(self, group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant=None, dtype=None,
-                 error_feedback=None, *, in_flight: int):
-        super().__init__(group, quant, dtype, error_feedback, in_flight=in_flight)
+                 error_feedback=None, *, reduce_buckets_in_flight: int):
+        super().__init__(group, quant, dtype, error_feedback, reduce_buckets_in_flight=reduce_buckets_in_flight)
         self.solo = solo_slots(group.layout, reduce_bucket_size) if solo else ()
         self.buckets = plan_scatter_buckets(group.layout, reduce_bucket_size, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
@@ -309,18 +311,18 @@ class ScatterReducer(_Reducer):
 
 
 class Stage1Grads:
-    """Full gradient buffer; one bucketed reduction per step, at most ``in_flight`` collectives
-    pending."""
+    """Full gradient buffer; one bucketed reduction per step, at most
+    ``reduce_buckets_in_flight`` collectives pending."""
 
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, solo: bool = False,
-        quant: GradientQuantization | None = None, error_feedback=None, *, in_flight: int,
+        quant: GradientQuantization | None = None, error_feedback=None, *, reduce_buckets_in_flight: int,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.in_flight = in_flight
+        self.reduce_buckets_in_flight = reduce_buckets_in_flight
         self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback,
-                                    in_flight=in_flight)
+                                    reduce_buckets_in_flight=reduce_buckets_in_flight)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -351,7 +353,7 @@ class Stage1Grads:
         for launch, finish, unit, buf in self._units():
             with label(REDUCE_GRADIENTS):
                 pending.append((finish, launch(buf, unit), buf, unit))
-            if len(pending) > self.in_flight:
+            if len(pending) > self.reduce_buckets_in_flight:
                 done, works, b, u = pending.popleft()
                 with label(REDUCE_GRADIENTS):
                     done(works, b, u)
@@ -374,18 +376,18 @@ class Stage1Grads:
 
 
 class Stage2Grads:
-    """Bucketed reduction during backward, at most ``in_flight`` collectives pending; only the
-    fp32 gradient shard persists."""
+    """Bucketed reduction during backward, at most ``reduce_buckets_in_flight`` collectives
+    pending; only the fp32 gradient shard persists."""
 
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, overlap: bool, solo: bool = False,
-        quant: GradientQuantization | None = None, error_feedback=None, *, in_flight: int,
+        quant: GradientQuantization | None = None, error_feedback=None, *, reduce_buckets_in_flight: int,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
-        self.in_flight = in_flight
+        self.reduce_buckets_in_flight = reduce_buckets_in_flight
         self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback,
-                                    in_flight=in_flight)
+                                    reduce_buckets_in_flight=reduce_buckets_in_flight)
         # [Note: landing shard]: plain 16-bit sums wait in the reduce dtype until backward ends
         self.reducer.use_landing = self.reducer.quant is None and self.dtype.itemsize < 4
         self.overlap = overlap
@@ -455,7 +457,7 @@ class Stage2Grads:
         self._bound_in_flight()
 
     def _bound_in_flight(self) -> None:
-        while len(self._pending) > self.in_flight:
+        while len(self._pending) > self.reduce_buckets_in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:

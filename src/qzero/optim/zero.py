@@ -128,11 +128,11 @@ class ZeroOptimizer:
         ]
         self.grads = [
             Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant, ef,
-                        in_flight=config.reduce_buckets_in_flight)
+                        reduce_buckets_in_flight=config.reduce_buckets_in_flight)
             if config.stage == 1
             else Stage2Grads(
                 g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant, ef,
-                in_flight=config.reduce_buckets_in_flight,
+                reduce_buckets_in_flight=config.reduce_buckets_in_flight,
             )
             for g, ef in zip(self.groups, self.error_feedback)
         ]

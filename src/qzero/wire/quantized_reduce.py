@@ -19,10 +19,10 @@ rank's residual of the piece (:class:`qzero.optim.error_feedback.ErrorFeedback`)
 the new one, in the same pass ([Note: gradient rotation] and the residual in
 :mod:`qzero.quant.gradients`).
 
-Transient memory per bucket in flight (at most
-:attr:`qzero.ZeroConfig.reduce_buckets_in_flight` of them): the packed payloads (about half the staged bucket
-for 8-bit codes from bf16, a quarter for int4), the received ones (``world - 1`` payloads
-of this rank's piece) and an fp32 sum of this rank's piece.
+Transient memory per bucket in flight (see :attr:`qzero.ZeroConfig.reduce_buckets_in_flight`):
+the packed payloads (about half the staged bucket for 8-bit codes from bf16, a quarter for
+int4), the received ones (``world - 1`` payloads of this rank's piece) and an fp32 sum of this
+rank's piece.
 
 Traffic: a rank sends ``bits / 8 + 4 / group_size`` bytes per element (plus exact elements
 in the reduce dtype) for the pieces other ranks own, where the plain reduction sends the
@@ -99,7 +99,7 @@ class QuantizedExchange:
     """Packs, moves and sums the pieces of one flat group's buckets."""
 
     def __init__(self, group, quant: GradientQuantization, dtype: torch.dtype, error_feedback=None, *,
-                 in_flight: int):
+                 reduce_buckets_in_flight: int):
         self._setup(
             quant, dtype, group.process_group, group.world_size, group.rank, group.device,
             gradient_kernels_for(group.device, group.context.kernels_choice),
@@ -113,8 +113,8 @@ class QuantizedExchange:
         if self.copy_engine is not None:
             self.pg = self.copy_engine.group
         #: Payload buffer sets reused in turn under copy-engine collectives: one more than the
-        #: exchanges its reducer keeps pending (``in_flight``: ZeroConfig.reduce_buckets_in_flight).
-        self.ring = in_flight + 1
+        #: exchanges its reducer keeps pending (``reduce_buckets_in_flight``).
+        self.ring = reduce_buckets_in_flight + 1
 
     @classmethod
     def over(cls, quant: GradientQuantization, dtype: torch.dtype, process_group, world: int, rank: int,
