@@ -123,6 +123,10 @@ ARMS = {
                               "zero_quantized_gradients_group_size=256",
     "delta_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
                                "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256",
+    # more gradient buckets left in flight before the backward waits for the oldest (default 2)
+    "int8_ahead_if4": "quantized=true,overlap=true,reduce_buckets_in_flight=4",
+    "int8_ahead_if8": "quantized=true,overlap=true,reduce_buckets_in_flight=8",
+    "int8_ahead_qgrad_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,reduce_buckets_in_flight=8",
 }
 #: Arms the contention is fitted on (the seed's 4B PCIe-class matrix, both timing kinds).
 FIT_ARMS = ("plain", "int8", "int8_ahead", "plain_ahead", "fsdp2")

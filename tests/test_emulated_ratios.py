@@ -65,3 +65,21 @@ def test_runs_of_one_cell_and_link_are_pooled_over_folders(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.count("| slow | fast |") == 1  # one row, both folders' runs
     assert "| 600.0 (500.0 / 700.0) | 420.0 (400.0 / 440.0) |" in text
+
+
+def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
+    """bench/emulated_calibration.ARMS (what run_emulated.sh's stages run) parse as --arm specs
+    whose settings are ZeroConfig's fields with valid values."""
+    import dataclasses
+
+    import emulated_calibration as ec
+    import steps_matrix as sm
+    from qzero.config import ZeroConfig
+
+    fields = {f.name for f in dataclasses.fields(ZeroConfig)}
+    for name in ec.ARMS:
+        arm, overrides = sm.parse_arm(ec.arm_spec(name))
+        assert arm == name
+        zero = {k: v for k, v in overrides.items() if k in fields}
+        ZeroConfig(**zero)  # raises on a bad value
+    assert sm.parse_arm(ec.arm_spec("int8_ahead_if8"))[1]["reduce_buckets_in_flight"] == 8
