@@ -23,6 +23,12 @@ Vocabulary (the link, its transfers and holds: ``bench/emulated_link.py``'s note
   backward's end (the reduce-scatter of the last buckets, say: what the optimizer waits for);
   **after**: link busy after the step's end of transfers the step issued (into the next step).
 
+* **host lead** (CUDA only, per stamp): how long after the host enqueued the stamp the GPU
+  reached it (the GPU's timer against the host's clock, their offset taken by one stamp on an
+  idle GPU after the measured steps; within its launch latency, some microseconds). Near 0: the
+  GPU was waiting for the host there (the host bound the step); large: the host ran that far
+  ahead (the GPU bound it).
+
 Times are milliseconds from the step's start stamp; every figure is of an emulated link.
 
     python3 bench/emulated_timeline.py OUT [--step K] [--out DIR]
@@ -39,8 +45,11 @@ import json
 import os
 import statistics
 import sys
+import time
 
 PHASES = ("forward", "backward", "step")
+#: The names of the stamps, in order.
+POINTS = ("start", "forward_end", "backward_end", "step_end")
 #: The stamps of a step, in order (``PHASES[k]`` runs from stamp ``k`` to stamp ``k + 1``).
 START, FORWARD_END, BACKWARD_END, STEP_END = range(4)
 
@@ -57,6 +66,7 @@ class StepStamps:
         self.link, self.cuda, self.steps = link, device.type == "cuda", steps
         self.counts = [[None] * 4 for _ in range(steps)]
         self.host = [[None] * 4 for _ in range(steps)]
+        self.enqueued = [[None] * 4 for _ in range(steps)]  # CUDA: host ns when each stamp was enqueued
         self.kept: list = []
         self.missing = 0
         self._seen = link.count
@@ -64,13 +74,14 @@ class StepStamps:
         if self.cuda:
             from link_kernels import DeviceStamps
 
-            self._dev = DeviceStamps(device, 4 * steps)
+            self._dev = DeviceStamps(device, 4 * steps + 1)  # the last slot: the clocks' offset
 
     def mark(self, step: int, point: int) -> None:
         """Stamp ``point`` (:data:`START` ... :data:`STEP_END`) of ``step``."""
         self._keep()
         self.counts[step][point] = self.link.count
         if self._dev is not None:
+            self.enqueued[step][point] = time.perf_counter_ns()
             self._dev.stamp(4 * step + point)
         else:
             self.host[step][point] = self.link.clock()
@@ -82,6 +93,15 @@ class StepStamps:
         self.missing += new - have
         self._seen = self.link.count
 
+    def _host_lead(self, raw: list[int]) -> list[list[float]]:
+        """Per step and stamp, ms from the host's enqueue to the GPU's reaching it (see the
+        note): the clocks' offset from one more stamp enqueued on the now idle GPU."""
+        cal = 4 * self.steps
+        before = time.perf_counter_ns()
+        self._dev.stamp(cal)
+        offset = self._dev.read()[cal] - before
+        return [[(raw[4 * k + p] - self.enqueued[k][p] - offset) * 1e-6 for p in range(4)] for k in range(self.steps)]
+
     def record(self, first: int) -> dict:
         """The timeline of steps ``first`` on (after the final synchronization): per step its
         phases, transfers and :func:`analyse_step`, and the medians (:func:`medians`)."""
@@ -90,11 +110,12 @@ class StepStamps:
             raw = self._dev.read()
             base = raw[0]  # integer nanoseconds from one origin first: no float rounding of the timer's 1e18
             stamps = [[(raw[4 * k + p] - base) * 1e-6 for p in range(4)] for k in range(self.steps)]  # ns -> ms
+            lead = self._host_lead(raw)
             log = {i: ((a - base) * 1e-6, (b - base) * 1e-6) for i, a, b in self.link.device_log()}
             held = self.link.model.holds
         else:
             stamps = [[x * 1e3 for x in row] for row in self.host]  # s -> ms
-            log, held = {}, True
+            log, held, lead = {}, True, None
         spans, no_times = [], 0
         for t in self.kept:
             if self.cuda:
@@ -121,7 +142,8 @@ class StepStamps:
                                   "end_ms": None if span is None else span[1] - t0})
             phases = {name: (s[p] - t0, s[p + 1] - t0) for p, name in enumerate(PHASES)}
             steps.append({"step": k, "phases": {n: list(v) for n, v in phases.items()}, "transfers": transfers,
-                          **analyse_step(phases, transfers)})
+                          **analyse_step(phases, transfers),
+                          **({"host_lead_ms": dict(zip(POINTS, lead[k]))} if lead is not None else {})})
         out = {"clock": "GPU global timer" if self.cuda else "host clock", "steps": steps,
                "median": medians(steps), "missing_transfers": self.missing, "missing_times": no_times}
         if self.missing or no_times:
@@ -200,8 +222,11 @@ def medians(steps: list[dict]) -> dict:
         rows = [s["by_phase"][name] for s in steps]
         by_phase[name] = {"ms": med([r["ms"] for r in rows]), "busy_ms": per_op([r["busy_ms"] for r in rows]),
                           "idle_ms": med([r["idle_ms"] for r in rows])}
-    return {"steps": len(steps), "by_phase": by_phase, "tail_ms": per_op([s["tail_ms"] for s in steps]),
-            "after_ms": per_op([s["after_ms"] for s in steps])}
+    out = {"steps": len(steps), "by_phase": by_phase, "tail_ms": per_op([s["tail_ms"] for s in steps]),
+           "after_ms": per_op([s["after_ms"] for s in steps])}
+    if all("host_lead_ms" in s for s in steps):  # CUDA stamps
+        out["host_lead_ms"] = {n: med([s["host_lead_ms"][n] for s in steps]) for n in POINTS}
+    return out
 
 
 def _ops(d: dict) -> str:
@@ -217,7 +242,14 @@ def table(med: dict) -> str:
     for name, r in med["by_phase"].items():
         lines.append(f"  {name:8s} | {r['ms']:.1f} | {_ops(r['busy_ms'])} | {r['idle_ms']:.1f}")
     lines.append(f"  tail after the backward: {_ops(med['tail_ms'])}; after the step's end: {_ops(med['after_ms'])}")
+    if med.get("host_lead_ms"):
+        lines.append("  host lead (GPU behind the host) at " + ", ".join(f"{n} {v:.1f}" for n, v in med["host_lead_ms"].items()))
     return "\n".join(lines) + "\n"
+
+
+def _leads(med: dict) -> str:
+    lead = med.get("host_lead_ms")
+    return " / ".join(f"{lead[n]:.1f}" for n in POINTS[1:]) if lead else "—"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -227,13 +259,14 @@ def markdown(rows: list[dict]) -> str:
         return ""
     lines = ["", "## Step timeline (emulated link; medians over the measured steps, ms)", "",
              "| cell | link | arm | forward | backward | step | link busy in forward | in backward | in step | "
-             "tail after backward | after step end |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tail after backward | after step end | host lead at forward / backward / step end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, p = r["timeline"], r["timeline"]["by_phase"]
         lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | "
                      + " | ".join(f"{p[n]['ms']:.1f}" for n in PHASES) + " | "
                      + " | ".join(f"{_ops(p[n]['busy_ms'])} (idle {p[n]['idle_ms']:.1f})" for n in PHASES)
-                     + f" | {_ops(m['tail_ms'])} | {_ops(m['after_ms'])} |")
+                     + f" | {_ops(m['tail_ms'])} | {_ops(m['after_ms'])} | {_leads(m)} |")
     return "\n".join(lines) + "\n"
 
 

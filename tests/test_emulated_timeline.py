@@ -167,6 +167,48 @@ def test_the_device_path_joins_the_timer_stamps_with_the_device_log():
     assert [t["start_ms"] for t in step["transfers"]] == [pytest.approx(0.5), None, None]
 
 
+def test_the_host_lead_is_the_gpu_stamp_against_its_enqueue_on_the_host_clock(monkeypatch):
+    """CUDA stamps: each stamp's host lead is the GPU's time at it less the host's enqueue time,
+    the clocks' offset taken from one more stamp enqueued after the steps (on an idle GPU);
+    the medians and the tables carry it; CPU stamps have none."""
+    base = 1_700_000_000_000_000_000
+    host = iter([0, 1_000_000, 2_000_000, 3_000_000, 10_000_000])  # four enqueues, then the offset's stamp
+    monkeypatch.setattr(et.time, "perf_counter_ns", lambda: next(host))
+    gpu_at = {0: 5_000_000, 1: 5_500_000, 2: 7_000_000, 3: 9_900_000, 4: 10_000_000}  # the offset's: on time
+
+    class Timer:
+        def __init__(self):
+            self.slots = {}
+
+        def stamp(self, slot):
+            self.slots[slot] = base + gpu_at[slot]
+
+        def read(self):
+            return [self.slots.get(k, 0) for k in range(5)]
+
+    link = el.Link(el.parse_link("pcie"), clock=FakeClock(), sleep=lambda dt: None)
+    stamps = et.StepStamps(link, torch.device("cpu"), 1)
+    stamps.cuda, stamps._dev = True, Timer()
+    for point in (et.START, et.FORWARD_END, et.BACKWARD_END, et.STEP_END):
+        stamps.mark(0, point)
+    link.device_log = lambda: []
+    rec = stamps.record(first=0)
+    lead = rec["steps"][0]["host_lead_ms"]
+    assert lead == {"start": pytest.approx(5.0), "forward_end": pytest.approx(4.5), "backward_end": pytest.approx(5.0),
+                    "step_end": pytest.approx(6.9)}
+    assert rec["median"]["host_lead_ms"] == lead
+    assert "host lead (GPU behind the host) at start 5.0, forward_end 4.5, backward_end 5.0, step_end 6.9" in \
+        et.table(rec["median"])
+    row = {"cell": "c", "link": "pcie", "arm": "a", "timeline": rec["median"]}
+    assert et.markdown([row]).rstrip().endswith("| 4.5 / 5.0 / 6.9 |")
+    cpu = et.StepStamps(el.Link(el.parse_link("pcie"), clock=FakeClock(), sleep=lambda dt: None), torch.device("cpu"), 1)
+    for point in (et.START, et.FORWARD_END, et.BACKWARD_END, et.STEP_END):
+        cpu.mark(0, point)
+    crec = cpu.record(first=0)
+    assert "host_lead_ms" not in crec["steps"][0] and "host_lead_ms" not in crec["median"]
+    assert et.markdown([{**row, "timeline": crec["median"]}]).rstrip().endswith("| — |")
+
+
 MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
