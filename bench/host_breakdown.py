@@ -2,8 +2,9 @@
 
 :class:`HostBreakdown` wraps, for as long as it is installed, the gather engine's chunk
 launches (the ``streams`` schedule's ``_enqueue_through``, the ``inline`` schedule's ``_pump``),
-its packs and unpacks, gather-ahead's forward pre-hooks and parameter reads with host timers,
-and counts Python's garbage collections. While a phase is counted (``counting("fwd")``), it
+its packs and unpacks, gather-ahead's forward pre-hooks and parameter reads, and stage 2's
+gradient hooks, bucket launches and finishes (the quantized exchange's inside them) with host
+timers, and counts Python's garbage collections. While a phase is counted (``counting("fwd")``), it
 also reads the CUDA caching allocator's device allocations, frees and retries before and
 after, and optionally (``sync=True``) turns on ``torch.cuda.set_sync_debug_mode`` to record
 every synchronizing CUDA call with the qzero, transformers or torch.nn frames that made it.
@@ -27,9 +28,18 @@ class HostBreakdown:
     retries, and Python's garbage collections. Installed before the backend is built (the
     hooks are bound then); counts only while :attr:`phase` is set."""
 
+    #: (module under qzero, function or Class.method[, key]): the key defaults to the name
+    #: without its leading underscores. Times are inclusive (a reduction's launch holds its pack).
     TIMED = (("wire.engine", "_Streamed._enqueue_through"), ("wire.engine", "_Inline._pump"),
              ("wire.engine", "pack_chunk"), ("wire.engine", "unpack_chunk"),
-             ("wire.overlap", "GatherAhead._hook"), ("wire.overlap", "GatherAhead.wait_for"))
+             ("wire.overlap", "GatherAhead._hook"), ("wire.overlap", "GatherAhead.wait_for"),
+             # the gradient reduction, stage 2: the hook per parameter (staging its gradient;
+             # it launches a full bucket), each bucket's launch and the finish of the oldest
+             ("optim.grads", "Stage2Grads._on_grad", "grad_hook"), ("optim.grads", "Stage2Grads._launch", "reduce_launch"),
+             ("optim.grads", "Stage2Grads._finish_oldest", "reduce_finish"),
+             # inside those with quantized gradients: pack + all-to-all, and dequantize + sum
+             ("wire.quantized_reduce", "QuantizedExchange.launch", "quantized_launch"),
+             ("wire.quantized_reduce", "QuantizedExchange.finish", "quantized_finish"))
     ALLOC = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
     def __init__(self):
@@ -49,12 +59,12 @@ class HostBreakdown:
         import gc
         import importlib
 
-        for mod_name, qual in self.TIMED:
+        for mod_name, qual, *named in self.TIMED:
             mod = importlib.import_module("qzero." + mod_name)
             owner, _, attr = qual.rpartition(".")
             target = getattr(mod, owner) if owner else mod
             orig = getattr(target, attr)
-            key = qual.rpartition(".")[2].lstrip("_")
+            key = named[0] if named else attr.lstrip("_")
 
             def timed(*args, _orig=orig, _key=key, **kw):
                 t0 = time.perf_counter()

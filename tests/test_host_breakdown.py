@@ -12,17 +12,21 @@ from distributed import run_distributed
 import qzero
 
 
-def breakdown_run(rank, world):
+def breakdown_run(rank, world, quantized_gradients=False):
     hb_mod = bench_scripts.load("host_breakdown")
-    from qzero.wire import engine, overlap
+    from qzero.optim import grads
+    from qzero.wire import engine, overlap, quantized_reduce
 
-    originals = (engine._Inline._pump, engine.pack_chunk, overlap.GatherAhead._hook)
+    wrapped = lambda: (engine._Inline._pump, engine.pack_chunk, overlap.GatherAhead._hook,  # noqa: E731
+                       grads.Stage2Grads._launch, quantized_reduce.QuantizedExchange.finish)
+    originals = wrapped()
     hb = hb_mod.HostBreakdown()
     hb.install()  # before the optimizer: gather-ahead binds its hooks when it is built
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).bfloat16()
     cfg = qzero.ZeroConfig(zero_quantized_weights=True, overlap_param_gather=True, small_param_numel=8,
-                           allgather_bucket_size=world * 64 * 64)  # one Linear a chunk
+                           allgather_bucket_size=world * 64 * 64,  # one Linear a chunk
+                           reduce_bucket_size=2 * 64 * 64, zero_quantized_gradients=quantized_gradients)
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=cfg)
     x = torch.randn(4, 64).bfloat16()
     for step in range(3):
@@ -38,7 +42,7 @@ def breakdown_run(rank, world):
         opt.zero_grad()
     opt.wait_for_weights()
     hb.uninstall()
-    restored = (engine._Inline._pump, engine.pack_chunk, overlap.GatherAhead._hook) == originals
+    restored = wrapped() == originals
     return hb.report(2), restored
 
 
@@ -59,3 +63,22 @@ def test_the_breakdown_counts_each_phase_and_restores_what_it_wrapped():
         # the synchronizing call is recorded once, the other warning not at all
         assert list(report["syncs"].values()) == [1]
         assert next(iter(report["syncs"])).startswith("called a synchronizing CUDA operation @")
+
+
+def test_the_breakdown_counts_the_gradient_reduction_in_the_backward():
+    """Stage 2's hooks, bucket launches and finishes are counted in the backward; the quantized
+    exchange's launch and finish only with quantized gradients (inside them: its calls never
+    outnumber the launches)."""
+    for quantized in (False, True):
+        for report, restored in run_distributed(functools.partial(breakdown_run, quantized_gradients=quantized), 2):
+            assert restored
+            bwd = report["per_step"]["bwd"]
+            assert bwd["grad_hook"][0] >= 12  # a weight and a bias per Linear
+            assert bwd["reduce_launch"][0] >= 3 and bwd["reduce_finish"][0] >= 1
+            assert bwd["reduce_launch"][1] > 0
+            if quantized:
+                assert 1 <= bwd["quantized_launch"][0] <= bwd["reduce_launch"][0]
+                assert 1 <= bwd["quantized_finish"][0] <= bwd["reduce_finish"][0]
+            else:
+                assert "quantized_launch" not in bwd and "quantized_finish" not in bwd
+            assert "grad_hook" not in report["per_step"]["fwd"]
