@@ -406,6 +406,10 @@ def build_parser():
                         "regimes: none, pcie, ethernet, nvlink (bench/emulated_link.py)")
     e.add_argument("--budget", type=float, default=0, help="seconds: start no run that would not end inside it")
     e.add_argument("--arm-timeout", type=float, default=540, help="seconds per arm process (default 540)")
+    e.add_argument("--resume", action="store_true",
+                   help="continue the matrix already in --out: keep its runs (each arm, round and cell whose every "
+                        "link has a run that did not fail), run only the rest; the arms' settings must be the same. "
+                        "The whole grid then takes several invocations of one command, each within its --budget")
     e.add_argument("--timeline", action="store_true",
                    help="stamp each step's forward, backward and optimizer step on the compute stream and join them "
                         "with the link's transfers: rec['timeline'], a table in summary.md (bench/emulated_timeline.py "
@@ -416,6 +420,32 @@ def build_parser():
 def split_links(text: str) -> list[str]:
     """``pcie:ctas=8;time_scale=1.2,ethernet`` -> ``["pcie:ctas=8,time_scale=1.2", "ethernet"]``."""
     return [x.strip().replace(";", ",") for x in text.split(",") if x.strip()]
+
+
+def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
+    """What an earlier invocation left in ``out`` for this matrix: its runs as ``done``
+    (``{(cell, link): {arm: [records]}}``, failed ones dropped: they run again) and the set of
+    ``(round, cell, arm)`` whose every link has a run. Raises ``ValueError`` naming the first
+    arm whose settings differ from the planned ones (a different matrix in the same folder)."""
+    done: dict = {(c, link): {n: [] for n in plans[c][1]} for c in plans for link in links}
+    for c, (_, arms, *_rest) in plans.items():
+        for link in links:
+            path = os.path.join(out, c, link_dir(link), "matrix.json")
+            if not os.path.isfile(path):
+                continue
+            with open(path) as f:
+                old = json.load(f)
+            was = {a["name"]: a["settings"] for a in old.get("arms", [])}
+            for name, settings in arms.items():
+                if name in was and was[name] != dataclasses.asdict(settings):
+                    raise ValueError(f"--resume: arm {name!r} of {c} on {link} has other settings in {path} than "
+                                     "this command's; give another --out, or the same arms")
+            for name, runs in old.get("runs", {}).items():
+                if name in done[(c, link)]:
+                    done[(c, link)][name] = [r for r in runs if not r.get("failed")]
+    finished = {(r["round"], c, name) for (c, link), arms in done.items() for name, runs in arms.items() for r in runs
+                if all(any(x["round"] == r["round"] for x in done[(c, other)][name]) for other in links)}
+    return done, finished
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,6 +489,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     done: dict = {(c, link): {n: [] for n in names} for c in plans for link in links}
     schedule = [(r, c, n) for r in range(args.rounds) for c in plans for n in order(names, r)]
+    kept = 0
+    if args.resume:
+        try:
+            done, finished = resumed(args.out, plans, links)
+        except ValueError as e:
+            parser.error(str(e))
+        for key in done:  # a run of a round and arm that is not finished on every link runs again whole
+            for name, runs in done[key].items():
+                done[key][name] = [x for x in runs if (x["round"], key[0], name) in finished]
+        kept = sum(1 for x in schedule if x in finished)
+        schedule = [x for x in schedule if x not in finished]
+        print(f"emulated_matrix: --resume: {kept} run(s) kept from {args.out}, {len(schedule)} to run", flush=True)
     last = 0.0
     cut = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -479,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 recs = run_arm(arms[name], run_links, out, log, timeout=min(args.arm_timeout, max(remaining, 1)),
                                timeline=args.timeline)
                 for link, rec in zip(run_links, recs):
-                    rec["round"], rec["index"] = r, i
+                    rec["round"], rec["index"] = r, kept + i
                     done[(c, link)][name].append(rec)
                     ms = 1e3 * statistics.median(rec["step_times"]) if rec["step_times"] else float("nan")
                     print(f"emulated_matrix:   {link}: {ms:.1f} ms median, wall "
@@ -490,13 +532,13 @@ def main(argv: list[str] | None = None) -> int:
                         print(emulated_timeline.table(rec["timeline"]["median"]), end="", flush=True)
             except (ArmFailed, OSError, ValueError) as e:
                 for link in run_links:
-                    done[(c, link)][name].append({"failed": True, "round": r, "index": i, "error": str(e)[-3000:]})
+                    done[(c, link)][name].append({"failed": True, "round": r, "index": kept + i, "error": str(e)[-3000:]})
                 print(f"emulated_matrix:   FAILED: {steps_matrix._last_line(str(e))[:200]} (log {log})", flush=True)
             last = time.monotonic() - t0
-            _write_all(args, plans, links, done, env, reference, peers, floor_arm, i + 1, len(schedule),
+            _write_all(args, plans, links, done, env, reference, peers, floor_arm, kept + i + 1, kept + len(schedule),
                        complete=i + 1 == len(schedule))
-    text = _write_all(args, plans, links, done, env, reference, peers, floor_arm, len(schedule) if not cut else i,
-                      len(schedule), complete=not cut, plots=True)
+    text = _write_all(args, plans, links, done, env, reference, peers, floor_arm,
+                      kept + (len(schedule) if not cut else i), kept + len(schedule), complete=not cut, plots=True)
     print(text, end="", flush=True)
     return 0 if any(not r.get("failed") for arms in done.values() for runs in arms.values() for r in runs) else 1
 

@@ -425,3 +425,58 @@ def test_a_delivery_backdates_a_transfer_by_a_device_copy_not_by_milliseconds():
     ns = lk.delivery_ns(64 << 20)
     assert 10_000 < ns < 100_000, ns
     assert lk.delivery_ns(0) == lk.DELIVERY_FIXED_NS
+
+
+def test_resume_keeps_the_runs_finished_on_every_link_and_refuses_another_matrix(tmp_path):
+    """``emulated_matrix.resumed``: a (round, cell, arm) is kept when every link has a run of it
+    that did not fail; failed runs and runs missing a link are dropped (they run again whole);
+    an arm whose settings differ from the planned ones is refused by name."""
+    import dataclasses as dc
+
+    @dc.dataclass
+    class S:
+        x: int
+
+    plans = {"cell": (None, {"a": S(1), "b": S(2)}, {}, None, None)}
+    links = ["pcie:ctas=0", "nvlink"]
+    ok = lambda r: {"round": r, "step_times": [0.1]}  # noqa: E731
+    runs = {"pcie:ctas=0": {"a": [ok(0), ok(1)], "b": [{"round": 0, "failed": True}]},
+            "nvlink": {"a": [ok(0)], "b": [ok(0)]}}
+    for link, by_arm in runs.items():
+        d = tmp_path / "cell" / em.link_dir(link)
+        d.mkdir(parents=True)
+        arms = [{"name": n, "settings": dc.asdict(s)} for n, s in plans["cell"][1].items()]
+        (d / "matrix.json").write_text(json.dumps({"arms": arms, "runs": by_arm}))
+    done, finished = em.resumed(str(tmp_path), plans, links)
+    assert finished == {(0, "cell", "a")}  # a's round 1 lacks NVLink; b's round 0 failed on PCIe-class
+    assert [r["round"] for r in done[("cell", "pcie:ctas=0")]["a"]] == [0, 1]
+    assert done[("cell", "pcie:ctas=0")]["b"] == []  # the failed run is dropped
+    assert em.resumed(str(tmp_path / "elsewhere"), plans, links) == (
+        {("cell", link): {"a": [], "b": []} for link in links}, set())
+    other = {"cell": (None, {"a": S(1), "b": S(3)}, {}, None, None)}
+    with pytest.raises(ValueError, match="arm 'b' of cell on pcie:ctas=0 has other settings"):
+        em.resumed(str(tmp_path), other, links)
+
+
+@pytest.mark.slow  # two end-to-end runs of a benchmark script: python -m pytest -m slow
+def test_a_resumed_matrix_runs_only_what_is_missing(tmp_path):
+    """One round, then the same command with two rounds and --resume: one more run, both in the
+    matrix (rounds 0 and 1), the first one's numbers unchanged."""
+    config = tmp_path / "mini.json"
+    config.write_text(json.dumps(MINI))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(BENCH, "emulated_matrix.py"), "--device", "cpu", "--model-config", str(config),
+           "--seq-len", "16", "--micro-batch", "1", "--steps", "2", "--warmup", "0", "--allgather-bucket-size", "200000",
+           "--reduce-bucket-size", "100000", "--world-size", "2", "--links", "pcie:time_scale=1e-3",
+           "--arm", "int8:quantized=true,overlap=false", "--out", str(out)]
+    first = subprocess.run(cmd + ["--rounds", "1"], capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    path = next(out.glob("*/pcie_time_scale1e-3/matrix.json"))
+    before = json.load(open(path))["runs"]["int8"]
+    again = subprocess.run(cmd + ["--rounds", "2", "--resume"], capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "--resume: 1 run(s) kept" in again.stdout and "1 to run" in again.stdout
+    m = json.load(open(path))
+    assert [r["round"] for r in m["runs"]["int8"]] == [0, 1] and m["complete"] and m["runs_done"] == 2
+    assert m["runs"]["int8"][0]["step_times"] == before[0]["step_times"]
