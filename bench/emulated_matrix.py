@@ -43,7 +43,7 @@ if HERE not in sys.path:
 #: Fields of a run record that are per link (the rest are the arm's, once per process).
 PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps", "finite", "link", "link_model",
             "link_per_step", "link_busy_ms_modelled", "link_busy_ms_measured", "peak_allocated_bytes",
-            "peak_reserved_bytes", "timeline")
+            "peak_reserved_bytes", "timeline", "step_started_unix")
 
 
 # ---------------------------------------------------------------------- one arm, in its own process
@@ -68,7 +68,7 @@ def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool 
     per_step = n * s.micro_batch * s.grad_accum
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    marks, loss_sums, skipped = [], [], 0
+    marks, loss_sums, skipped, started = [], [], 0, []
     wall_start, before, first_index = None, link.snapshot(), link.count
     pauses = _HostPauses()
     stamps = StepStamps(link, device, s.steps) if timeline else None
@@ -81,6 +81,7 @@ def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool 
         batch = global_batch(corpus, first_step + k, per_step, s.seq_len, s.seed)
         mine = batch.view(s.grad_accum, n, s.micro_batch, -1)[:, 0].to(device)
         marks.append(_mark(device))
+        started.append(time.time())
         if stamps:
             stamps.mark(k, START)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
@@ -123,6 +124,9 @@ def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool 
         "link_busy_ms_modelled": 1e3 * busy_modelled / measured,
         "link_busy_ms_measured": busy_measured / measured if busy_measured is not None else None,
         "host_pauses": host_pauses,
+        # when each measured step was enqueued (host, Unix seconds): to line steps up with a
+        # clock or power log of the GPU (nvidia-smi dmon -o T) taken beside the run
+        "step_started_unix": started[s.warmup:-1] if len(started) > s.warmup else [],
     }
     if stamps:
         rec["timeline"] = stamps.record(first=s.warmup)

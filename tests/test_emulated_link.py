@@ -480,3 +480,6 @@ def test_a_resumed_matrix_runs_only_what_is_missing(tmp_path):
     m = json.load(open(path))
     assert [r["round"] for r in m["runs"]["int8"]] == [0, 1] and m["complete"] and m["runs_done"] == 2
     assert m["runs"]["int8"][0]["step_times"] == before[0]["step_times"]
+    for r in m["runs"]["int8"]:  # each measured step's host start, to line up with a GPU clock log
+        t = r["step_started_unix"]
+        assert len(t) == len(r["step_times"]) and t == sorted(t) and t[0] > 1.7e9
