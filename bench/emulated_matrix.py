@@ -428,8 +428,8 @@ def split_links(text: str) -> list[str]:
 
 def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
     """What an earlier invocation left in ``out`` for this matrix: its runs as ``done``
-    (``{(cell, link): {arm: [records]}}``, failed ones dropped: they run again) and the set of
-    ``(round, cell, arm)`` whose every link has a run. Raises ``ValueError`` naming the first
+    (``{(cell, link): {arm: [records]}}``) and the set of ``(round, cell, arm)`` whose every
+    link has a run that did not fail; only those runs are kept, the others run again whole. Raises ``ValueError`` naming the first
     arm whose settings differ from the planned ones (a different matrix in the same folder)."""
     done: dict = {(c, link): {n: [] for n in plans[c][1]} for c in plans for link in links}
     for c, (_, arms, *_rest) in plans.items():
@@ -449,6 +449,9 @@ def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
                     done[(c, link)][name] = [r for r in runs if not r.get("failed")]
     finished = {(r["round"], c, name) for (c, link), arms in done.items() for name, runs in arms.items() for r in runs
                 if all(any(x["round"] == r["round"] for x in done[(c, other)][name]) for other in links)}
+    for (c, _), arms in done.items():  # a round not finished on every link runs again whole
+        for name, runs in arms.items():
+            arms[name] = [r for r in runs if (r["round"], c, name) in finished]
     return done, finished
 
 
@@ -499,9 +502,6 @@ def main(argv: list[str] | None = None) -> int:
             done, finished = resumed(args.out, plans, links)
         except ValueError as e:
             parser.error(str(e))
-        for key in done:  # a run of a round and arm that is not finished on every link runs again whole
-            for name, runs in done[key].items():
-                done[key][name] = [x for x in runs if (x["round"], key[0], name) in finished]
         kept = sum(1 for x in schedule if x in finished)
         schedule = [x for x in schedule if x not in finished]
         print(f"emulated_matrix: --resume: {kept} run(s) kept from {args.out}, {len(schedule)} to run", flush=True)

@@ -19,3 +19,24 @@ def load(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+#: A two-layer Qwen3-shaped model for end-to-end runs of the emulated matrix on the CPU.
+MINI_QWEN3 = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
+
+
+def run_emulated_matrix(tmp_path, *args: str, timeout: float = 600):
+    """``bench/emulated_matrix.py`` on the CPU with :data:`MINI_QWEN3` (at DP2, sequence 16,
+    micro-batch 1, 200k/100k buckets) and ``args``; this checkout's ``src`` imported first."""
+    import json
+    import subprocess
+
+    config = tmp_path / "mini.json"
+    config.write_text(json.dumps(MINI_QWEN3))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, path("emulated_matrix"), "--device", "cpu", "--model-config", str(config), "--seq-len", "16",
+           "--micro-batch", "1", "--allgather-bucket-size", "200000", "--reduce-bucket-size", "100000",
+           "--world-size", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

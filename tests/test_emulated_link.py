@@ -19,6 +19,7 @@ BENCH = os.path.join(ROOT, "bench")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
+import bench_scripts  # noqa: E402
 import emulated_link as el  # noqa: E402
 import emulated_matrix as em  # noqa: E402
 
@@ -346,9 +347,6 @@ def test_summary_exposure_against_the_world_of_one():
 #: A Qwen3 with a tied embedding larger than a partition and every other parameter exact
 #: (small_param_numel above them all): the ranks' counts of exact elements per chunk differ, as
 #: in Qwen3-4B's gather (rank 0's chunks hold the embedding and none, rank 1's many).
-MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
 
 
 @pytest.mark.slow  # an end-to-end run of a benchmark script: python -m pytest -m slow
@@ -357,15 +355,10 @@ def test_the_matrix_runs_arms_in_fresh_processes_on_the_cpu(tmp_path):
     elements, and INT8 gradients: an all-to-all per bucket), two links in its process:
     finite losses (the INT8 arm stops with non-finite gradients at its second step when other
     ranks' side channels hold stale bytes), link time booked only on the held link, the tables."""
-    config = tmp_path / "mini.json"
-    config.write_text(json.dumps(MINI))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, os.path.join(BENCH, "emulated_matrix.py"), "--device", "cpu", "--model-config", str(config),
-           "--seq-len", "16", "--micro-batch", "1", "--steps", "2", "--warmup", "0", "--allgather-bucket-size", "200000",
-           "--reduce-bucket-size", "100000", "--world-size", "2", "--links", "none,pcie:time_scale=1e-3", "--rounds", "1",
-           "--arm", "qgrad:quantized=true,overlap=false,zero_quantized_gradients=true,small_param_numel=65536",
-           "--out", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = bench_scripts.run_emulated_matrix(
+        tmp_path, "--steps", "2", "--warmup", "0", "--links", "none,pcie:time_scale=1e-3", "--rounds", "1",
+        "--arm", "qgrad:quantized=true,overlap=false,zero_quantized_gradients=true,small_param_numel=65536",
+        "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tmp_path = tmp_path / "out"
     summary = json.load(open(tmp_path / "summary.json"))
@@ -449,8 +442,9 @@ def test_resume_keeps_the_runs_finished_on_every_link_and_refuses_another_matrix
         (d / "matrix.json").write_text(json.dumps({"arms": arms, "runs": by_arm}))
     done, finished = em.resumed(str(tmp_path), plans, links)
     assert finished == {(0, "cell", "a")}  # a's round 1 lacks NVLink; b's round 0 failed on PCIe-class
-    assert [r["round"] for r in done[("cell", "pcie:ctas=0")]["a"]] == [0, 1]
-    assert done[("cell", "pcie:ctas=0")]["b"] == []  # the failed run is dropped
+    assert [r["round"] for r in done[("cell", "pcie:ctas=0")]["a"]] == [0]  # round 1 runs again on both links
+    assert [r["round"] for r in done[("cell", "nvlink")]["a"]] == [0]
+    assert done[("cell", "pcie:ctas=0")]["b"] == done[("cell", "nvlink")]["b"] == []  # b's round 0 runs again
     assert em.resumed(str(tmp_path / "elsewhere"), plans, links) == (
         {("cell", link): {"a": [], "b": []} for link in links}, set())
     other = {"cell": (None, {"a": S(1), "b": S(3)}, {}, None, None)}
@@ -462,19 +456,14 @@ def test_resume_keeps_the_runs_finished_on_every_link_and_refuses_another_matrix
 def test_a_resumed_matrix_runs_only_what_is_missing(tmp_path):
     """One round, then the same command with two rounds and --resume: one more run, both in the
     matrix (rounds 0 and 1), the first one's numbers unchanged."""
-    config = tmp_path / "mini.json"
-    config.write_text(json.dumps(MINI))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(BENCH, "emulated_matrix.py"), "--device", "cpu", "--model-config", str(config),
-           "--seq-len", "16", "--micro-batch", "1", "--steps", "2", "--warmup", "0", "--allgather-bucket-size", "200000",
-           "--reduce-bucket-size", "100000", "--world-size", "2", "--links", "pcie:time_scale=1e-3",
-           "--arm", "int8:quantized=true,overlap=false", "--out", str(out)]
-    first = subprocess.run(cmd + ["--rounds", "1"], capture_output=True, text=True, timeout=600, env=env)
+    args = ("--steps", "2", "--warmup", "0", "--links", "pcie:time_scale=1e-3", "--arm", "int8:quantized=true,overlap=false",
+            "--out", str(out))
+    first = bench_scripts.run_emulated_matrix(tmp_path, *args, "--rounds", "1")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     path = next(out.glob("*/pcie_time_scale1e-3/matrix.json"))
     before = json.load(open(path))["runs"]["int8"]
-    again = subprocess.run(cmd + ["--rounds", "2", "--resume"], capture_output=True, text=True, timeout=600, env=env)
+    again = bench_scripts.run_emulated_matrix(tmp_path, *args, "--rounds", "2", "--resume")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "--resume: 1 run(s) kept" in again.stdout and "1 to run" in again.stdout
     m = json.load(open(path))

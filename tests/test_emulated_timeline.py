@@ -15,6 +15,7 @@ BENCH = os.path.join(ROOT, "bench")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
+import bench_scripts  # noqa: E402
 import emulated_link as el  # noqa: E402
 import emulated_matrix as em  # noqa: E402
 import emulated_timeline as et  # noqa: E402
@@ -209,26 +210,16 @@ def test_the_host_lead_is_the_gpu_stamp_against_its_enqueue_on_the_host_clock(mo
     assert et.markdown([{**row, "timeline": crec["median"]}]).rstrip().endswith("| — |")
 
 
-MINI = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_dropout": 0.0}
-
 
 @pytest.mark.slow  # an end-to-end run of a benchmark script (about 15 s): python -m pytest -m slow
 def test_the_matrix_with_timeline_on_the_cpu_and_its_chart(tmp_path):
     """A tiny arm with gradient accumulation and the gather ahead, ``--timeline``: every measured
     step, its stamps in order, its transfers' bytes those of the record's link per step; the
     summary's table; a PNG from the plot script."""
-    config = tmp_path / "mini.json"
-    config.write_text(json.dumps(MINI))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(BENCH, "emulated_matrix.py"), "--device", "cpu", "--model-config", str(config),
-           "--seq-len", "16", "--micro-batch", "1", "--grad-accum", "2", "--steps", "3", "--warmup", "1",
-           "--allgather-bucket-size", "200000", "--reduce-bucket-size", "100000", "--world-size", "2",
-           "--links", "pcie:time_scale=1e-2", "--rounds", "1", "--arm", "ahead:quantized=true,overlap=true",
-           "--timeline", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = bench_scripts.run_emulated_matrix(
+        tmp_path, "--grad-accum", "2", "--steps", "3", "--warmup", "1", "--links", "pcie:time_scale=1e-2", "--rounds", "1",
+        "--arm", "ahead:quantized=true,overlap=true", "--timeline", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = next(p for p in out.iterdir() if p.is_dir() and p.name != "logs")
     rec = json.load(open(cell / "pcie_time_scale1e-2" / "matrix.json"))["runs"]["ahead"][0]
@@ -247,7 +238,7 @@ def test_the_matrix_with_timeline_on_the_cpu_and_its_chart(tmp_path):
     assert sum(v for s in tl["steps"] for p in s["by_phase"].values() for v in p["busy_ms"].values()) > 0
     assert "Step timeline" in (out / "summary.md").read_text() and "timeline (emulated link" in proc.stdout
     plot = subprocess.run([sys.executable, os.path.join(BENCH, "emulated_timeline.py"), str(out)], capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300)
     assert plot.returncode == 0, plot.stderr[-3000:]
     png = cell / "pcie_time_scale1e-2" / "timeline_ahead.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

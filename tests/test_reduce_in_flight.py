@@ -53,6 +53,16 @@ def _count_pending(reducer, record: list) -> None:
             setattr(reducer, name, finishing(getattr(reducer, name)))
 
 
+def _steps(opt, model, rank, world) -> None:
+    """STEPS training steps on this rank's share of the batches, then the last gather's end."""
+    for step in range(STEPS):
+        tokens, targets = batch(step, 0)
+        opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_weights()
+
+
 def _train(rank, world, case, in_flight):
     model = make_model(seed=rank)  # replicas start different: rank 0's weights win
     cfg = qzero.ZeroConfig(**case, reduce_buckets_in_flight=in_flight, reduce_bucket_size=150,
@@ -61,12 +71,7 @@ def _train(rank, world, case, in_flight):
     counts: list[int] = []
     for g in opt.grads:
         _count_pending(g.reducer, counts)
-    for step in range(STEPS):
-        tokens, targets = batch(step, 0)
-        opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
-        opt.step()
-        opt.zero_grad()
-    opt.wait_for_weights()
+    _steps(opt, model, rank, world)
     flats = torch.cat([g.flat.view(torch.int16) for g in opt.groups]).clone()
     masters = torch.cat([g.master for g in opt.groups]).clone()
     return flats, masters, counts
@@ -141,12 +146,7 @@ def _ring_worker(rank, world, in_flight):
         return finish(*a)
 
     reducer.launch, reducer.finish = launching, finishing
-    for step in range(STEPS):
-        tokens, targets = batch(step, 0)
-        opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
-        opt.step()
-        opt.zero_grad()
-    opt.wait_for_weights()
+    _steps(opt, model, rank, world)
     return [repr(k) for k in clashes], len(used)  # the keys hold the exchange: not picklable
 
 
