@@ -85,6 +85,7 @@ import json
 import math
 import os
 import queue
+import re
 import shlex
 import subprocess
 import sys
@@ -144,6 +145,11 @@ class Arm:
 
     @property
     def label(self) -> str:
+        rep = re.search(r"-rep([1-9][0-9]*)$", self.name)
+        return self._settings_label + (f", replicate {rep.group(1)}" if rep else "")
+
+    @property
+    def _settings_label(self) -> str:
         weights = ("bf16 (plain gather)" if not self.quantized else
                    f"{self.fmt.upper()}{' delta' if self.delta else ''} g{self.group_size}")
         if not self.grad_quantized:
@@ -186,10 +192,14 @@ def parse_arm(name: str) -> Arm:
     Hadamard rotation over blocks of that many elements; int4 needs it or ``-noh``, no rotation,
     said explicitly) and ``-ef`` (error feedback), e.g. ``int8-g64+gq-int8-g64``,
     ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``, ``int8-g64+gq-int4-g64-noh``,
-    ``int8-g64+gq-int4-g64-h32-ef``."""
+    ``int8-g64+gq-int4-g64-h32-ef``. A suffix ``-rep<k>`` (``bf16-rep2``) names a replicate:
+    the same settings, seed and batches as the arm without it, trained again beside it, so
+    the report's difference between the two is the run-to-run spread of the GPU's
+    nondeterministic kernels alone, the floor under every other arm's difference."""
 
     name = name.strip()
-    weights, plus, grads = name.partition("+")
+    spec = re.sub(r"-rep[1-9][0-9]*$", "", name)
+    weights, plus, grads = spec.partition("+")
     if weights == "bf16":
         arm = dict(quantized=False)
     elif "-delta-g" in weights:

@@ -127,6 +127,11 @@ ARMS = {
     "int8_ahead_if4": "quantized=true,overlap=true,reduce_buckets_in_flight=4",
     "int8_ahead_if8": "quantized=true,overlap=true,reduce_buckets_in_flight=8",
     "int8_ahead_qgrad_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,reduce_buckets_in_flight=8",
+    "int8_ahead_qgrad4_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
+                             "reduce_buckets_in_flight=8",
+    "int8_ahead_qgrad4_g256_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,"
+                                  "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256,"
+                                  "reduce_buckets_in_flight=8",
 }
 #: Arms the contention is fitted on (the seed's 4B PCIe-class matrix, both timing kinds).
 FIT_ARMS = ("plain", "int8", "int8_ahead", "plain_ahead", "fsdp2")

@@ -205,6 +205,13 @@ def test_arm_names():
     for bad in ("int3-g64", "int8-g60", "int8", "bf16,bf16", ""):
         with pytest.raises(ValueError):
             conv.parse_arms(bad)
+    rep = conv.parse_arm("bf16-rep2")  # a replicate: the same settings under its own name
+    assert rep == conv.Arm("bf16-rep2", quantized=False) and rep.label == "bf16 (plain gather), replicate 2"
+    assert conv.parse_arm("int4-delta-g256-rep3").zero_fields() == conv.parse_arm("int4-delta-g256").zero_fields()
+    assert [a.name for a in conv.parse_arms("bf16,bf16-rep2")] == ["bf16", "bf16-rep2"]
+    for bad in ("bf16-rep0", "bf16-rep", "bf16-rep2-rep3x", "bf16-rep2,bf16-rep2"):
+        with pytest.raises(ValueError):
+            conv.parse_arms(bad)
     gq = conv.parse_arm("int8-g64+gq-int8-g256")
     assert gq == conv.Arm("int8-g64+gq-int8-g256", quantized=True, fmt="int8", group_size=64, grad_quantized=True,
                           grad_fmt="int8", grad_group_size=256)

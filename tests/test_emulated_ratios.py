@@ -3,6 +3,7 @@ matrix.json files, with the runs' medians and an interval that holds the ratio."
 
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -83,3 +84,19 @@ def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
         zero = {k: v for k, v in overrides.items() if k in fields}
         ZeroConfig(**zero)  # raises on a bad value
     assert sm.parse_arm(ec.arm_spec("int8_ahead_if8"))[1]["reduce_buckets_in_flight"] == 8
+
+
+def test_fastest_compares_each_arms_fastest_run_alone(tmp_path, capsys):
+    """A run the host slowed (the second of "slow") drops out; the other arm's fastest run is
+    its second; the interval then resamples steps of those two runs only."""
+    out = write(tmp_path, {"slow": [[0.50, 0.52, 0.51], [0.70, 0.71, 0.69]], "fast": [[0.45, 0.46, 0.44], [0.40, 0.41, 0.39]]})
+    runs = er.arm_runs(json.loads(next(out.rglob("matrix.json")).read_text()))
+    r = er.compare(runs, "slow", "fast", fastest=True)
+    assert r["base_runs_ms"] == pytest.approx([510.0]) and r["cand_runs_ms"] == pytest.approx([400.0])
+    assert r["ratio"] == pytest.approx(510.0 / 400.0)
+    lo, hi = r["ci95"]
+    assert 500.0 / 410.0 <= lo <= r["ratio"] <= hi <= 520.0 / 390.0
+    assert er.compare(runs, "slow", "fast")["ratio"] == pytest.approx(statistics.median([500, 510, 520, 690, 700, 710]) / 425.0)
+    assert er.main([str(out), "--pair", "slow/fast", "--fastest"]) == 0
+    text = capsys.readouterr().out
+    assert "each arm's fastest run" in text and "| 510.0 (510.0) | 400.0 (400.0) | 1.275×" in text
