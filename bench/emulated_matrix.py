@@ -385,8 +385,9 @@ def summary_markdown(summ: dict, header: list[str]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in summ["rows"]:
         if not r["runs"]:
-            lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | FAILED: {(r['error'] or '').splitlines()[-1:]}"
-                         " | | | | | |")
+            what = (f"FAILED: {(r['error'] or '').splitlines()[-1:]}" if r["failed"]
+                    else "NOT RUN (no run finished: a budget or a cut call stopped first)")
+            lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {what} | | | | | |")
             continue
         lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {f(r['median_ms'])} | {f(r['wall_ms'])} | "
                      f"{f(r['exposed_ms'])} | {f(r['link_busy_ms_modelled'])} | {f(r['link_busy_ms_measured'])} | "

@@ -252,7 +252,8 @@ def analyse(
         times = _times(runs)
         row: dict = {
             "arm": name,
-            "status": "failed" if not ok else ("partial" if failed else "ok"),
+            # missing: no run of it finished or failed (a budget, or a call cut short, stopped first)
+            "status": "missing" if not runs else "failed" if not ok else ("partial" if failed else "ok"),
             "runs_ok": len(ok),
             "runs_failed": len(failed),
             "errors": [r.get("error", "") for r in failed],
@@ -351,9 +352,10 @@ def markdown(m: dict) -> str:
     for row in a["arms"]:
         name = row["arm"]
         diff = _cell(_fmt_diff(diffs.get(name, {})))
-        if row["status"] == "failed":
+        if row["status"] in ("failed", "missing"):
             why = _cell(_last_line(row["errors"][0] if row["errors"] else ""))[:140]
-            lines.append(f"| {name} | {diff} | FAILED ({row['runs_failed']} run(s)): {why} |" + " — |" * (8 + len(peers)))
+            what = f"FAILED ({row['runs_failed']} run(s)): {why}" if row["status"] == "failed" else "NOT RUN (no run finished)"
+            lines.append(f"| {name} | {diff} | {what} |" + " — |" * (8 + len(peers)))
             continue
         med = f"{1e3 * row['median_step_s']:.1f}" if row["median_step_s"] is not None else "—"
         if row["status"] == "partial":
@@ -399,8 +401,8 @@ def plot(m: dict, path: str) -> None:
         ax.axhline(1e3 * ref["median_step_s"], color="grey", ls="--", lw=0.8, label=f"{ref['arm']} median")
     labels = []
     for r in rows:
-        if r["status"] == "failed":
-            labels.append(f"{r['arm']}\n(failed)")
+        if r["status"] in ("failed", "missing"):
+            labels.append(f"{r['arm']}\n({'failed' if r['status'] == 'failed' else 'not run'})")
         elif r["vs_reference"]:
             labels.append(f"{r['arm']}\n{r['vs_reference']['ratio']:.3f}x")
         else:

@@ -342,6 +342,10 @@ def test_summary_exposure_against_the_world_of_one():
     assert rows["plain"]["exposed_ms"] == pytest.approx(200.0) and rows["plain"]["preset"] == "qwen3-4b"
     assert rows["gpu1"]["exposed_ms"] == pytest.approx(0.0) and rows["bad"]["runs"] == 0
     assert "FAILED" in em.summary_markdown(em.summarize(done, "gpu1"), ["# t"])
+    done[("c", "pcie")]["cut"] = []  # no run finished: not run, not a failure
+    md = em.summary_markdown(em.summarize(done, "gpu1"), ["# t"])
+    cut = next(ln for ln in md.splitlines() if "| cut |" in ln)
+    assert "NOT RUN" in cut and "FAILED" not in cut
 
 
 #: A Qwen3 with a tied embedding larger than a partition and every other parameter exact

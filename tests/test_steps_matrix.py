@@ -157,6 +157,17 @@ def test_failed_and_partial_arms():
     assert "(1/2 runs)" in next(ln for ln in md.splitlines() if ln.startswith("| flaky |"))
 
 
+def test_an_arm_with_no_run_is_not_run_not_failed():
+    """An arm none of whose runs finished or failed (a budget or a cut call stopped first) is
+    reported as not run, never as a failure with no error."""
+    runs = {"plain": [run(REF)], "cut": []}
+    a = sm.analyse(runs, "plain", [])
+    cut = row(a, "cut")
+    assert cut["status"] == "missing" and cut["runs_ok"] == cut["runs_failed"] == 0 and cut["median_step_s"] is None
+    line = next(ln for ln in sm.markdown(_matrix(runs, a)).splitlines() if ln.startswith("| cut |"))
+    assert "NOT RUN" in line and "FAILED" not in line
+
+
 def test_reference_that_failed_leaves_no_ratios_but_no_crash(tmp_path):
     runs = {"plain": [failed()], "int8": [run(FAST)]}
     a = sm.analyse(runs, "plain", ["plain"])
