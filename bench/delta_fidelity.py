@@ -61,6 +61,14 @@ def bytes_per_param(fmt: str, group_size: int, scale_dtype: str) -> float:
     return get_format(fmt).bits / 8 + scale / group_size
 
 
+def lag(err: torch.Tensor, update: torch.Tensor) -> float:
+    """How far an error ``replica - target`` lies behind along the step's ``update`` (the
+    target's change), in updates: ``-<err, update> / <update, update>``. 0: the error is
+    uncorrelated with the update; 1: the replica is where the target was a step ago."""
+    uu = float(update.double().square().sum())
+    return -float((err.double() * update.double()).sum()) / uu if uu > 0 else 0.0
+
+
 class DeltaReplica:
     """One setting's replica, updated by the closed loop each step."""
 
@@ -69,9 +77,12 @@ class DeltaReplica:
         self.fmt, self.group_size, self.scale_dtype, self.resync = fmt, group_size, scale_dtype, resync
         self.since = 0
         self.trace: list[float] = []  # relative L2 error against bf16(master) after each step
-        self.steps_in_q: list[float] = []  # max |r - t| over the group's quantization step
+        self.lags: list[float] = []  # lag() of the error after each step, along that step's update
+        self.held: list[float] = []  # of the elements whose target moved in a step, the share whose replica did not
+        self._target = start.clone()
 
     def step(self, target16: torch.Tensor, exact: torch.Tensor) -> None:
+        before, prev_target, self._target = self.r, self._target, target16
         if self.resync and self.since >= self.resync - 1:
             self.r = target16.clone()
             self.since = 0
@@ -83,6 +94,9 @@ class DeltaReplica:
             self.since += 1
         err = (self.r.float() - target16.float())
         self.trace.append(float(err.norm() / target16.float().norm()))
+        self.lags.append(lag(err, target16.float() - prev_target.float()))
+        moved = target16 != prev_target
+        self.held.append(float((moved & (self.r == before)).sum()) / max(1, int(moved.sum())))
 
 
 def main() -> None:
@@ -125,6 +139,7 @@ def main() -> None:
         for k in RESYNCS:
             settings[("int4", 256, "fp32", k)] = DeltaReplica(start, "int4", 256, "fp32", k)
     direct = {(fmt, g): [] for fmt in ("int8", "int4") for g in (64, 256)}
+    direct_lags = {k: [] for k in direct}
     update = []
     losses = []
     prev = start
@@ -144,13 +159,15 @@ def main() -> None:
         losses.append(loss.item())
         t16 = flat16()
         update.append(float((t16.float() - prev.float()).norm() / t16.float().norm()))
-        prev = t16
         for rep in settings.values():
             rep.step(t16, exact)
         for (fmt, g), trace in direct.items():
             got = quantize_with(t16.float(), g, fmt, "fp32", exact)
             got[exact] = t16[exact].float()
-            trace.append(float((got.to(torch.bfloat16).float() - t16.float()).norm() / t16.float().norm()))
+            err = got.to(torch.bfloat16).float() - t16.float()
+            trace.append(float(err.norm() / t16.float().norm()))
+            direct_lags[(fmt, g)].append(lag(err, t16.float() - prev.float()))
+        prev = t16
         if step % 25 == 0:
             print(f"step {step} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
     tail = slice(args.steps // 3, None)  # after the first third: the steady state
@@ -164,9 +181,11 @@ def main() -> None:
         rows.append(dict(fmt=fmt, group_size=g, scale_dtype=sd, resync=k, bytes_per_param=bytes_per_param(fmt, g, sd),
                          rel_err_mean=mean(rep.trace[tail]), rel_err_max=max(rep.trace[tail]),
                          rel_err_first_third=mean(rep.trace[: args.steps // 3]),
-                         rel_err_last_tenth=mean(rep.trace[-max(1, args.steps // 10):])))
+                         rel_err_last_tenth=mean(rep.trace[-max(1, args.steps // 10):]),
+                         lag_mean=mean(rep.lags[tail]), held_mean=mean(rep.held[tail])))
     direct_rows = [dict(fmt=fmt, group_size=g, bytes_per_param=bytes_per_param(fmt, g, "fp32"),
-                        rel_err_mean=mean(t[tail]), rel_err_max=max(t[tail])) for (fmt, g), t in direct.items()]
+                        rel_err_mean=mean(t[tail]), rel_err_max=max(t[tail]), lag_mean=mean(direct_lags[(fmt, g)][tail]))
+                   for (fmt, g), t in direct.items()]
     result = dict(
         preset=args.preset, params=sum(p.numel() for p in params), exact_params=int(exact.numel()),
         steps=args.steps, lr=args.lr, seq=args.seq, batch=args.batch, clip=args.clip,
@@ -196,17 +215,21 @@ def markdown(r: dict) -> str:
         f"{r['update_rel_mean']:.2e}. Error: ||replica - bf16(master)|| / ||bf16(master)|| after each step, mean (and max) "
         f"over steps {r['steps'] // 3 + 1}-{r['steps']}; bytes per parameter exclude exact parameters and alignment.",
         "",
-        "| payload | scale | group | bytes/param | rel. error mean | max | first third | last tenth |",
-        "|---|---|---|---|---|---|---|---|",
+        "Lag: how far the error lies behind along the step's update, ``-<replica - target, update> / |update|^2``, in",
+        "updates (0: uncorrelated with it; 1: the replica is where the target was a step before); held: of the elements",
+        "whose target moved in a step, the share whose replica did not move. Means over the same steps.",
+        "",
+        "| payload | scale | group | bytes/param | rel. error mean | max | first third | last tenth | lag | held |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(r["delta"], key=lambda x: (x["fmt"], x["scale_dtype"], x["resync"], x["group_size"])):
         resync = f", resync every {row['resync']}" if row["resync"] else ""
         lines.append(f"| {row['fmt']} delta{resync} | {row['scale_dtype']} | {row['group_size']} | {row['bytes_per_param']:.4f} | "
                      f"{row['rel_err_mean']:.2e} | {row['rel_err_max']:.2e} | {row['rel_err_first_third']:.2e} | "
-                     f"{row['rel_err_last_tenth']:.2e} |")
+                     f"{row['rel_err_last_tenth']:.2e} | {row['lag_mean']:.3f} | {row['held_mean']:.3f} |")
     for row in r["direct"]:
         lines.append(f"| {row['fmt']} weights (direct) | fp32 | {row['group_size']} | {row['bytes_per_param']:.4f} | "
-                     f"{row['rel_err_mean']:.2e} | {row['rel_err_max']:.2e} | | |")
+                     f"{row['rel_err_mean']:.2e} | {row['rel_err_max']:.2e} | | | {row['lag_mean']:.3f} | |")
     lines += ["", f"Environment: {r['environment']}", ""]
     return "\n".join(lines)
 

@@ -47,6 +47,7 @@ gradients work.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -60,6 +61,7 @@ GRADIENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RESIDUAL_DTYPE = torch.bfloat16
 
 
+@functools.lru_cache(maxsize=None)
 def rotation_scale(block: int) -> float:
     """``fp32(1 / sqrt(block))`` as a Python float (exactly representable in fp32)."""
     return float(torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32))
