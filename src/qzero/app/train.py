@@ -346,12 +346,15 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     # are read after the loop. The last step is not timed (nothing starts after it), nor is a
     # step followed by a held-out measurement (its time would include it: _timed_steps); the
     # wall time of the measured steps includes the measurements (heldout_seconds: their time).
+    # The device-wide synchronisation before the measured steps is taken at the start of the
+    # last warm-up step, not of the first measured one: a gather that runs ahead would finish
+    # during it, and the first measured step's forward would then wait for nothing, shorter
+    # than any step of a run. The wall time runs from the first measured step's mark to the
+    # synchronisation after the last step (the last gather included).
     _sync(device)
-    wall_start = None
     for step in range(settings.steps):
-        if step == settings.warmup:  # wall time of the measured steps: from one device-wide sync to the next
+        if step == settings.warmup - 1:
             _sync(device)
-            wall_start = time.perf_counter()
         batch = global_batch(corpus, step, per_step, settings.seq_len, settings.seed)
         mine = batch.view(settings.grad_accum, world, settings.micro_batch, -1)[:, rank].to(device)
         marks.append(_mark(device))
@@ -386,7 +389,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     if bar is not None:
         bar.close()
     _sync(device)
-    wall = time.perf_counter() - wall_start if wall_start is not None else None
+    wall = _seconds(marks[settings.warmup], _mark(device)) if len(marks) > settings.warmup else None
     times = [_seconds(marks[j], marks[j + 1]) for j in _timed_steps(settings)]
     totals = torch.stack(loss_sums)
     dist.all_reduce(totals)
