@@ -113,9 +113,11 @@ ARMS = {
     # the 4-bit payloads (no real two-GPU result yet: emulated only)
     "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true",
     "delta_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true",
-    "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4",
+    # INT4 gradients name their group size: groups of 64 here (the default is 256 since these arms were first run)
+    "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
+                         "zero_quantized_gradients_group_size=64",
     "delta_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
-                          "zero_quantized_gradients_format=int4",
+                          "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=64",
     # INT4 gradients in larger groups: fewer scale bits (4 + 32/G bits an element)
     "int8_ahead_qgrad4_g128": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
                               "zero_quantized_gradients_group_size=128",
@@ -128,7 +130,7 @@ ARMS = {
     "int8_ahead_if8": "quantized=true,overlap=true,reduce_buckets_in_flight=8",
     "int8_ahead_qgrad_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,reduce_buckets_in_flight=8",
     "int8_ahead_qgrad4_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
-                             "reduce_buckets_in_flight=8",
+                             "zero_quantized_gradients_group_size=64,reduce_buckets_in_flight=8",
     "int8_ahead_qgrad4_g256_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,"
                                   "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256,"
                                   "reduce_buckets_in_flight=8",

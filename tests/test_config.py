@@ -32,6 +32,9 @@ def _parse(text: str):
         return False
     if text == "hadamard for int4":  # resolved on construction: none with the default (int8) format
         return "none"
+    per_format = re.fullmatch(r"(\S+) \((\S+) for int4\)", text)  # the default format's value, then int4's
+    if per_format:
+        return _parse(per_format[1])
     try:
         return float(text.replace(",", ""))
     except ValueError:
@@ -90,3 +93,15 @@ def test_bad_settings_are_named(d, match):
 def test_digest_differs_with_settings():
     assert ZeroConfig().digest() == ZeroConfig().digest()
     assert ZeroConfig().digest() != ZeroConfig(zero_quantized_weights=True).digest()
+
+
+def test_int4_gradients_default_to_groups_of_256_and_the_8_bit_formats_to_64():
+    """zero_quantized_gradients_group_size left as None resolves by format (the README's
+    "64 (256 for int4)"); a value given is kept for every format."""
+    assert ZeroConfig().zero_quantized_gradients_group_size == 64
+    assert ZeroConfig(zero_quantized_gradients=True, zero_quantized_gradients_format="int4").zero_quantized_gradients_group_size == 256
+    assert ZeroConfig(zero_quantized_gradients=True, zero_quantized_gradients_format="fp8").zero_quantized_gradients_group_size == 64
+    assert ZeroConfig(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=64).zero_quantized_gradients_group_size == 64
+    assert ZeroConfig.from_dict({"zero_quantized_gradients_format": "int4"}).zero_quantized_gradients_group_size == 256
+    with pytest.raises(ValueError, match="zero_quantized_gradients_group_size"):
+        ZeroConfig(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=12)

@@ -35,6 +35,10 @@ MAX_SCALE_POWER = 64
 #: ``qzero.vocabulary.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
 DELTA_FORMAT = "int4"
 DELTA_GROUP_SIZE = 256
+#: ``zero_quantized_gradients_group_size``'s default per format (left as None): groups of 256
+#: for ``int4`` (4.125 bits an element; chosen by measurement, see ``docs/quantized_gradients.md``),
+#: ``DEFAULT_GROUP_SIZE`` for the 8-bit formats.
+GRADIENT_GROUP_SIZES = {"int4": 256}
 
 # DeepSpeed keys with no setting of their own here: qzero always behaves as the value given.
 _DEEPSPEED_FIXED = {
@@ -249,13 +253,15 @@ class ZeroConfig:
     half the bytes until the backward ends ([Note: landing shard] in ``qzero/optim/grads.py``).
     Off: the plain reduction, bit for bit."""
 
-    zero_quantized_gradients_group_size: int = DEFAULT_GROUP_SIZE
-    """Gradient elements that share one fp32 scale; a positive multiple of 8."""
+    zero_quantized_gradients_group_size: int | None = None
+    """Gradient elements that share one fp32 scale; a positive multiple of 8. ``None`` (the
+    default): 256 for ``int4`` (4.125 bits an element), 64 for ``int8`` and ``fp8``; resolved
+    on construction."""
 
     zero_quantized_gradients_format: str = DEFAULT_FORMAT
     """Gradient payload format: ``int8`` (round half to even), ``fp8`` (e4m3) or ``int4`` (round
-    half to even, two values a byte; 4.5 bits an element with 64-element groups; meant to be
-    used with the Hadamard rotation, its default)."""
+    half to even, two values a byte, in groups of 256 by default; meant to be used with the
+    Hadamard rotation, its default)."""
 
     zero_quantized_gradients_rotation: str | None = None
     """Rotate every gradient piece before it is quantized: ``hadamard`` (a normalized
@@ -302,6 +308,9 @@ class ZeroConfig:
         if self.zero_quantized_weights_group_size is None:
             object.__setattr__(self, "zero_quantized_weights_group_size",
                                DELTA_GROUP_SIZE if delta else DEFAULT_GROUP_SIZE)
+        if self.zero_quantized_gradients_group_size is None:
+            object.__setattr__(self, "zero_quantized_gradients_group_size",
+                               GRADIENT_GROUP_SIZES.get(self.zero_quantized_gradients_format, DEFAULT_GROUP_SIZE))
         if self.zero_quantized_gradients_rotation is None:
             object.__setattr__(self, "zero_quantized_gradients_rotation",
                                "hadamard" if self.zero_quantized_gradients_format == "int4" else "none")

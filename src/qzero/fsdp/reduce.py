@@ -92,7 +92,7 @@ def quantize_group_reduces(
     model: nn.Module,
     *,
     zero_quantized_gradients_format: str = ZeroConfig.zero_quantized_gradients_format,
-    zero_quantized_gradients_group_size: int = ZeroConfig.zero_quantized_gradients_group_size,
+    zero_quantized_gradients_group_size: int | None = ZeroConfig.zero_quantized_gradients_group_size,
     zero_quantized_gradients_rotation: str | None = ZeroConfig.zero_quantized_gradients_rotation,
     zero_quantized_gradients_rotation_block: int = ZeroConfig.zero_quantized_gradients_rotation_block,
     small_param_numel: int = ZeroConfig.small_param_numel,
@@ -107,7 +107,7 @@ def quantize_group_reduces(
     all-gather is independent: this combines with :func:`qzero.fsdp.quantize_group_gathers`
     and :func:`qzero.fsdp.quantize_weight_gathers`. The settings are :class:`qzero.ZeroConfig`'s,
     with its defaults and checks: ``zero_quantized_gradients_format`` (``int8``, ``fp8`` or
-    ``int4``), ``_group_size``, ``_rotation`` (``hadamard`` by blocks of ``_rotation_block``
+    ``int4``), ``_group_size`` (None: 256 for ``int4``, 64 otherwise), ``_rotation`` (``hadamard`` by blocks of ``_rotation_block``
     elements, or ``none``; None: ``hadamard`` for ``int4``, ``none`` otherwise),
     ``small_param_numel`` and ``quant_kernels`` (``auto``, ``triton`` or ``reference``). The
     short names ``fmt`` and ``group_size`` name the *weight* settings and are refused here,
