@@ -386,7 +386,7 @@ def summary_markdown(summ: dict, header: list[str]) -> str:
     for r in summ["rows"]:
         if not r["runs"]:
             what = (f"FAILED: {(r['error'] or '').splitlines()[-1:]}" if r["failed"]
-                    else "NOT RUN (no run finished: a budget or a cut call stopped first)")
+                    else "NOT RUN (no run finished: a budget or an interrupted run stopped first)")
             lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {what} | | | | | |")
             continue
         lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {f(r['median_ms'])} | {f(r['wall_ms'])} | "

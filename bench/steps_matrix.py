@@ -252,7 +252,7 @@ def analyse(
         times = _times(runs)
         row: dict = {
             "arm": name,
-            # missing: no run of it finished or failed (a budget, or a call cut short, stopped first)
+            # missing: no run of it finished or failed (a budget, or an interrupted run, stopped first)
             "status": "missing" if not runs else "failed" if not ok else ("partial" if failed else "ok"),
             "runs_ok": len(ok),
             "runs_failed": len(failed),
