@@ -101,6 +101,8 @@ from qzero.vocabulary import DELTA_FORMATS, GRADIENT_FORMATS  # noqa: E402
 from qzero.vocabulary import WEIGHT_FORMATS as FORMATS  # noqa: E402
 
 DEFAULT_ARMS = "bf16,int8-g64,int8-g8192,fp8-g64,int4-g64"
+#: An arm name's replicate suffix (``bf16-rep2``: the arm ``bf16`` trained again beside it).
+REPLICATE = re.compile(r"-rep([1-9][0-9]*)$")
 DP_ARMS = "bf16,int8-g64,int8-g64+gq-int8-g64,int8-g64+gq-int8-g256"  # the gradient study, --world-size 2
 #: The delta study (docs/delta-gathers.md): --world-size 2 --share-gpu --arms "$DELTA_ARMS"
 DELTA_ARMS = "bf16,int8-g64,int4-g64,int4-delta-g256,int4-delta-g2048"
@@ -145,7 +147,7 @@ class Arm:
 
     @property
     def label(self) -> str:
-        rep = re.search(r"-rep([1-9][0-9]*)$", self.name)
+        rep = REPLICATE.search(self.name)
         return self._settings_label + (f", replicate {rep.group(1)}" if rep else "")
 
     @property
@@ -198,7 +200,7 @@ def parse_arm(name: str) -> Arm:
     nondeterministic kernels alone, the floor under every other arm's difference."""
 
     name = name.strip()
-    spec = re.sub(r"-rep[1-9][0-9]*$", "", name)
+    spec = REPLICATE.sub("", name)
     weights, plus, grads = spec.partition("+")
     if weights == "bf16":
         arm = dict(quantized=False)

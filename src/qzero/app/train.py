@@ -389,7 +389,7 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
     if bar is not None:
         bar.close()
     _sync(device)
-    wall = _seconds(marks[settings.warmup], _mark(device)) if len(marks) > settings.warmup else None
+    wall = _seconds(marks[settings.warmup], _mark(device))  # warmup <= steps - 2: its mark exists
     times = [_seconds(marks[j], marks[j + 1]) for j in _timed_steps(settings)]
     totals = torch.stack(loss_sums)
     dist.all_reduce(totals)
