@@ -9,6 +9,7 @@ timeout fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing as mp
 import queue as queue_mod
@@ -25,6 +26,10 @@ class WorkerError(AssertionError):
 
 
 def _entry(fn, rank, world_size, store_path, queue, args):
+    # A forked rank inherits every object of the test process (all it imported, every test
+    # before): out of the collector's sight, so that a full collection (DeepSpeed runs one per
+    # memory report) walks only what this rank makes.
+    gc.freeze()
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
