@@ -7,10 +7,7 @@ import os
 import queue
 import random
 import signal
-import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 
 import pytest
@@ -155,9 +152,13 @@ def test_a_dead_rank_makes_the_others_fail_clearly(where):
 # ------------------------------------------------------------------ checkpoints
 
 
-SAVER = textwrap.dedent(
-    """
-    import functools, sys, torch, qzero
+def _saver(path, conn):
+    """Train and save a checkpoint after every step, forever (until killed); one message on
+    ``conn`` after each complete save. Runs in a process forked from the test's."""
+    torch.set_num_threads(1)
+    if dist.is_initialized():  # a process group left by another test: not the world-size-1 run meant here
+        conn.send("a default process group is initialised in the test process")
+        return
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).bfloat16()
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3))
@@ -166,10 +167,8 @@ SAVER = textwrap.dedent(
         step += 1
         opt.backward((model(torch.randn(8, 64).bfloat16()).float() ** 2).mean())
         opt.step(); opt.zero_grad()
-        opt.save_checkpoint(sys.argv[1])
-        print(step, flush=True)
-    """
-)
+        opt.save_checkpoint(path)
+        conn.send(step)
 
 
 def load_into_fresh(path):
@@ -181,15 +180,20 @@ def load_into_fresh(path):
 
 def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
-    script = tmp_path / "saver.py"
-    script.write_text(SAVER)
     rng = random.Random(int(time.time()))
+    ctx = mp.get_context("fork")  # a copy of this process: no interpreter and torch to start per attempt
     for attempt in range(5):
-        proc = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip()  # one complete save at least
-        time.sleep(rng.random() * 0.3)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        ours, theirs = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_saver, args=(path, theirs), daemon=True)
+        proc.start()
+        try:
+            assert ours.poll(120), "the saver finished no save within 120 s"
+            assert ours.recv() == 1  # one complete save at least
+            time.sleep(rng.random() * 0.3)
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=30)
+        assert proc.exitcode == -signal.SIGKILL
         with pytest.warns(UserWarning) if not os.path.isdir(path) else _nothing():
             opt = load_into_fresh(path)
         assert opt.optimizer.state[opt.groups[0].master]["step"].item() >= 1
