@@ -16,25 +16,6 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+from distributed import ask_cpuinfo_once  # noqa: E402
 
-def _probe_the_cpu_once() -> None:
-    """DeepSpeed asks py-cpuinfo about the CPU on every ``DeepSpeedCPUAdam`` it builds (and
-    twice more to load the op), and each ask starts a Python interpreter (``cpuinfo --json``,
-    over a second each on a loaded machine). The CPU does not change during a test run: ask
-    once per process and hand each caller its own copy of the answer."""
-    try:
-        import cpuinfo
-    except ImportError:
-        return
-    import copy
-    import functools
-
-    probe = functools.cache(cpuinfo.get_cpu_info)
-
-    def get_cpu_info():
-        return copy.deepcopy(probe())
-
-    cpuinfo.get_cpu_info = cpuinfo.cpuinfo.get_cpu_info = get_cpu_info
-
-
-_probe_the_cpu_once()
+ask_cpuinfo_once()  # also on import of tests/distributed.py, which spawned ranks import

@@ -25,6 +25,33 @@ class WorkerError(AssertionError):
     pass
 
 
+def ask_cpuinfo_once() -> None:
+    """DeepSpeed asks py-cpuinfo about the CPU on every ``DeepSpeedCPUAdam`` it builds (and
+    twice more to load the op), and each ask starts a Python interpreter (``cpuinfo --json``,
+    over a second each on a loaded machine). The CPU does not change while the tests run: ask
+    once per process and hand each caller its own copy of the answer. Done on import of this
+    module: in the test process (so in every rank forked from it) and in every spawned rank."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "asked_once", False):
+        return
+    import copy
+    import functools
+
+    probe = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info():
+        return copy.deepcopy(probe())
+
+    get_cpu_info.asked_once = True
+    cpuinfo.get_cpu_info = cpuinfo.cpuinfo.get_cpu_info = get_cpu_info
+
+
+ask_cpuinfo_once()
+
+
 def _entry(fn, rank, world_size, store_path, queue, args):
     # A forked rank inherits every object of the test process (all it imported, every test
     # before): out of the collector's sight, so that a full collection (DeepSpeed runs one per
