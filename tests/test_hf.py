@@ -1,13 +1,21 @@
-"""QZeroCallback inside the real HF Trainer: DeepSpeed ZeRO-2 bf16 on CPU, 2 gloo ranks, tiny Llama.
+"""QZeroCallback inside the real HF Trainer: DeepSpeed bf16 on CPU, 2 gloo ranks.
 
-The model is built from a config (no downloads). One group of ranks trains a baseline
-(the key off) and a quantized run with the same seed and data. The ranks are *spawned*
-(fresh interpreters), not forked: forked from a pytest process that already ran other
-tests in-process (tests/test_cli.py), the Trainer's first forward hung in native code.
+One group of ranks runs every Trainer here, one after the other, so that the Trainer and
+DeepSpeed are imported once. First a tiny Llama built from a config (no downloads), ZeRO-2:
+a baseline (the key off), a quantized run with the same seed and data, and one with CPU
+optimizer offload and gather-ahead. Then ``examples/deepspeed_hf_trainer.py``: plain
+DeepSpeed ZeRO-2, the same with qzero's callback, and ZeRO-1 with fp32 gradient accumulation
+(DeepSpeed's BF16_Optimizer) with and without it, 10 steps each; and a run whose gather stops
+going through qzero mid-training, which must stop with an error.
+
+The ranks are *spawned* (fresh interpreters), not forked: forked from a pytest process that
+already ran other tests in-process (tests/test_cli.py), the Trainer's first forward hung in
+native code.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -21,11 +29,13 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 import distributed  # noqa: E402
+from frameworks import assert_trains_like_plain  # noqa: E402
 
 from qzero.integrations import deepspeed as qds  # noqa: E402
 from qzero.integrations.hf import QZeroCallback  # noqa: E402
 
 STEPS = 3
+EXAMPLE_STEPS = 10
 
 
 def tiny_llama():
@@ -100,14 +110,52 @@ def train(tmp, quantize, offload=False):
     )
 
 
+def example_runs(tmp):
+    """examples/deepspeed_hf_trainer.py: plain and with the callback, ZeRO-2 and ZeRO-1 with
+    fp32 accumulation; and a run whose gather bypasses qzero from its third step on."""
+    import deepspeed_hf_trainer as example
+    from transformers import TrainerCallback
+
+    from qzero.app.workload import load_corpus
+
+    corpus = load_corpus(limit=200_000)
+    out = {}
+    for name, quantize, zero1 in (("plain", False, False), ("on", True, False),
+                                  ("plain_zero1", False, True), ("on_zero1", True, True)):
+        run = example.train(os.path.join(tmp, name), quantize=quantize, zero1_fp32_accum=zero1, steps=EXAMPLE_STEPS,
+                            cpu=True, corpus=corpus)
+        report = run["callback"].report()
+        out[name] = dict(losses=run["losses"], optimizer=type(run["trainer"].model_wrapped.optimizer).__name__,
+                         report=None if report is None else tuple(report))
+
+    class Bypass(TrainerCallback):
+        """From the third step on, DeepSpeed's own gather again, behind the callback's back."""
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            if state.global_step == 2:
+                qds.disable(optimizer)
+
+    try:
+        example.train(os.path.join(tmp, "bypass"), steps=4, cpu=True, corpus=corpus, callbacks=[Bypass()])
+        out["bypass"] = "no error"
+    except RuntimeError as e:
+        out["bypass"] = str(e)
+    return out
+
+
 def worker(rank, world, tmp, port):
     # launcher variables Accelerate checks; the process group itself already exists (gloo, file store)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed_hf_trainer  # noqa: F401 - with it the Trainer: imported before the freeze below
+
+    # What is imported stays: out of the collector's sight, so that DeepSpeed's full
+    # collections (one per memory report of its BF16_Optimizer) walk only what training makes.
+    gc.freeze()
     off = train(os.path.join(tmp, "off"), quantize=False)
     on = train(os.path.join(tmp, "on"), quantize=True)
     offload = train(os.path.join(tmp, "offload"), quantize=True, offload=True)
-    return dict(off=off, on=on, offload=offload)
+    return dict(off=off, on=on, offload=offload, example=example_runs(os.path.join(tmp, "example")))
 
 
 def free_port():
@@ -119,7 +167,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
-        return distributed.run_distributed(worker, 2, tmp, free_port(), timeout=300, start_method="spawn")
+        return distributed.run_distributed(worker, 2, tmp, free_port(), timeout=600, start_method="spawn")
 
 
 def test_key_off_leaves_the_trainer_alone(runs):
@@ -195,3 +243,24 @@ def test_callback_with_cpu_offload_and_gather_ahead(runs):
             torch.testing.assert_close(p, off["params"][name], atol=0.02, rtol=0.02, msg=name)
     for a, b in zip(r0["offload"]["flats"], r1["offload"]["flats"]):
         assert torch.equal(a, b), "replicas differ"
+
+
+# ------------------------------------------------------------------ examples/deepspeed_hf_trainer.py
+
+
+@pytest.mark.parametrize("on, plain, optimizer", [("on", "plain", "DeepSpeedZeroOptimizer"),
+                                                  ("on_zero1", "plain_zero1", "BF16_Optimizer")])
+def test_hf_trainer_example_trains_like_plain_deepspeed(runs, on, plain, optimizer):
+    for r in runs:
+        r = r["example"]
+        assert r[on]["optimizer"] == r[plain]["optimizer"] == optimizer
+        assert_trains_like_plain(r[on]["losses"], r[plain]["losses"], EXAMPLE_STEPS, on)
+        calls, quantized, exact, sent, plain_bytes = r[on]["report"]
+        assert calls == EXAMPLE_STEPS and quantized > 10 * exact > 0 and sent < 0.6 * plain_bytes
+        assert r[plain]["report"] is None
+
+
+def test_hf_trainer_gather_that_bypasses_qzero_is_an_error(runs):
+    for r in runs:
+        r = r["example"]
+        assert "ran without qzero's weight gather" in r["bypass"] and "step 3" in r["bypass"]
