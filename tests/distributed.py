@@ -129,9 +129,10 @@ def run_script(argv: list[str], ranks: int = 1, *, timeout: float = 600.0, cwd=N
     gives a script (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
     none of them for one process), this checkout's ``src`` first on the path and one thread
     each. Returns ``(exit code, stdout and stderr)`` by rank; raises ``TimeoutError`` (after
-    killing them all) when they do not all finish within ``timeout`` seconds."""
-    import subprocess
-    import sys
+    killing them all) when they do not all finish within ``timeout`` seconds. The processes
+    are forked from an interpreter that has imported torch (:mod:`warm_python`), as
+    ``python argv...`` would run otherwise."""
+    import warm_python
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
@@ -140,21 +141,9 @@ def run_script(argv: list[str], ranks: int = 1, *, timeout: float = 600.0, cwd=N
     if ranks > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
                    LOCAL_WORLD_SIZE=str(ranks))
-    procs = []
-    try:
-        for r in range(ranks):
-            e = dict(env, RANK=str(r), LOCAL_RANK=str(r)) if ranks > 1 else env
-            procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=e, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs = []
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"{' '.join(argv)} did not finish within {timeout} s on {ranks} rank(s)") from None
-        return [(p.returncode, out) for p, out in zip(procs, outputs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    jobs = [(argv, dict(env, RANK=str(r), LOCAL_RANK=str(r)) if ranks > 1 else env) for r in range(ranks)]
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            return warm_python.run(jobs, cwd, out_dir, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{' '.join(argv)} did not finish within {timeout} s on {ranks} rank(s)") from None

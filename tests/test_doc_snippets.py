@@ -1,7 +1,9 @@
 """Every Python block in README.md and docs/*.md runs as written.
 
-Each ```python block is one test: it runs in a fresh Python process (this checkout's
-``src`` first on the path) under a timeout, and fails if it raises, exits non-zero or hangs.
+Each ```python block is one test: it runs as a script in a Python process of its own, as
+``python snippet.py`` runs it (this checkout's ``src`` first on the path; the process forked
+from one that has imported torch: tests/warm_python.py), under a timeout, and fails if it
+raises, exits non-zero or hangs.
 A block is self-contained unless the line(s) just above its fence carry a marker::
 
     <!-- snippet: OPTION OPTION ... -->
