@@ -3,12 +3,11 @@ and buckets of DP2) and trains through qzero.app.train's loop; the CPU stands in
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import bench_scripts
+from distributed import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,12 +38,12 @@ print("RESULT " + json.dumps(seen))
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])  # DP2 in the slow set
-def test_a_fake_world_runs_rank_0_of_dp_n(world):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", SCRIPT, os.path.join(ROOT, "bench"), str(world)], capture_output=True,
-                         text=True, timeout=300, env=env)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
+def test_a_fake_world_runs_rank_0_of_dp_n(world, tmp_path):
+    script = tmp_path / "fake_world.py"
+    script.write_text(SCRIPT)
+    (code, out), = run_script([str(script), os.path.join(ROOT, "bench"), str(world)], timeout=300)
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, f"exit code {code}:\n{out[-5000:]}"
     seen = json.loads(line[len("RESULT "):])
     assert seen["world"] == world and seen["partition"] * world == seen["numel"] and seen["steps"] == 2, seen
 
