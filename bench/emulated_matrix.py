@@ -344,6 +344,11 @@ def order(names: list[str], r: int) -> list[str]:
     return list(names) if r % 2 == 0 else list(reversed(names))
 
 
+#: A median below this share of the link's busy time per step is reported as lagging (the
+#: busy time is modelled; the margin keeps rounding and a drained first step from flagging).
+LAG_TOLERANCE = 0.98
+
+
 def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) -> dict:
     """Per cell, link and arm: median and wall step, exposed communication against the floor
     arm (median minus the floor's median), link busy per step (pure: testable). ``cell_info``:
@@ -363,13 +368,18 @@ def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) 
             walls = [r["wall_seconds"] / r["wall_steps"] for r in ok if r.get("wall_seconds")]
             med = statistics.median(ts) if ts else None
             busy_m = [r["link_busy_ms_measured"] for r in ok if r.get("link_busy_ms_measured") is not None]
+            busy = statistics.median(r["link_busy_ms_modelled"] for r in ok) if ok else None
             rows.append({
                 "cell": cell, "preset": preset, "allgather_bucket": ag, "reduce_bucket": rs, "link": link,
                 "arm": arm, "runs": len(ok), "failed": len(runs) - len(ok),
                 "median_ms": 1e3 * med if med is not None else None,
                 "wall_ms": 1e3 * statistics.median(walls) if walls else None,
                 "exposed_ms": 1e3 * (med - floor) if med is not None and floor is not None else None,
-                "link_busy_ms_modelled": statistics.median(r["link_busy_ms_modelled"] for r in ok) if ok else None,
+                "link_busy_ms_modelled": busy,
+                # [Note: lagging link]: a steady step cannot be shorter than the link's busy time per
+                # step; a median below it means the transfers fell further behind the compute every
+                # step of a run too short to reach the steady state: the wall time is the step then.
+                "lagging": bool(med is not None and busy and 1e3 * med < LAG_TOLERANCE * busy),
                 "link_busy_ms_measured": statistics.median(busy_m) if busy_m else None,
                 "finite": all(r.get("finite") for r in ok) if ok else None,
                 "error": next((r.get("error", "")[-300:] for r in runs if r.get("failed")), None),
@@ -389,9 +399,14 @@ def summary_markdown(summ: dict, header: list[str]) -> str:
                     else "NOT RUN (no run finished: a budget or an interrupted run stopped first)")
             lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {what} | | | | | |")
             continue
-        lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {f(r['median_ms'])} | {f(r['wall_ms'])} | "
+        med = f(r["median_ms"]) + (" (lagging: read the wall)" if r.get("lagging") else "")
+        lines.append(f"| {r['cell']} | {r['link']} | {r['arm']} | {med} | {f(r['wall_ms'])} | "
                      f"{f(r['exposed_ms'])} | {f(r['link_busy_ms_modelled'])} | {f(r['link_busy_ms_measured'])} | "
                      f"{'yes' if r['finite'] else '**NO**'} |")
+    if any(r.get("lagging") for r in summ["rows"]):
+        lines += ["", "lagging: the median step is below the link's busy time per step, which no steady step can "
+                  "be: the run's transfers fell further behind its compute every step (too few steps for the "
+                  "steady state); its wall ms/step, which ends with a synchronization, is the step's time."]
     import emulated_timeline
 
     return "\n".join(lines) + "\n" + emulated_timeline.markdown(summ["rows"])

@@ -58,6 +58,9 @@ ARMS = {
     # quantized gradient reduction on top of INT8 + gather-ahead
     "int8_ahead_qgrad": {"quantized": True, "overlap": True, "zero_quantized_gradients": True},
     "plain_qgrad": {"zero_quantized_gradients": True},
+    # INT4 gradients (their default group of 256 and rotation)
+    "int8_ahead_qgrad4": {"quantized": True, "overlap": True, "zero_quantized_gradients": True,
+                          "zero_quantized_gradients_format": "int4"},
     # the same with each plain 16-bit gradient sum added into the fp32 shard as it arrives,
     # not through the landing shard (patched here: the landing shard has no switch)
     "int8_ahead_direct": {"quantized": True, "overlap": True},
@@ -157,6 +160,8 @@ def main() -> None:
     ap.add_argument("--arms", default="plain,int8,int8_ahead")
     ap.add_argument("--deterministic", default="1", help="1, 0 or 1,0 (both)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-rows", type=int, default=14, metavar="N",
+                    help="operations listed by host and by device time with --profile")
     ap.add_argument("--host-breakdown", action="store_true",
                     help="per phase: host time of the gather's launches, packs, unpacks, hooks and reads; "
                          "synchronizing CUDA calls; allocator device allocations/frees/retries; gc (see HostBreakdown)")
@@ -252,9 +257,9 @@ def main() -> None:
                     if rank == 0:
                         ka = prof.key_averages()
                         print(f"--- {name} det={det}: top host time")
-                        print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+                        print(ka.table(sort_by="self_cpu_time_total", row_limit=a.profile_rows, max_name_column_width=60))
                         print(f"--- {name} det={det}: top device time")
-                        print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+                        print(ka.table(sort_by="self_device_time_total", row_limit=a.profile_rows, max_name_column_width=60))
                     continue
                 marks.append((ev, 1e3 * (h1 - h0), 1e3 * (h3 - h2), 1e3 * (h2 - h1)))
             torch.cuda.synchronize()

@@ -130,11 +130,9 @@ def main(quick: bool) -> dict:
         tag = f"{name} {fmt}" + (f" rotation {rot}" if rot else "")  # no error-feedback variant of its own
         if f"gradient dequantize-sum {tag}" in results:
             continue
-        exact = bool(rot)
-        sig = dict(payloads_ptr="*u8", own_ptr=bits, out_ptr="*fp32", idx_ptr="*i64" if exact else "*fp32",
-                   blk_ptr="*i64" if exact else "*fp32", n="i64", nbytes="i64", scales_offset="i64", rank="i32",
-                   world="i32")
-        const = dict(KIND=kind, SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, HAS_EXACT=exact, STEPS=11, **rotation)
+        sig = dict(payloads_ptr="*u8", own_ptr=bits, out_ptr="*fp32", idx_ptr="*i64", blk_ptr="*i64", n="i64",
+                   nbytes="i64", scales_offset="i64", exact_offset="i64", rank="i32", world="i32")
+        const = dict(KIND=kind, SOFT=False, FMT=code, GS=64, GS_PAD=64, G=16, HAS_EXACT=True, STEPS=11, **rotation)
         results[f"gradient dequantize-sum {tag}"] = build(gt._dequantize_sum_kernel, sig, const, **ql.PACK_OPTIONS)
     return results
 

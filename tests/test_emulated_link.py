@@ -348,6 +348,22 @@ def test_summary_exposure_against_the_world_of_one():
     assert "NOT RUN" in cut and "FAILED" not in cut
 
 
+def test_a_median_below_the_links_busy_time_is_reported_as_lagging():
+    """A link-bound arm whose transfers fall behind in a short run: its median (0.30 s) is
+    below the link's 400 ms a step, which no steady step can be, so the report says so and
+    points to the wall time; an arm whose median covers its link time is not flagged."""
+    run = lambda ts, busy: {"step_times": ts, "wall_seconds": 0.42 * len(ts), "wall_steps": len(ts),  # noqa: E731
+                            "finite": True, "link_busy_ms_modelled": busy, "link_busy_ms_measured": busy}
+    done = {("c", "ethernet"): {"ahead": [run([0.30, 0.31], 400.0)], "sync": [run([0.41, 0.42], 400.0)]}}
+    summ = em.summarize(done, None)
+    rows = {r["arm"]: r for r in summ["rows"]}
+    assert rows["ahead"]["lagging"] and not rows["sync"]["lagging"]
+    md = em.summary_markdown(summ, ["# t"])
+    ahead = next(ln for ln in md.splitlines() if "| ahead |" in ln)
+    sync = next(ln for ln in md.splitlines() if "| sync |" in ln)
+    assert "lagging" in ahead and "lagging" not in sync and "no steady step" in md
+
+
 #: A Qwen3 with a tied embedding larger than a partition and every other parameter exact
 #: (small_param_numel above them all): the ranks' counts of exact elements per chunk differ, as
 #: in Qwen3-4B's gather (rank 0's chunks hold the embedding and none, rank 1's many).

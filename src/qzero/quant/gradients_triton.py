@@ -16,8 +16,9 @@ weight kernels are: :mod:`qzero.quant.triton_launch`):
 * ``dequantize-sum``: one pass that adds, per element and in rank order, this rank's own
   piece (unquantized; with a rotation, exact elements zeroed and rotated) and every other
   rank's ``value * scale``, in fp32 from zero, rotates the sum back (with a rotation) and
-  writes it. Exact elements are then overwritten with their exact sum (a scatter over the
-  few of them, as the weight unpack does).
+  writes it; exact elements get, in the same pass, the rank-ordered fp32 sum of this rank's
+  own value and the other ranks' side-channel values (no separate scatter: one launch per
+  piece and no torch operations around it).
 
 Both are compiled without fp contraction, so ``acc + q * scale`` rounds twice, as in torch.
 """
@@ -160,15 +161,25 @@ if triton is not None:
             tl.store(res_ptr + base + offs, _narrow(err, True, SOFT), mask=valid)
 
     @triton.jit
+    def _side_value(p, exact_offset, at, mask, KIND: tl.constexpr):
+        """fp32 values of the side-channel elements ``at`` of the payload at ``p`` (bytes)."""
+        if KIND == 2:
+            side = (p + exact_offset).to(tl.pointer_type(tl.int32), bitcast=True)
+        else:
+            side = (p + exact_offset).to(tl.pointer_type(tl.int16), bitcast=True)
+        return _to_f32(tl.load(side + at, mask=mask, other=0), KIND)
+
+    @triton.jit
     def _dequantize_sum_kernel(
         payloads_ptr,  # uint8: the other ranks' payloads, back to back in rank order
         own_ptr,  # int16 (bf16/fp16) or int32 (fp32) view of this rank's piece
         out_ptr,  # fp32
-        idx_ptr,  # int64, sorted exact indices (with a rotation: zeroed in the own piece)
+        idx_ptr,  # int64, sorted exact indices of the piece
         blk_ptr,  # int64, per program: first index of idx inside its tile; one extra at the end
         n,
         nbytes,  # bytes of one payload
         scales_offset,  # byte offset of the scales in a payload
+        exact_offset,  # byte offset of the side channel in a payload
         rank,
         world,
         KIND: tl.constexpr,
@@ -189,18 +200,26 @@ if triton is not None:
         valid = (j[None, :] < GS) & (offs < rem)
         gmask = g * GS < rem
         is_exact = offs < 0
+        at = tl.zeros(offs.shape, tl.int32)
         if HAS_EXACT:
-            is_exact, _, _ = _exact_in_tile(idx_ptr, blk_ptr, pid, base, offs, STEPS)
+            is_exact, pos, lo = _exact_in_tile(idx_ptr, blk_ptr, pid, base, offs, STEPS)
+            at = lo.to(tl.int32) + pos  # the element's place in every side channel
         if ROT > 0:
             full = _whole_blocks(g, j, rem, GS, ROT)
         acc = tl.zeros((G, GS_PAD), tl.float32)
+        ex = tl.zeros((G, GS_PAD), tl.float32)  # exact elements: their exact sum, from zero
+        side_mask = is_exact & valid
         for s in range(world):
             if s == rank:
                 c = _to_f32(tl.load(own_ptr + base + offs, mask=valid, other=0), KIND)
+                if HAS_EXACT:
+                    ex = ex + tl.where(is_exact, c, 0.0)
                 if ROT > 0:
                     c = _rotate(tl.where(is_exact, 0.0, c), full, G, GS_PAD, ROT, LOG_ROT, ROT_SCALE)
             else:
                 p = payloads_ptr + (s - (s > rank).to(tl.int32)).to(tl.int64) * nbytes
+                if HAS_EXACT:
+                    ex = ex + _side_value(p, exact_offset, at, side_mask, KIND)
                 scales = (p + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
                 scale = tl.load(scales + pid * G + g, mask=gmask, other=1.0)
                 if FMT == 2:
@@ -221,6 +240,8 @@ if triton is not None:
             acc = acc + c
         if ROT > 0:
             acc = _rotate(acc, full, G, GS_PAD, ROT, LOG_ROT, ROT_SCALE)
+        if HAS_EXACT:
+            acc = tl.where(is_exact, ex, acc)
         tl.store(out_ptr + base + offs, acc, mask=valid)
 
 
@@ -290,18 +311,16 @@ class GradientKernels:
             raise ValueError(f"{payloads.numel()} payload bytes, {world - 1} payloads of {layout.nbytes} expected")
         if n == 0:
             return
-        # the own piece's exact elements are zeroed before it is rotated (else their values would spread)
-        has_exact = bool(rotation) and exact_index is not None and exact_index.numel() > 0
+        has_exact = exact_index is not None and exact_index.numel() > 0
         shape = self.launcher.shape(n, group_size, has_exact)
-        idx, blk = self.launcher.exact_tables(exact_index if has_exact else None, shape, own.device)
+        idx, blk = self.launcher.exact_tables(exact_index, shape, own.device)
         self.launcher.launch(
             _dequantize_sum_kernel,
             (shape.programs,),
             (payloads, _bits(own), out, idx if has_exact else out, blk if has_exact else out, n, layout.nbytes,
-             layout.scales_offset, rank, world),
+             layout.scales_offset, layout.exact_offset, rank, world),
             dict(KIND=_KINDS[own.dtype], SOFT=self.launcher.soft(own.device), FMT=FMT_CODES[f.name], GS=group_size,
                  GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact, STEPS=shape.search_steps,
                  **_rotation_consts(rotation)),
             dict(num_warps=shape.num_warps, **PACK_OPTIONS),
         )
-        ref.put_exact(payloads, own, out, layout, rank, world, exact_index)
