@@ -40,11 +40,13 @@ PER_SCRIPT = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", 
 ZYGOTE = r"""
 import gc, json, os, runpy, sys
 
-# As "python script.py" builds sys.path: the script's folder, then PYTHONPATH's entries made
-# absolute against the working directory (an empty one: the directory itself), then the rest.
+# As "python script.py" builds sys.path: the script's folder (unless PYTHONSAFEPATH), then
+# PYTHONPATH's entries made absolute against the working directory (an empty one: the
+# directory itself), then the rest.
 pythonpath = os.environ.get("PYTHONPATH", "")
 entries = pythonpath.split(os.pathsep) if pythonpath else []
-rest = sys.path[1 + len(entries):]  # after "-c"'s "" and the PYTHONPATH entries
+first = [] if sys.flags.safe_path else [""]  # "-c" puts the working directory first
+rest = sys.path[len(first) + len(entries):]
 sys.path[:] = [os.path.abspath(e) for e in entries] + rest  # for the zygote itself: no working directory
 requests, answers = os.dup(0), os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
@@ -90,7 +92,8 @@ os.environ.clear()
 os.environ.update(script["env"])
 os.chdir(script["cwd"])
 sys.argv = script["argv"]
-sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0]))] + [os.path.abspath(e) for e in entries] + rest
+folder = [os.path.dirname(os.path.abspath(sys.argv[0]))] if first else []
+sys.path[:] = folder + [os.path.abspath(e) for e in entries] + rest
 try:
     open(sys.argv[0], "rb").close()
 except OSError as e:  # as the interpreter says it
