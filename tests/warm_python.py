@@ -43,11 +43,24 @@ import gc, json, os, runpy, sys
 # As "python script.py" builds sys.path: the script's folder (unless PYTHONSAFEPATH), then
 # PYTHONPATH's entries made absolute against the working directory (an empty one: the
 # directory itself), then the rest.
+# The interpreter keeps the first of repeated entries after the first one (site.removeduppaths:
+# two empty PYTHONPATH entries are one directory, and a PYTHONPATH entry hides the same
+# directory later in the interpreter's own part).
+
+
+def first_of_each(paths):
+    out = []
+    for p in paths:
+        if p not in out:
+            out.append(p)
+    return out
+
+
 pythonpath = os.environ.get("PYTHONPATH", "")
 entries = pythonpath.split(os.pathsep) if pythonpath else []
 first = [] if sys.flags.safe_path else [""]  # "-c" puts the working directory first
-rest = sys.path[len(first) + len(entries):]
-sys.path[:] = [os.path.abspath(e) for e in entries] + rest  # for the zygote itself: no working directory
+rest = sys.path[len(first) + len(first_of_each(os.path.abspath(e) for e in entries)):]
+sys.path[:] = first_of_each([os.path.abspath(e) for e in entries] + rest)  # the zygote's own: no working directory
 requests, answers = os.dup(0), os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 0)
@@ -93,7 +106,7 @@ os.environ.update(script["env"])
 os.chdir(script["cwd"])
 sys.argv = script["argv"]
 folder = [os.path.dirname(os.path.abspath(sys.argv[0]))] if first else []
-sys.path[:] = folder + [os.path.abspath(e) for e in entries] + rest
+sys.path[:] = folder + first_of_each([os.path.abspath(e) for e in entries] + rest)
 try:
     open(sys.argv[0], "rb").close()
 except OSError as e:  # as the interpreter says it
