@@ -108,6 +108,9 @@ ARMS = {
     "fsdp2_rs": "backend=fsdp2,reshard_after_forward=true",
     "fsdp2_rs_int8": "backend=fsdp2,reshard_after_forward=true,quantized=true",
     "fsdp2_rs_gint8": "backend=fsdp2,reshard_after_forward=true,quantized=true,fsdp_quantize=group",
+    # the same with each fully_shard module's gradient reduce-scatter quantized (quantize_group_reduces)
+    "fsdp2_rs_gint8_qgrad": "backend=fsdp2,reshard_after_forward=true,quantized=true,fsdp_quantize=group,"
+                            "zero_quantized_gradients=true",
     "deepspeed": "backend=deepspeed",
     "ds_int8_ahead": "backend=deepspeed,quantized=true,overlap=true",
     # the 4-bit payloads (no real two-GPU result yet: emulated only)
