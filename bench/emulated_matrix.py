@@ -376,9 +376,7 @@ def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) 
                 "wall_ms": 1e3 * statistics.median(walls) if walls else None,
                 "exposed_ms": 1e3 * (med - floor) if med is not None and floor is not None else None,
                 "link_busy_ms_modelled": busy,
-                # [Note: lagging link]: a steady step cannot be shorter than the link's busy time per
-                # step; a median below it means the transfers fell further behind the compute every
-                # step of a run too short to reach the steady state: the wall time is the step then.
+                # a steady step is never shorter than the link's busy time per step (the footnote below)
                 "lagging": bool(med is not None and busy and 1e3 * med < LAG_TOLERANCE * busy),
                 "link_busy_ms_measured": statistics.median(busy_m) if busy_m else None,
                 "finite": all(r.get("finite") for r in ok) if ok else None,

@@ -16,6 +16,4 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
-from distributed import ask_cpuinfo_once  # noqa: E402
-
-ask_cpuinfo_once()  # also on import of tests/distributed.py, which spawned ranks import
+import distributed  # noqa: E402,F401 - its import asks py-cpuinfo once for the whole process (ask_cpuinfo_once)
