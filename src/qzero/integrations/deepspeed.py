@@ -532,7 +532,21 @@ def initialize(*args, **kwargs):
         engine = result[0]
         s = prepared.settings
         enable(engine, **dataclasses.asdict(s))
+    if prepared.gradients is not None:
+        _install_gradient_reduction(result[0], prepared.gradients)
     return result
+
+
+def _install_gradient_reduction(engine, settings) -> None:
+    """Replace the engine's ZeRO-2 gradient reduction (:mod:`.deepspeed_grads`); an optimizer
+    one rank cannot take raises on every rank, with nothing installed."""
+    from . import deepspeed_grads
+
+    opt = engine.optimizer
+    _, error = local_outcome(lambda: deepspeed_grads.check_optimizer(opt))
+    agree_or_raise(None, dist.get_world_size(), None, error, {"zero_quantized_gradients": 1},
+                   "qzero.integrations.deepspeed.initialize")
+    deepspeed_grads.install(opt, settings)
 
 
 #: ``deepspeed.initialize``'s parameters in order (DeepSpeed 0.19). Arguments are bound to
@@ -558,7 +572,10 @@ def _by_name(args: tuple, kwargs: dict) -> dict:
 
 
 def _agree_on_config(prepared, error: Exception | None) -> None:
-    fields = None if error is not None else {ENABLE_KEY: int(prepared.quantize)}
+    fields = None
+    if error is None:
+        gradients = prepared.gradients.fields() if prepared.gradients is not None else {"zero_quantized_gradients": 0}
+        fields = {ENABLE_KEY: int(prepared.quantize), **gradients}
     agree_or_raise(None, dist.get_world_size(), None, error, fields, "qzero.integrations.deepspeed.initialize")
 
 

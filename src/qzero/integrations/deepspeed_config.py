@@ -12,6 +12,7 @@ import copy
 from dataclasses import dataclass
 
 from ..config import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, ZeroConfig, _as_int, refuse_renamed_keys
+from .deepspeed_grads import GradientReductionSettings
 
 # The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.
 DEFAULT_SMALL_PARAM_NUMEL = ZeroConfig.small_param_numel
@@ -102,6 +103,9 @@ class PreparedConfig:
     quantize: bool
     """True: patch the engine's post-step gather after DeepSpeed built it."""
     settings: QuantizedWeightsSettings
+    gradients: GradientReductionSettings | None = None
+    """Set: replace the optimizer's ZeRO-2 gradient reduction after DeepSpeed built it
+    (:mod:`qzero.integrations.deepspeed_grads`)."""
 
 
 def prepare_config(config: dict) -> PreparedConfig:
@@ -118,7 +122,7 @@ def prepare_config(config: dict) -> PreparedConfig:
         return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
     refuse_renamed_keys(zero)
     settings = _settings_from(zero)
-    _check_gradient_keys(zero, _stage_of(zero))
+    gradients = _check_gradient_keys(zero, _stage_of(zero), settings)
     _check_delta_keys(zero)
     enabled = zero.get(ENABLE_KEY, False)
     if not isinstance(enabled, bool):
@@ -138,7 +142,7 @@ def prepare_config(config: dict) -> PreparedConfig:
                 f"zero_optimization.{OVERLAP_KEY}=true needs {ENABLE_KEY}=true: gather-ahead runs on qzero's "
                 "quantized gather (DeepSpeed's own gather is synchronous)"
             )
-        return PreparedConfig(ds_config, stage, False, settings)
+        return PreparedConfig(ds_config, stage, False, settings, gradients)
     if stage not in (1, 2):
         raise ValueError(
             f"zero_optimization.{ENABLE_KEY}=true needs ZeRO stage 1 or 2, got stage {stage}: "
@@ -147,7 +151,7 @@ def prepare_config(config: dict) -> PreparedConfig:
     # DeepSpeed ignores this key below stage 3; qzero implements it there.
     del zero[ENABLE_KEY]
     _reject_unsupported_config(ds_config, zero)
-    return PreparedConfig(ds_config, stage, True, settings)
+    return PreparedConfig(ds_config, stage, True, settings, gradients)
 
 
 def _settings_from(zero: dict) -> QuantizedWeightsSettings:
@@ -159,17 +163,16 @@ def _settings_from(zero: dict) -> QuantizedWeightsSettings:
         raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
 
 
-def _check_gradient_keys(zero: dict, stage: int) -> None:
+def _check_gradient_keys(zero: dict, stage: int, settings: QuantizedWeightsSettings) -> GradientReductionSettings | None:
     """Validate the quantized-gradient keys (as :class:`qzero.ZeroConfig` does) and pop qzero's
-    own ones from ``zero`` (a copy). This adapter quantizes DeepSpeed's weight gather, not its
-    gradient reduction: below stage 3, where DeepSpeed ignores ``zero_quantized_gradients``,
-    asking for it is refused rather than silently dropped (``qzero.ZeroOptimizer`` does it)."""
-    from ..config import ZeroConfig
-
+    own ones from ``zero`` (a copy). At stage 2, ``zero_quantized_gradients=true`` is qzero's
+    quantized gradient reduction (:mod:`qzero.integrations.deepspeed_grads`; the key is popped
+    too: DeepSpeed would build its stage-3 all-to-all groups for it); what it cannot do is
+    refused by name. At stage 3 DeepSpeed's own key applies."""
     given = {key: zero.pop(key) for key in GRAD_KEYS if key in zero}
     enabled = zero.get(GRAD_ENABLE_KEY, False)
     try:
-        ZeroConfig(**{GRAD_ENABLE_KEY: enabled}, **given)
+        config = ZeroConfig(**{GRAD_ENABLE_KEY: enabled}, **given, small_param_numel=settings.small_param_numel)
     except ValueError as e:
         raise ValueError(f"zero_optimization: {e}") from None
     if stage == 3:
@@ -178,13 +181,31 @@ def _check_gradient_keys(zero: dict, stage: int) -> None:
                 f"ZeRO stage 3 with {sorted(given)}: at stage 3 DeepSpeed's own {GRAD_ENABLE_KEY} applies, with "
                 "its fixed settings; remove these qzero keys"
             )
-        return
-    if enabled:
+        return None
+    if not enabled:
+        return None
+    if stage != 2:
         raise ValueError(
-            f"zero_optimization.{GRAD_ENABLE_KEY}=true at stage {stage}: DeepSpeed implements it at stage 3 only, "
-            "and this adapter quantizes the weight gather, not DeepSpeed's gradient reduction; use "
-            "qzero.ZeroOptimizer (ZeroConfig.from_dict takes this zero_optimization dict) or remove the key"
+            f"zero_optimization.{GRAD_ENABLE_KEY}=true at stage {stage}: the DeepSpeed adapter quantizes "
+            "DeepSpeed's partitioned gradient reduction, which is ZeRO stage 2 (at stage 1 DeepSpeed all-reduces "
+            "the gradients after backward); use stage 2, or qzero.ZeroOptimizer (ZeroConfig.from_dict takes this "
+            "zero_optimization dict), or remove the key"
         )
+    if config.zero_quantized_gradients_error_feedback:
+        raise ValueError(
+            "zero_optimization.zero_quantized_gradients_error_feedback=true: the DeepSpeed adapter keeps no "
+            "gradient residuals; use qzero.ZeroOptimizer for error feedback, or remove the key"
+        )
+    for key, want, why in (("reduce_scatter", True, "reduces by all-reduce, not by partition"),
+                           ("contiguous_gradients", True, "reduces through its non-contiguous fallback")):
+        if zero.get(key, want) is not want:
+            raise ValueError(
+                f"zero_optimization.{key}={zero[key]!r} with {GRAD_ENABLE_KEY}=true: DeepSpeed then {why}, "
+                f"which qzero's quantized gradient reduction does not replace; set {key} to true or remove "
+                f"{GRAD_ENABLE_KEY}"
+            )
+    del zero[GRAD_ENABLE_KEY]
+    return GradientReductionSettings.from_config(config)
 
 
 def _check_delta_keys(zero: dict) -> None:

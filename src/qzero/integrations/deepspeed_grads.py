@@ -1,0 +1,290 @@
+"""qzero's quantized gradient reduction inside DeepSpeed ZeRO stage 2.
+
+[Note: DeepSpeed's ZeRO-2 reduction] After backward fills an IPG bucket, DeepSpeed's
+``DeepSpeedZeroOptimizer.average_tensor`` divides it by the data-parallel size and cuts it
+into *slices*, each the part of one parameter's gradient that one rank's partition holds
+(``(owner, bucket offset, numel)``; neighbours with one owner merged). It then hands the
+slices, a sub-bucket of at most ``reduce_bucket_size`` elements at a time, to one of two
+methods of the optimizer:
+
+- ``allreduce_and_copy_with_multiple_ranks`` (``use_multi_rank_bucket_allreduce``, the
+  default): flattens the sub-bucket, all-reduces it in the communication dtype (every rank
+  sends ``2 (N - 1) / N`` of it and receives every slice), and each rank copies back the
+  slices it owns;
+- ``allreduce_and_copy`` with ``rank=dst`` (otherwise): one sub-bucket per owner,
+  ``dist.reduce`` to it, the owner copies back.
+
+Either way the owner adds a slice into DeepSpeed's fp32 gradient partition buffer when it
+has one (``_add_to_grad_partition_buffer``) and copies it into the bucket (``buf.copy_``),
+from where DeepSpeed moves it into its partition after the call.
+
+:class:`DeepSpeedGradientReduction` replaces both methods *on one optimizer instance*
+(instance attributes; the class and other optimizers are untouched) by qzero's quantized
+exchange (:class:`qzero.wire.quantized_reduce.QuantizedExchange`, the FSDP2 reduce-scatter's
+engine): the call's slices are staged into one buffer of the sub-bucket's size grouped by
+owner in rank order, each owner's run is one piece, one ``all_to_all_single`` sends every
+piece only to its owner (codes and fp32 scales; the slices of parameters with at most
+``small_param_numel`` elements verbatim), and the owner sums its own piece unquantized and
+the others' dequantized in fp32 in rank order, casts to the slice dtype and does what
+DeepSpeed does with an owned slice. A sender's traffic per element it does not own is
+``bits / 8 + 4 / group_size`` bytes instead of the reduce dtype's size (``2 (N - 1) / N``
+of the sub-bucket for the all-reduce).
+
+Left to DeepSpeed's own methods, exactly: a call with a slice more than one rank keeps
+(Muon's split matrices), a full all-reduce (``rank=None``: DeepSpeed's non-contiguous
+fallback), a process group of one rank and a dtype the gradient kernels do not take. Each
+is counted in :attr:`DeepSpeedGradientReduction.calls`.
+
+Transient memory per call: the staging buffer (the sub-bucket's size, which DeepSpeed's
+own flatten allocates too), the packed payloads (about half of it for int8 codes from bf16)
+and the received ones (``N - 1`` payloads of this rank's piece), and an fp32 sum of this
+rank's piece.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import ZeroConfig
+from ..layout.gather_plan import merge_adjacent
+from ..quant import gradient_kernels_for
+from ..quant.gradients import GRADIENT_DTYPES
+from ..wire.agreement import digest
+from ..wire.labels import REDUCE_GRADIENTS, label
+from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
+
+__all__ = ["DeepSpeedGradientReduction", "GradientReductionSettings", "install", "installed"]
+
+#: The optimizer methods replaced (per instance) while the reduction is installed.
+REPLACED = ("allreduce_and_copy_with_multiple_ranks", "allreduce_and_copy")
+ATTR = "qzero_gradient_reduction"
+
+
+class GradientReductionSettings(NamedTuple):
+    """The gradient settings of the adapter, by :class:`qzero.ZeroConfig`'s field names
+    (validated by it, the rotation resolved to its block, 0 for none)."""
+
+    zero_quantized_gradients_format: str
+    zero_quantized_gradients_group_size: int
+    zero_quantized_gradients_rotation_block: int
+    small_param_numel: int
+    quant_kernels: str = ZeroConfig.quant_kernels
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig) -> GradientReductionSettings:
+        quant = GradientQuantization.from_config(config)
+        return cls(quant.fmt, quant.group_size, quant.rotation, config.small_param_numel, config.quant_kernels)
+
+    @property
+    def quantization(self) -> GradientQuantization:
+        return GradientQuantization(self.zero_quantized_gradients_group_size, self.zero_quantized_gradients_format,
+                                    self.zero_quantized_gradients_rotation_block)
+
+    def fields(self) -> dict[str, int]:
+        """What every rank must agree on, as integers."""
+        return {"zero_quantized_gradients": 1,
+                "zero_quantized_gradients_format": digest(self.zero_quantized_gradients_format),
+                "zero_quantized_gradients_group_size": self.zero_quantized_gradients_group_size,
+                "zero_quantized_gradients_rotation_block": self.zero_quantized_gradients_rotation_block,
+                "gradient small_param_numel": self.small_param_numel}
+
+
+def installed(optimizer) -> DeepSpeedGradientReduction | None:
+    """The reduction installed on ``optimizer``, or None."""
+    return getattr(optimizer, ATTR, None)
+
+
+def install(optimizer, settings: GradientReductionSettings) -> DeepSpeedGradientReduction:
+    """Replace ``optimizer``'s ZeRO-2 gradient reduction by the quantized exchange (see the
+    module's docstring); returns the :class:`DeepSpeedGradientReduction` (also
+    ``optimizer.qzero_gradient_reduction``). Raises ``ValueError`` for an optimizer whose
+    reduction this does not implement, before anything is changed."""
+    check_optimizer(optimizer)
+    old = installed(optimizer)
+    if old is not None:
+        old.remove()
+    reduction = DeepSpeedGradientReduction(optimizer, settings)
+    for name in REPLACED:
+        setattr(optimizer, name, getattr(reduction, name))
+    setattr(optimizer, ATTR, reduction)
+    return reduction
+
+
+def check_optimizer(optimizer) -> None:
+    """The optimizer must be DeepSpeed's ZeRO-2 ``DeepSpeedZeroOptimizer`` reducing by slices."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        raise ValueError(f"zero_quantized_gradients=true needs DeepSpeed's ZeRO stage 2 optimizer "
+                         f"(DeepSpeedZeroOptimizer), got {type(optimizer).__name__}")
+    checks = (("partition_gradients", True, "ZeRO stage 2"), ("reduce_scatter", True, "reduce_scatter=true"),
+              ("contiguous_gradients", True, "contiguous_gradients=true"), ("sequence_parallel_size", 1, "no sequence parallelism"))
+    for attr, want, what in checks:
+        got = getattr(optimizer, attr, want)
+        if got != want:
+            raise ValueError(f"zero_quantized_gradients=true needs {what} (the optimizer has {attr}={got!r}): "
+                             "DeepSpeed reduces the gradients another way there")
+
+
+class DeepSpeedGradientReduction:
+    """The quantized ZeRO-2 gradient reduction of one DeepSpeed optimizer (see the module's
+    docstring). ``calls`` counts calls run quantized and by DeepSpeed's own method;
+    ``bytes_sent`` and ``plain_bytes`` are this rank's bytes over all quantized calls and
+    what DeepSpeed's all-reduce of the same sub-buckets sends (``2 (N - 1) / N`` of each)."""
+
+    def __init__(self, optimizer, settings: GradientReductionSettings):
+        self.optimizer = optimizer
+        self.settings = settings
+        # DeepSpeed's own methods, bound to this instance: the exact fallback.
+        self.original = {name: getattr(type(optimizer), name).__get__(optimizer) for name in REPLACED}
+        self.calls = {"quantized": 0, "plain": 0}
+        self.bytes_sent = 0
+        self.plain_bytes = 0
+        # (process group, dtype, device, signature) -> QuantizedExchange; a signature is the
+        # call's (owner, numel, exact ranges) sequence, the same for a bucket every backward.
+        self._exchanges: dict = {}
+
+    def remove(self) -> None:
+        """Give the optimizer DeepSpeed's own methods back."""
+        opt = self.optimizer
+        for name in REPLACED:
+            if name in vars(opt):
+                delattr(opt, name)
+        if getattr(opt, ATTR, None) is self:
+            delattr(opt, ATTR)
+
+    # ------------------------------------------------------------------ DeepSpeed's two methods
+
+    def allreduce_and_copy_with_multiple_ranks(self, small_bucket, communication_data_type, log=None, divide=True,
+                                               process_group=None, bucket_ranks=None, output_bucket=None):
+        opt = self.optimizer
+        pg = opt.dp_process_group if process_group is None else process_group
+        owners = [_single_owner(r) for r in bucket_ranks] if bucket_ranks is not None else [None]
+        if None in owners or not self._quantizable(small_bucket, pg):
+            self.calls["plain"] += 1
+            return self.original["allreduce_and_copy_with_multiple_ranks"](
+                small_bucket, communication_data_type, log=log, divide=divide, process_group=pg,
+                bucket_ranks=bucket_ranks, output_bucket=output_bucket)
+        # DeepSpeed runs this on its reduction stream already (average_tensor's stream context).
+        self._reduce(small_bucket, owners, output_bucket, divide, pg, opt.reduction_stream)
+
+    def allreduce_and_copy(self, small_bucket, communication_data_type, rank=None, log=None, divide=True,
+                           process_group=None, output_bucket=None):
+        opt = self.optimizer
+        pg = opt.dp_process_group if process_group is None else process_group
+        if rank is None or not self._quantizable(small_bucket, pg):
+            self.calls["plain"] += 1
+            return self.original["allreduce_and_copy"](
+                small_bucket, communication_data_type, rank=rank, log=log, divide=divide, process_group=pg,
+                output_bucket=output_bucket)
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        if opt.overlap_comm:  # as DeepSpeed's allreduce_and_copy
+            if not accel.resolves_data_dependency():
+                accel.synchronize()
+            opt._clear_previous_reduced_grads()
+            stream = opt.reduction_stream
+        else:
+            stream = accel.current_stream()
+        with accel.stream(stream):
+            self._reduce(small_bucket, [rank] * len(small_bucket), output_bucket, divide, pg, stream)
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _quantizable(self, small_bucket, pg) -> bool:
+        if dist.get_world_size(group=pg) == 1 or not small_bucket:
+            return False
+        dtypes = {t.dtype for t in small_bucket}
+        return len(dtypes) == 1 and dtypes.pop() in GRADIENT_DTYPES
+
+    def _reduce(self, small_bucket, owners, output_bucket, divide, pg, stream) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        opt = self.optimizer
+        world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
+        like = small_bucket[0]
+        order = sorted(range(len(small_bucket)), key=lambda i: owners[i])  # by owner, bucket order kept (stable)
+        exact_of = self._exact_of(small_bucket)
+        at, placed, exact = 0, {}, []
+        for i in order:
+            n = small_bucket[i].numel()
+            placed[i] = at
+            exact.extend((at + a, at + b) for a, b in exact_of[i])
+            at += n
+        signature = (tuple((owners[i], small_bucket[i].numel()) for i in order), tuple(exact))
+        exchange = self._exchange(pg, like, world, rank, signature, merge_adjacent(exact))
+        parts = []
+        for dest in sorted(set(owners)):
+            members = [i for i in order if owners[i] == dest]
+            lo = placed[members[0]]
+            numel = sum(small_bucket[i].numel() for i in members)
+            parts.append((dest, lo, numel, lo))
+        staged = torch.empty(at, dtype=like.dtype, device=like.device)
+        for i in order:
+            staged[placed[i] : placed[i] + small_bucket[i].numel()].copy_(small_bucket[i].reshape(-1))
+        with label(REDUCE_GRADIENTS):
+            pending, sent = exchange.launch(staged, 0, parts)
+            result = exchange.finish(pending, 0)
+        overlap = opt.overlap_comm and not get_accelerator().resolves_data_dependency()
+        if overlap:
+            staged.record_stream(stream)
+        self.calls["quantized"] += 1
+        self.bytes_sent += sent
+        self.plain_bytes += 2 * (world - 1) * at * like.element_size() // world
+        if result is None:
+            return  # this rank owns no slice of the call
+        total, start = result
+        if divide and opt.gradient_average:  # as DeepSpeed's allreduce_bucket
+            total.div_(world / float(opt.sequence_parallel_size))
+        if output_bucket is None:
+            output_bucket = [None] * len(small_bucket)
+        for i in order:
+            if owners[i] != rank:
+                continue
+            buf = small_bucket[i]
+            synced = total[placed[i] - start : placed[i] - start + buf.numel()].view(buf.shape).to(buf.dtype)
+            opt._add_to_grad_partition_buffer(output_bucket[i], synced)
+            buf.copy_(synced)
+            if overlap:
+                buf.record_stream(stream)
+
+    def _exact_of(self, small_bucket) -> list[list[tuple[int, int]]]:
+        """Per slice: its ranges (slice coordinates) that belong to small parameters, found
+        by address among the gradients of the parameters in DeepSpeed's IPG buckets (each
+        slice is a view of one of them)."""
+        opt = self.optimizer
+        small = []
+        for bucket in opt.ipg_buckets.values():
+            for i, j, _ in bucket.params:
+                param = opt.bit16_groups[i][j]
+                if param.numel() <= self.settings.small_param_numel:
+                    grad = opt.get_gradient_for_reduction(param)
+                    if grad is not None:
+                        small.append((grad.data_ptr(), grad.data_ptr() + grad.numel() * grad.element_size()))
+        out = []
+        for t in small_bucket:
+            lo, size = t.data_ptr(), t.element_size()
+            hi = lo + t.numel() * size
+            out.append([((max(a, lo) - lo) // size, (min(b, hi) - lo) // size) for a, b in small if a < hi and b > lo])
+        return out
+
+    def _exchange(self, pg, like, world, rank, signature, exact) -> QuantizedExchange:
+        key = (pg, like.dtype, like.device, signature)
+        ex = self._exchanges.get(key)
+        if ex is None:
+            s = self.settings
+            ex = QuantizedExchange.over(s.quantization, like.dtype, pg, world, rank, like.device,
+                                        gradient_kernels_for(like.device, s.quant_kernels), exact)
+            self._exchanges[key] = ex
+        return ex
+
+
+def _single_owner(bucket_rank):
+    """The one rank that keeps a slice, or None when several do (Muon's split matrices)."""
+    if isinstance(bucket_rank, frozenset):
+        return next(iter(bucket_rank)) if len(bucket_rank) == 1 else None
+    return bucket_rank
