@@ -574,8 +574,9 @@ def _by_name(args: tuple, kwargs: dict) -> dict:
 def _agree_on_config(prepared, error: Exception | None) -> None:
     fields = None
     if error is None:
-        gradients = prepared.gradients.fields() if prepared.gradients is not None else {"zero_quantized_gradients": 0}
-        fields = {ENABLE_KEY: int(prepared.quantize), **gradients}
+        from .deepspeed_grads import agreement_fields
+
+        fields = {ENABLE_KEY: int(prepared.quantize), **agreement_fields(prepared.gradients)}
     agree_or_raise(None, dist.get_world_size(), None, error, fields, "qzero.integrations.deepspeed.initialize")
 
 

@@ -84,12 +84,19 @@ class GradientReductionSettings(NamedTuple):
                                     self.zero_quantized_gradients_rotation_block)
 
     def fields(self) -> dict[str, int]:
-        """What every rank must agree on, as integers."""
-        return {"zero_quantized_gradients": 1,
-                "zero_quantized_gradients_format": digest(self.zero_quantized_gradients_format),
-                "zero_quantized_gradients_group_size": self.zero_quantized_gradients_group_size,
-                "zero_quantized_gradients_rotation_block": self.zero_quantized_gradients_rotation_block,
-                "gradient small_param_numel": self.small_param_numel}
+        """What every rank must agree on, as integers (see :func:`agreement_fields`)."""
+        return agreement_fields(self)
+
+
+def agreement_fields(settings: GradientReductionSettings | None) -> dict[str, int]:
+    """The gradient settings every rank must agree on, as integers, the same names whether
+    the reduction is on or off (None: all 0)."""
+    s = settings
+    return {"zero_quantized_gradients": int(s is not None),
+            "zero_quantized_gradients_format": digest(s.zero_quantized_gradients_format) if s else 0,
+            "zero_quantized_gradients_group_size": s.zero_quantized_gradients_group_size if s else 0,
+            "zero_quantized_gradients_rotation_block": s.zero_quantized_gradients_rotation_block if s else 0,
+            "gradient small_param_numel": s.small_param_numel if s else 0}
 
 
 def installed(optimizer) -> DeepSpeedGradientReduction | None:
