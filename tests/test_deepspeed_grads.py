@@ -108,9 +108,14 @@ def reference_worker(rank, world, paths):
 
 
 def accumulate(engine, rank):
+    """Two micro-steps; the partitions DeepSpeed holds at the accumulation boundary, before its step."""
     for micro in range(2):
         x, y = data(micro, rank)
         engine.backward(torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y))
+        if micro == 0:
+            assert not engine.is_gradient_accumulation_boundary()
+            engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+    assert engine.is_gradient_accumulation_boundary()
     return partitions(engine.optimizer)
 
 
@@ -182,6 +187,7 @@ def test_reduced_partition_matches_reference_at_world_2_reduce_path(world2):
 def test_gradient_accumulation_reduces_every_micro_step_into_the_partition(world2):
     for r in world2:
         assert r["ga_calls"]["quantized"] > 0 and r["ga_calls"]["plain"] == 0
+        assert len(r["ga_q"]) == len(r["ga_plain"]) == 2
         for q, plain in zip(r["ga_q"], r["ga_plain"]):
             rel = float((q - plain).norm() / plain.norm())
             assert 0 < rel < 2e-2, f"relative L2 {rel:.2e} from plain DeepSpeed's accumulated gradients"
