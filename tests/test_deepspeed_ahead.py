@@ -246,7 +246,9 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
     "kwargs, words",
     [(dict(backend="qzero", offload_optimizer="cpu"), "setting of the deepspeed backend"),
      (dict(backend="deepspeed", offload_optimizer="nvme"), "none, cpu, cpu_pinned"),
-     (dict(backend="deepspeed", zero={"zero_quantized_gradients": True}), "would change nothing")],
+     (dict(backend="deepspeed", zero={"stage": 1, "zero_quantized_gradients": True}), "needs ZeRO stage 2, got stage 1"),
+     (dict(backend="deepspeed", zero={"stage": 2, "zero_quantized_gradients": True,
+                                      "zero_quantized_gradients_error_feedback": True}), "setting of the qzero backend")],
 )
 def test_train_settings_offload_is_checked(kwargs, words):
     from qzero.app.train import TrainSettings, validate
@@ -254,3 +256,9 @@ def test_train_settings_offload_is_checked(kwargs, words):
 
     with pytest.raises(WorkloadError, match=words):
         validate(TrainSettings(device="cpu", **kwargs))
+
+
+def test_train_settings_take_quantized_gradients_on_deepspeed_at_stage_2():
+    from qzero.app.train import TrainSettings, validate
+
+    validate(TrainSettings(device="cpu", backend="deepspeed", zero={"stage": 2, "zero_quantized_gradients": True}))

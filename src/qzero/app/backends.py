@@ -2,7 +2,8 @@
 
 * ``qzero`` — :class:`qzero.ZeroOptimizer` (plain or quantized gather, gather-ahead).
 * ``deepspeed`` — DeepSpeed ZeRO-1/2 as users install it, unmodified (or, with
-  ``zero_quantized_weights``, through :mod:`qzero.integrations.deepspeed`).
+  ``zero_quantized_weights`` or, at stage 2, ``zero_quantized_gradients``, through
+  :mod:`qzero.integrations.deepspeed`).
 * ``fsdp2`` — PyTorch FSDP2, ``fully_shard`` per decoder layer and at the root with
   ``reshard_after_forward=False`` (its ZeRO-2-like mode; ``reshard_after_forward`` sets it),
   fp32 masters, bf16/fp16 compute; with ``zero_quantized_weights``, its weight all-gather carries
@@ -103,6 +104,15 @@ class DeepSpeedBackend:
                 # gather-ahead as for the qzero backend: on by default when quantized
                 overlap_param_gather=zero.overlap_param_gather,
             )
+        if zero.zero_quantized_gradients:  # stage 2 (checked by the settings): qzero.integrations.deepspeed_grads
+            config["zero_optimization"].update(
+                zero_quantized_gradients=True,
+                zero_quantized_gradients_format=zero.zero_quantized_gradients_format,
+                zero_quantized_gradients_group_size=zero.zero_quantized_gradients_group_size,
+                zero_quantized_gradients_rotation=zero.zero_quantized_gradients_rotation,
+                zero_quantized_gradients_rotation_block=zero.zero_quantized_gradients_rotation_block,
+                small_param_numel=zero.small_param_numel,
+            )
         if settings.offload_optimizer != "none":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -113,7 +123,7 @@ class DeepSpeedBackend:
         else:
             fused = device.type == "cuda"
             inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
-        init = qds.initialize if zero.zero_quantized_weights else deepspeed.initialize
+        init = qds.initialize if zero.zero_quantized_weights or zero.zero_quantized_gradients else deepspeed.initialize
         self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
         self.grad_accum = settings.grad_accum
         self.stage = zero.stage

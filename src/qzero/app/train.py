@@ -193,10 +193,10 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"fsdp_quantize={settings.fsdp_quantize} is a setting of the fsdp2 backend with "
                             f"quantized=true, not of backend {settings.backend!r} with quantized="
                             f"{str(settings.zero.zero_quantized_weights).lower()}")
-    if settings.zero.zero_quantized_gradients and settings.backend == "deepspeed":
-        raise WorkloadError("zero_quantized_gradients is a setting of the qzero and fsdp2 backends; the deepspeed "
-                            "backend reduces gradients with DeepSpeed's own reduction (below ZeRO stage 3 DeepSpeed "
-                            "ignores that key), so it would change nothing")
+    if settings.zero.zero_quantized_gradients and settings.backend == "deepspeed" and settings.zero.stage != 2:
+        raise WorkloadError(f"zero_quantized_gradients with the deepspeed backend needs ZeRO stage 2, got stage "
+                            f"{settings.zero.stage}: qzero's adapter quantizes DeepSpeed's partitioned gradient "
+                            "reduction, which stage 1 does not run")
     if settings.zero.zero_quantized_gradients_error_feedback and settings.backend != "qzero":
         raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero backend: its residuals "
                             f"are ZeroOptimizer state, which the {settings.backend} backend does not have")
