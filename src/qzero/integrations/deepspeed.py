@@ -500,7 +500,9 @@ def initialize(*args, **kwargs):
     ``zero_quantized_weights_group_size`` / ``_format`` and ``small_param_numel`` (ZeroConfig's
     field names), which are removed from a copy before DeepSpeed validates it, as is
     ``overlap_param_gather`` (gather-ahead; off unless true). At ZeRO stage 1 or 2 with
-    quantization on, the engine's post-step gather is replaced; otherwise nothing is.
+    quantization on, the engine's post-step gather is replaced; at stage 2 with
+    ``zero_quantized_gradients`` (and its qzero keys), the optimizer's gradient reduction is
+    replaced too (:mod:`.deepspeed_grads`); otherwise nothing is.
     """
     import deepspeed
 
