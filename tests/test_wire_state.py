@@ -57,6 +57,28 @@ def test_a_plan_holds_no_tensors_after_it_ran_and_its_runner_keeps_what_it_deriv
     assert torch.equal(kept, second.cache.exact_index(plan, chunk, 0, flat.device))
 
 
+def test_a_synchronous_gather_derives_its_index_tensors_once_per_context(monkeypatch):
+    """The inline gather of one chunk at a time (FSDP2's group gather, the synchronous gather)
+    fills nothing in the context before its first pack: an empty cache must still be the one
+    kept, not replaced by a throwaway one on every call (which rebuilt and copied the index
+    tensors to the device, synchronizing the host, on every gather)."""
+    from qzero.wire import chunks
+    from qzero.wire.engine import CommContext, finish_gather, start_gather
+
+    made = []
+    real = chunks.exact_index
+    monkeypatch.setattr(chunks, "exact_index", lambda *a: made.append(a) or real(*a))
+    plan, context = _plan(), CommContext("cpu")
+    flat = torch.randn(plan.numel).bfloat16()
+    assert len(context.cache) == 0
+    finish_gather(start_gather(flat, plan, None, context))
+    first = len(made)
+    assert first >= 1 and len(context.cache) >= 1
+    for _ in range(3):
+        finish_gather(start_gather(flat, plan, None, context))
+    assert len(made) == first, "the synchronous gather rebuilt its index tensors"
+
+
 def test_the_public_gathers_leave_no_device_tensors_in_their_plan_cache():
     import qzero
     from qzero.wire import comm

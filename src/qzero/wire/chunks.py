@@ -137,7 +137,7 @@ def pack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: int
     """Write this rank's payload of ``chunk`` into its slot of the receive buffer ``buf``; return the slot.
     ``cache``: where the chunk's index tensors and group runs are kept (None: made for this call)."""
     with label(PACK):
-        return _pack_chunk(flat, plan, chunk, rank, buf, kernels, delta, cache or GatherCache())
+        return _pack_chunk(flat, plan, chunk, rank, buf, kernels, delta, GatherCache() if cache is None else cache)
 
 
 def _pack_chunk(flat, plan, chunk, rank, buf, kernels, delta, cache: GatherCache):
@@ -166,7 +166,7 @@ def unpack_chunk(flat: torch.Tensor, plan: GatherPlan, chunk: ChunkPlan, rank: i
     pass over all ranks' payloads (a delta payload's is added into the replica in place),
     then one scatter of all their exact elements. ``cache`` as in :func:`pack_chunk`."""
     with label(UNPACK):
-        _unpack_chunk(flat, plan, chunk, buf, kernels, delta, cache or GatherCache())
+        _unpack_chunk(flat, plan, chunk, buf, kernels, delta, GatherCache() if cache is None else cache)
 
 
 def _unpack_chunk(flat, plan, chunk, buf, kernels, delta, cache: GatherCache) -> None:
