@@ -113,6 +113,8 @@ ARMS = {
                             "zero_quantized_gradients=true",
     "deepspeed": "backend=deepspeed",
     "ds_int8_ahead": "backend=deepspeed,quantized=true,overlap=true",
+    # the same with DeepSpeed's ZeRO-2 gradient reduction replaced by the quantized exchange
+    "ds_int8_ahead_qgrad": "backend=deepspeed,quantized=true,overlap=true,zero_quantized_gradients=true",
     # the 4-bit payloads (no real two-GPU result yet: emulated only)
     "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true",
     "delta_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true",
