@@ -500,8 +500,10 @@ def test_deepspeed_adapter_parses_the_gradient_keys():
     zero = prepared.ds_config["zero_optimization"]
     assert "zero_quantized_gradients_group_size" not in zero and "zero_quantized_gradients_format" not in zero
     assert given["zero_optimization"]["zero_quantized_gradients_group_size"] == 32  # the caller's dict is untouched
-    with pytest.raises(ValueError, match="stage 3 only"):
-        qds.prepare_config(cfg(2, zero_quantized_gradients=True))
+    on = qds.prepare_config(cfg(2, zero_quantized_gradients=True))  # stage 2: qzero's quantized reduction
+    assert on.gradients is not None and "zero_quantized_gradients" not in on.ds_config["zero_optimization"]
+    with pytest.raises(ValueError, match="at stage 1"):
+        qds.prepare_config(cfg(1, zero_quantized_gradients=True))
     with pytest.raises(ValueError, match="zero_quantized_gradients_group_size"):
         qds.prepare_config(cfg(1, zero_quantized_gradients_group_size=12))
     with pytest.raises(ValueError, match="zero_quantized_gradients_format"):
