@@ -25,8 +25,13 @@ DeepSpeed compiles nothing). For ZeRO stage 2 and stage 1:
     ``all_gather_dp_groups`` call inside its optimizer step, device-synchronised), plain vs
     quantized. Reported, not checked.
 
+(d) ``--gradients`` (stage 2): one more arm, INT8 weights and the quantized ZeRO-2 gradient
+    reduction (``zero_quantized_gradients``, INT8 g64), by the same gates against plain; its
+    replicas bitwise equal; the reduction installed and every bucket reduced by it (none left
+    to DeepSpeed's own method); its bytes against DeepSpeed's bucket all-reduce, reported.
+
 ``--offload cpu|cpu_pinned`` runs every arm with DeepSpeed's CPU optimizer offload
-(DeepSpeedCPUAdam); ``--overlap`` runs the int8 arm with gather-ahead.
+(DeepSpeedCPUAdam); ``--overlap`` runs the int8 arms with gather-ahead.
 
 Prints PASS/FAIL per check and a table; ``--out`` writes the result as JSON. Exits non-zero
 on any FAIL.
@@ -75,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--overlap", action="store_true",
                    help="the int8 arm with gather-ahead (overlap_param_gather): its 'post-step gather ms' is then "
                         "only the launch; the gather runs under the next forward and shows in the step time")
+    p.add_argument("--gradients", action="store_true",
+                   help="stage 2: also an arm with zero_quantized_gradients (INT8 g64) beside the INT8 weights")
     p.add_argument("--no-deterministic", action="store_true",
                    help="GPU: leave torch.use_deterministic_algorithms off")
     a = p.parse_args(argv)
@@ -137,8 +144,11 @@ def small_param_numel(args):
     return 65_536 if not args.cpu else 1024
 
 
-def ds_config(args, stage, quant=None):
+def ds_config(args, stage, quant=None, gradients=False):
     zero = {"stage": stage, "allgather_bucket_size": args.bucket, "reduce_bucket_size": 2**20}
+    if gradients:
+        zero.update(zero_quantized_gradients=True, zero_quantized_gradients_format="int8",
+                    zero_quantized_gradients_group_size=64)
     if stage == 2:
         zero.update(overlap_comm=True, round_robin_gradients=True, contiguous_gradients=True)
     if quant is not None:
@@ -412,17 +422,22 @@ def main(argv=None):
                 ("plain_repeat", deepspeed.initialize, ds_config(args, stage)),
                 ("off", qds.initialize, ds_config(args, stage, quant=False)),
                 ("on", qds.initialize, ds_config(args, stage, quant=True))]
+        if args.gradients and stage == 2:
+            arms.append(("qgrad", qds.initialize, ds_config(args, stage, quant=True, gradients=True)))
         for name, init, cfg in arms:
             engine = build(args, device, init, cfg)
             losses, st, ot, gt = train(engine, args, device, corpus, args.steps)
             runs[name] = dict(losses=losses, **snapshot(engine, rank, world, small))
             runs[name]["has_gather"] = hasattr(engine, "qzero_gather")
+            reduction = getattr(engine.optimizer, "qzero_gradient_reduction", None)
+            runs[name]["reduction"] = None if reduction is None else dict(
+                calls=dict(reduction.calls), bytes_sent=reduction.bytes_sent, plain_bytes=reduction.plain_bytes)
             if name in ("plain", "on") and args.timing_steps > 0:
                 _, st2, ot2, gt2 = train(engine, args, device, corpus, args.timing_steps, start=args.steps)
                 st, ot, gt = st + st2, ot + ot2, gt + gt2
             timing[name] = dict(step_ms=median_ms(st, args.warmup), opt_step_ms=median_ms(ot, args.warmup),
                                 gather_ms=median_ms(gt, args.warmup), samples=max(0, len(st) - args.warmup))
-            if name == "on":
+            if name in ("on", "qgrad"):
                 qds.disable(engine)
             del engine
             free()
@@ -472,6 +487,23 @@ def main(argv=None):
               max(s[0] for s in stats) > 1 and all(s[3] <= args.bucket for s in stats),
               f"chunks per group {[s[0] for s in stats]}")
 
+        qgrad = runs.get("qgrad")
+        if qgrad is not None:  # (d) the quantized gradient reduction
+            dloss_g = (qgrad["losses"] - plain["losses"]).abs().max().item()
+            check(f"{S}: int8 weights + int8 gradients max |loss difference| vs plain <= {gates.max_loss_diff} (gate)",
+                  dloss_g <= gates.max_loss_diff, f"max |dloss| {dloss_g:.5f} over {len(qgrad['losses'])} steps")
+            agree_g = weight_agreement(qgrad["params"], plain["params"], gates.atol, gates.rtol)
+            check(f"{S}: int8 weights + int8 gradients, every element within atol = {gates.atol}, rtol = {gates.rtol} "
+                  f"(gate)", agree_g["tolerance_violations"] == 0,
+                  f"{agree_g['tolerance_violations']} violations of {agree_g['elements']:,} elements; relative L2 "
+                  f"{agree_g['param_rel_l2']:.2e}")
+            check(f"{S}: int8 gradients: replicas bit-identical across ranks", qgrad["replicas_equal"])
+            red = qgrad["reduction"] or {"calls": {"quantized": 0, "plain": 0}, "bytes_sent": 0, "plain_bytes": 0}
+            check(f"{S}: int8 gradients: the reduction is installed and reduced every bucket",
+                  red["calls"]["quantized"] > 0 and red["calls"]["plain"] == 0, f"calls {red['calls']}")
+            grad_ratio = red["bytes_sent"] / max(1, red["plain_bytes"])
+            check(f"{S}: int8 gradients send less than half of DeepSpeed's bucket all-reduce",
+                  0 < grad_ratio < 0.5, f"{red['bytes_sent']} / {red['plain_bytes']} B = {grad_ratio:.3f}")
         stages_out[stage] = dict(
             params=n_params,
             flat_numels=[f["numel"] for f in facts],
@@ -482,6 +514,8 @@ def main(argv=None):
             bytes_per_rank_per_step=dict(deepspeed_bf16=ds_plain, qzero_int8=per_step, ratio=ratio),
             chunks=[s[0] for s in stats],
             timing_ms=timing,
+            gradients=None if qgrad is None else dict(
+                max_loss_diff=dloss_g, param_rel_l2=agree_g["param_rel_l2"], reduction=qgrad["reduction"]),
         )
         for k, name in (("plain", "deepspeed"), ("on", "qzero int8")):
             t = timing[k]
