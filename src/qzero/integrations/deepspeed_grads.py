@@ -230,9 +230,7 @@ class DeepSpeedGradientReduction:
             lo = placed[members[0]]
             numel = sum(small_bucket[i].numel() for i in members)
             parts.append((dest, lo, numel, lo))
-        staged = torch.empty(at, dtype=like.dtype, device=like.device)
-        for i in order:
-            staged[placed[i] : placed[i] + small_bucket[i].numel()].copy_(small_bucket[i].reshape(-1))
+        staged = torch.cat([small_bucket[i].reshape(-1) for i in order])  # one copy kernel for all slices
         with label(REDUCE_GRADIENTS):
             pending, sent = exchange.launch(staged, 0, parts)
             result = exchange.finish(pending, 0)
@@ -249,11 +247,12 @@ class DeepSpeedGradientReduction:
             total.div_(world / float(opt.sequence_parallel_size))
         if output_bucket is None:
             output_bucket = [None] * len(small_bucket)
+        total = total.to(like.dtype)  # one cast for every owned slice
         for i in order:
             if owners[i] != rank:
                 continue
             buf = small_bucket[i]
-            synced = total[placed[i] - start : placed[i] - start + buf.numel()].view(buf.shape).to(buf.dtype)
+            synced = total[placed[i] - start : placed[i] - start + buf.numel()].view(buf.shape)
             opt._add_to_grad_partition_buffer(output_bucket[i], synced)
             buf.copy_(synced)
             if overlap:
