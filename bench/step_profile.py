@@ -80,6 +80,10 @@ ARMS = {
     "fsdp2_rs": {"backend": "fsdp2", "reshard_after_forward": True},
     "fsdp2_rs_int8": {"backend": "fsdp2", "reshard_after_forward": True, "quantized": True},
     "fsdp2_rs_gint8": {"backend": "fsdp2", "reshard_after_forward": True, "quantized": True, "fsdp_quantize": "group"},
+    # DeepSpeed ZeRO-2, the adapter with INT8 + gather-ahead, and with its quantized gradient reduction
+    "deepspeed": {"backend": "deepspeed"},
+    "ds_int8_ahead": {"backend": "deepspeed", "quantized": True, "overlap": True},
+    "ds_int8_ahead_qgrad": {"backend": "deepspeed", "quantized": True, "overlap": True, "zero_quantized_gradients": True},
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}
