@@ -72,6 +72,14 @@ class QZeroBackend:
         return _sample_params([p for p in self.model.parameters() if p.requires_grad], index, lambda p: p.detach())
 
 
+#: The ZeroConfig fields the deepspeed backend passes into DeepSpeed's ``zero_optimization`` when
+#: the weight gather / the gradient reduction is quantized (the adapter reads them by these names).
+DS_WEIGHT_KEYS = ("zero_quantized_weights", "zero_quantized_weights_group_size", "zero_quantized_weights_format",
+                  "small_param_numel", "overlap_param_gather")
+DS_GRADIENT_KEYS = ("zero_quantized_gradients", "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
+                    "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block", "small_param_numel")
+
+
 class DeepSpeedBackend:
     def __init__(self, settings, build, dtype, device):
         import deepspeed
@@ -95,24 +103,12 @@ class DeepSpeedBackend:
                 "contiguous_gradients": True,
             },
         }
-        if zero.zero_quantized_weights:
-            config["zero_optimization"].update(
-                zero_quantized_weights=True,
-                zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
-                zero_quantized_weights_format=zero.zero_quantized_weights_format,
-                small_param_numel=zero.small_param_numel,
-                # gather-ahead as for the qzero backend: on by default when quantized
-                overlap_param_gather=zero.overlap_param_gather,
-            )
-        if zero.zero_quantized_gradients:  # stage 2 (checked by the settings): qzero.integrations.deepspeed_grads
-            config["zero_optimization"].update(
-                zero_quantized_gradients=True,
-                zero_quantized_gradients_format=zero.zero_quantized_gradients_format,
-                zero_quantized_gradients_group_size=zero.zero_quantized_gradients_group_size,
-                zero_quantized_gradients_rotation=zero.zero_quantized_gradients_rotation,
-                zero_quantized_gradients_rotation_block=zero.zero_quantized_gradients_rotation_block,
-                small_param_numel=zero.small_param_numel,
-            )
+        # qzero's keys in the DeepSpeed config are ZeroConfig's field names, with its values; gather-ahead
+        # (overlap_param_gather) as for the qzero backend: on by default when quantized. Gradients: stage 2
+        # only (checked by the settings), qzero.integrations.deepspeed_grads.
+        for switch, names in ((zero.zero_quantized_weights, DS_WEIGHT_KEYS), (zero.zero_quantized_gradients, DS_GRADIENT_KEYS)):
+            if switch:
+                config["zero_optimization"].update({name: getattr(zero, name) for name in names})
         if settings.offload_optimizer != "none":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
