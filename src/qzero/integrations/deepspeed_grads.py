@@ -83,10 +83,6 @@ class GradientReductionSettings(NamedTuple):
         return GradientQuantization(self.zero_quantized_gradients_group_size, self.zero_quantized_gradients_format,
                                     self.zero_quantized_gradients_rotation_block)
 
-    def fields(self) -> dict[str, int]:
-        """What every rank must agree on, as integers (see :func:`agreement_fields`)."""
-        return agreement_fields(self)
-
 
 def agreement_fields(settings: GradientReductionSettings | None) -> dict[str, int]:
     """The gradient settings every rank must agree on, as integers, the same names whether
