@@ -240,6 +240,15 @@ def _decoding_as_rank0(unpack_chunk):
     return unpack
 
 
+def decode_as_rank0() -> None:
+    """Patch the gather engine's pack and unpack for an emulated world (every rank's payload a
+    copy of rank 0's): :func:`_clearing_side_channel` and :func:`_decoding_as_rank0`."""
+    import qzero.wire.engine
+
+    qzero.wire.engine.pack_chunk = _clearing_side_channel(qzero.wire.engine.pack_chunk)
+    qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
+
+
 def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = False) -> None:
     """The body of one arm's process: the emulated world first (before anything imports
     qzero, whose modules bind torch.distributed's collectives), then the engine, then each
@@ -254,11 +263,9 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
     world = init_emulated_world(n, models[0])
     import torch
 
-    import qzero.wire.engine
     from qzero.app.train import TrainSettings, _summary, build_backend, resolve_device
 
-    qzero.wire.engine.pack_chunk = _clearing_side_channel(qzero.wire.engine.pack_chunk)
-    qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
+    decode_as_rank0()
 
     s = TrainSettings(**given)
     kind = resolve_device(s)

@@ -175,6 +175,10 @@ def main() -> None:
     ap.add_argument("--fake-world", type=int, default=0, metavar="N",
                     help="one process as rank 0 of N under torch's fake process group (one GPU): every arm's "
                          "local work at DP-N (its kernels, launches and update on its partition), no traffic")
+    ap.add_argument("--emulated-world", type=int, default=0, metavar="N",
+                    help="the same with bench/emulated_link.py's collectives on no link: every output written "
+                         "(each rank sends what rank 0 sends), so quantized payloads decode (delta gathers, "
+                         "DeepSpeed's gradients) at the host cost of an emulated call")
     a = ap.parse_args()
     for name in a.arms.split(","):  # every arm checked before any work
         if name not in ARMS:
@@ -184,11 +188,23 @@ def main() -> None:
             # adds garbage differences to the replicas and (rightly) refuses them as non-finite
             raise SystemExit(f"arm {name!r}: a delta gather needs collectives that deliver data; "
                              "--fake-world's do not (use bench/emulated_matrix.py --links none)")
+    if a.fake_world and a.emulated_world:
+        raise SystemExit("--fake-world and --emulated-world: give one")
+    if a.fake_world or a.emulated_world:
+        torch.cuda.set_device(0)
+        # what a launcher sets (DeepSpeed asks for it); the fake group is made here
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(a.fake_world or a.emulated_world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     if a.fake_world:
         from one_gpu import init_fake_world
 
-        torch.cuda.set_device(0)
         init_fake_world(a.fake_world)
+    elif a.emulated_world:
+        from emulated_link import init_emulated_world
+        from emulated_matrix import decode_as_rank0
+
+        init_emulated_world(a.emulated_world, "none")
+        decode_as_rank0()
     else:
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
