@@ -179,6 +179,8 @@ def main() -> None:
                     help="the same with bench/emulated_link.py's collectives on no link: every output written "
                          "(each rank sends what rank 0 sends), so quantized payloads decode (delta gathers, "
                          "DeepSpeed's gradients) at the host cost of an emulated call")
+    ap.add_argument("--link", default="none", help="with --emulated-world: the link (bench/emulated_link.py's text, "
+                                                   "e.g. 'nvlink:ctas=0,time_scale=0.9534'; default none)")
     a = ap.parse_args()
     for name in a.arms.split(","):  # every arm checked before any work
         if name not in ARMS:
@@ -190,6 +192,8 @@ def main() -> None:
                              "--fake-world's do not (use bench/emulated_matrix.py --links none)")
     if a.fake_world and a.emulated_world:
         raise SystemExit("--fake-world and --emulated-world: give one")
+    if a.link != "none" and not a.emulated_world:
+        raise SystemExit(f"--link {a.link!r} needs --emulated-world N")
     if a.fake_world or a.emulated_world:
         torch.cuda.set_device(0)
         # what a launcher sets (DeepSpeed asks for it); the fake group is made here
@@ -203,7 +207,7 @@ def main() -> None:
         from emulated_link import init_emulated_world
         from emulated_matrix import decode_as_rank0
 
-        init_emulated_world(a.emulated_world, "none")
+        init_emulated_world(a.emulated_world, a.link)
         decode_as_rank0()
     else:
         dist.init_process_group("nccl")
