@@ -115,6 +115,10 @@ ARMS = {
     "ds_int8_ahead": "backend=deepspeed,quantized=true,overlap=true",
     # the same with DeepSpeed's ZeRO-2 gradient reduction replaced by the quantized exchange
     "ds_int8_ahead_qgrad": "backend=deepspeed,quantized=true,overlap=true,zero_quantized_gradients=true",
+    # the same two enqueuing 4 chunks past the one a forward waits for: the optimizer step (which DeepSpeed
+    # ends after a host synchronization) enqueues 4, the forward's hooks the rest
+    "ds_int8_ahead_lazy": "backend=deepspeed,quantized=true,overlap=true,gather_lookahead=4",
+    "ds_int8_ahead_qgrad_lazy": "backend=deepspeed,quantized=true,overlap=true,zero_quantized_gradients=true,gather_lookahead=4",
     # the 4-bit payloads (no real two-GPU result yet: emulated only)
     "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true",
     "delta_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true",

@@ -75,7 +75,7 @@ class QZeroBackend:
 #: The ZeroConfig fields the deepspeed backend passes into DeepSpeed's ``zero_optimization`` when
 #: the weight gather / the gradient reduction is quantized (the adapter reads them by these names).
 DS_WEIGHT_KEYS = ("zero_quantized_weights", "zero_quantized_weights_group_size", "zero_quantized_weights_format",
-                  "small_param_numel", "overlap_param_gather")
+                  "small_param_numel", "overlap_param_gather", "gather_lookahead")
 DS_GRADIENT_KEYS = ("zero_quantized_gradients", "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
                     "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block", "small_param_numel")
 
