@@ -85,6 +85,8 @@ ARMS = {
     "ds_int8_ahead": {"backend": "deepspeed", "quantized": True, "overlap": True},
     "ds_int8_ahead_qgrad": {"backend": "deepspeed", "quantized": True, "overlap": True, "zero_quantized_gradients": True},
     "ds_int8_ahead_lazy": {"backend": "deepspeed", "quantized": True, "overlap": True, "gather_lookahead": 4},
+    "ds_int8_ahead_qgrad_lazy": {"backend": "deepspeed", "quantized": True, "overlap": True, "zero_quantized_gradients": True,
+                                 "gather_lookahead": 4},
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}
