@@ -262,3 +262,76 @@ def test_train_settings_take_quantized_gradients_on_deepspeed_at_stage_2():
     from qzero.app.train import TrainSettings, validate
 
     validate(TrainSettings(device="cpu", backend="deepspeed", zero={"stage": 2, "zero_quantized_gradients": True}))
+
+
+def timer_worker(rank, world):
+    """Device synchronizations by DeepSpeed's throughput timer over 4 steps, per arm, and the
+    timer's ``synchronized`` setting before and after ``disable``."""
+    import warnings
+
+    import deepspeed.utils.timer as timer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    real, syncs = timer.get_accelerator, []
+
+    class Counting:  # the accelerator, counting the timer's synchronize() calls
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+        def synchronize(self, *args):
+            syncs.append(1)
+            return real().synchronize(*args)
+
+    timer.get_accelerator = Counting
+    out = {}
+    try:
+        base = dict(round_robin_gradients=True)
+        explicit = {**quantized(**base, overlap_param_gather=True), "timers": {"throughput": {"synchronized": True}}}
+        for arm, config in (("sync", quantized(**base)), ("ahead", quantized(**base, overlap_param_gather=True)),
+                            ("explicit", explicit)):
+            syncs.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine = build(qds.initialize, config)
+            for s in range(4):
+                step_once(engine, s, rank)
+            out[arm] = dict(syncs=len(syncs), synchronized=engine.tput_timer.config.synchronized,
+                            warned=any("throughput timer" in str(w.message) for w in caught))
+            qds.disable(engine)
+            out[arm]["after_disable"] = engine.tput_timer.config.synchronized
+    finally:
+        timer.get_accelerator = real
+    return out
+
+
+def test_gather_ahead_switches_off_deepspeeds_synchronizing_throughput_timer():
+    """DeepSpeed's throughput timer synchronizes the device at every forward's start and step's end
+    by default, which would finish every gather before the next forward ([Note: DeepSpeed's
+    throughput timer]): gather-ahead switches it off (disable switches it back); a config that
+    asks for it keeps it, with a warning; the synchronous gather leaves it alone."""
+    for r in run_distributed(timer_worker, 2, timeout=300):
+        assert r["sync"]["syncs"] > 0 and r["sync"]["synchronized"] and not r["sync"]["warned"]
+        assert r["ahead"]["syncs"] == 0 and r["ahead"]["synchronized"] is False and not r["ahead"]["warned"]
+        assert r["ahead"]["after_disable"] is True
+        assert r["explicit"]["syncs"] > 0 and r["explicit"]["synchronized"] and r["explicit"]["warned"]
+
+
+def test_the_trainer_callback_warns_when_deepspeeds_timer_would_synchronize():
+    """The HF Trainer builds the engine before the callback runs, so gather-ahead cannot switch
+    the timer off there: the callback says how to (and stays quiet when the config did)."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    from qzero.integrations.hf import QZeroCallback
+
+    def args(timers):
+        config = {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}, **timers}
+        return types.SimpleNamespace(hf_deepspeed_config=types.SimpleNamespace(config=config))
+
+    for timers, warns in (({}, True), ({"timers": {"throughput": {"synchronized": True}}}, True),
+                          ({"timers": {"throughput": {"synchronized": False}}}, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(Exception):  # no DeepSpeed optimizer behind a plain object: enable() refuses it
+                QZeroCallback(overlap_param_gather=True).on_train_begin(args(timers), None, None, optimizer=object())
+        assert any("synchronized" in str(w.message) for w in caught) == warns, timers

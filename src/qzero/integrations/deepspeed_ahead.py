@@ -19,11 +19,21 @@ weights finishes the whole gather first:
 Only a gather started inside the optimizer's ``step()`` runs ahead; any other (the one
 after a checkpoint load) is waited for at once. The bits are those of the synchronous
 gather: the same chunks, packed and unpacked by the same functions.
+
+[Note: DeepSpeed's throughput timer] By default DeepSpeed's engine synchronizes the device at
+the start of every forward (when it has no training dataloader of its own, as with a loop of
+your own or the HF Trainer) and at the end of every step, to time them
+(``"timers": {"throughput": {"synchronized": true}}``). Either synchronization holds the host
+until the gather has finished, so it ends before the next forward starts and hides nothing.
+Given the engine, gather-ahead therefore switches that timer's synchronization off (its
+throughput figures are then host-timed) and :meth:`AheadWiring.remove` switches it back; a
+config that sets ``synchronized: true`` itself keeps it, with a warning.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -85,8 +95,10 @@ class AheadWiring:
         for name in OPTIMIZER_WAITS:
             setattr(opt, name, self._waiting(getattr(opt, name), stepping=name == "step"))
         self._engine = engine
+        self._timer_config = None  # the throughput timer's own config, while ours stands in for it
         if engine is not None:
             engine.__class__ = _engine_class(type(engine))
+            self._timer_config = unsynchronize_throughput_timer(engine)
 
     def wait(self) -> None:
         self.ahead.wait_all()
@@ -121,6 +133,36 @@ class AheadWiring:
         engine, self._engine = self._engine, None
         if engine is not None and type(engine) in _ENGINE_CLASSES.values():
             engine.__class__ = type(engine).__bases__[0]
+        if engine is not None and self._timer_config is not None:
+            engine.tput_timer.config, self._timer_config = self._timer_config, None
+
+
+def synchronized_timer_in(config: Any) -> bool | None:
+    """``timers.throughput.synchronized`` as a DeepSpeed config dict sets it (None: not set)."""
+    timers = config.get("timers") if isinstance(config, dict) else None
+    throughput = timers.get("throughput") if isinstance(timers, dict) else None
+    return throughput.get("synchronized") if isinstance(throughput, dict) else None
+
+
+SYNCHRONIZED_TIMER_WARNING = (
+    "qzero gather-ahead: DeepSpeed's throughput timer synchronizes the device at every forward's start and "
+    "step's end (timers.throughput.synchronized=true in the config), so the weight gather finishes before the "
+    "next forward starts and none of it is hidden; remove that setting or set it false")
+
+
+def unsynchronize_throughput_timer(engine) -> Any:
+    """Switch off the device synchronization of ``engine``'s throughput timer ([Note: DeepSpeed's
+    throughput timer]); returns the timer's config to restore, or None when nothing changed (no
+    such timer, already unsynchronized, or the engine's config asks for it: then it warns)."""
+    timer = getattr(engine, "tput_timer", None)
+    config = getattr(timer, "config", None)
+    if config is None or not getattr(config, "synchronized", False) or not hasattr(config, "model_copy"):
+        return None
+    if synchronized_timer_in(getattr(getattr(engine, "_config", None), "_param_dict", None)) is True:
+        warnings.warn(SYNCHRONIZED_TIMER_WARNING, stacklevel=4)
+        return None
+    timer.config = config.model_copy(update={"synchronized": False})
+    return config
 
 
 def _wait_on(engine) -> None:

@@ -12,7 +12,9 @@ on the engine's optimizer when training begins, before the first step::
 
 DeepSpeed accepts ``zero_quantized_weights`` (and ignores it below stage 3) but rejects
 unknown keys, so qzero's other settings are the callback's arguments
-(``overlap_param_gather=True`` for gather-ahead). CPU optimizer offload
+(``overlap_param_gather=True`` for gather-ahead, with ``"timers": {"throughput":
+{"synchronized": false}}`` in the DeepSpeed config: otherwise DeepSpeed synchronizes the device
+at every forward and step, the gather cannot overlap the forward, and the callback warns). CPU optimizer offload
 (``offload_optimizer: {"device": "cpu"}``) works as with ``initialize``. By default the
 callback follows ``zero_quantized_weights`` in the Trainer's DeepSpeed config; at ZeRO
 stage 3 it leaves DeepSpeed's own quantized weights alone.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from typing import Any
 
 from transformers import TrainerCallback
@@ -34,10 +37,17 @@ from transformers import TrainerCallback
 from ..config import ZeroConfig, keyword_settings
 from ..vocabulary import RENAMED_GATHER_KEYWORDS
 from . import deepspeed as qds
+from .deepspeed_ahead import synchronized_timer_in
 
 __all__ = ["QZeroCallback"]
 
 _log = logging.getLogger("qzero.hf")
+
+TRAINER_TIMER_WARNING = (
+    "QZeroCallback(overlap_param_gather=True): DeepSpeed's throughput timer synchronizes the device at every "
+    "forward's start and step's end unless the DeepSpeed config has \"timers\": {\"throughput\": "
+    "{\"synchronized\": false}}; with it synchronizing, the weight gather finishes before the next forward "
+    "starts and gather-ahead hides none of it")
 
 
 class QZeroCallback(TrainerCallback):
@@ -83,6 +93,10 @@ class QZeroCallback(TrainerCallback):
                 "QZeroCallback(enabled=True) needs the Trainer to run DeepSpeed ZeRO stage 1 or 2 "
                 "(TrainingArguments(deepspeed=...))"
             )
+        if self.settings.overlap_param_gather and synchronized_timer_in(args.hf_deepspeed_config.config) is not False:
+            # [Note: DeepSpeed's throughput timer] in deepspeed_ahead.py: the engine the Trainer
+            # built synchronizes at every forward and step, which gather-ahead cannot undo from here
+            warnings.warn(TRAINER_TIMER_WARNING, stacklevel=2)
         # the Trainer passes Accelerate's wrapper; enable() finds DeepSpeed's optimizer inside it;
         # model: the module DeepSpeed trains (gather-ahead hooks its modules)
         self.gather = qds.enable(optimizer, **dataclasses.asdict(self.settings), model=model)
