@@ -51,19 +51,21 @@ def calls(op: str, n: int, numel: int, device) -> callable:
     raise ValueError(op)
 
 
-def measure(n: int, numel: int, count: int, device) -> dict[str, float]:
-    """Microseconds of host time per call, per collective (after 20 warm-up calls)."""
+def measure(n: int, numel: int, count: int, device, warmup: int = 20) -> dict[str, float]:
+    """Microseconds of host time per call, per collective (after ``warmup`` calls; on the CPU,
+    gloo, the calls include moving the data)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = {}
     for op in OPS:
         call = calls(op, n, numel, device)
-        for _ in range(20):
+        for _ in range(warmup):
             call()
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(count):
             call()
         out[op] = 1e6 * (time.perf_counter() - t) / count
-        torch.cuda.synchronize()
+        sync()
     return out
 
 

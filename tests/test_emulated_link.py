@@ -492,3 +492,15 @@ def test_a_resumed_matrix_runs_only_what_is_missing(tmp_path):
     for r in m["runs"]["int8"]:  # each measured step's host start, to line up with a GPU clock log
         t = r["step_started_unix"]
         assert len(t) == len(r["step_times"]) and t == sorted(t) and t[0] > 1.7e9
+
+
+def test_collective_host_cost_times_every_collective_it_names(world_of):
+    """bench/collective_host_cost.py's loop: one timing per collective, each call made and waited
+    for as qzero's engines make them (here on the emulated world's CPU path)."""
+    chc = bench_scripts.load("collective_host_cost")
+    w, clock = world_of(2, "none")
+    before = {op: t.calls for op, t in w.link.totals.items()}
+    us = chc.measure(2, 256, 3, torch.device("cpu"), warmup=1)
+    assert set(us) == set(chc.OPS) and all(v > 0 for v in us.values())
+    booked = {op: t.calls - before.get(op, 0) for op, t in w.link.totals.items()}
+    assert booked == {"all_gather": 4, "reduce_scatter": 4, "all_to_all": 4, "all_reduce": 4}
