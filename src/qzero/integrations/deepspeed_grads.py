@@ -146,9 +146,9 @@ class DeepSpeedGradientReduction:
         self.calls = {"quantized": 0, "plain": 0}
         self.bytes_sent = 0
         self.plain_bytes = 0
-        # (process group, dtype, device, signature) -> QuantizedExchange; a signature is the
-        # call's (owner, numel, exact ranges) sequence, the same for a bucket every backward.
-        self._exchanges: dict = {}
+        # (process group, dtype, device, owners, sizes, exact ranges) -> _Route; the same for a
+        # bucket every backward.
+        self._routes: dict = {}
 
     def remove(self) -> None:
         """Give the optimizer DeepSpeed's own methods back."""
@@ -208,34 +208,19 @@ class DeepSpeedGradientReduction:
         from deepspeed.accelerator import get_accelerator
 
         opt = self.optimizer
-        world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
         like = small_bucket[0]
-        order = sorted(range(len(small_bucket)), key=lambda i: owners[i])  # by owner, bucket order kept (stable)
-        exact_of = self._exact_of(small_bucket)
-        at, placed, exact = 0, {}, []
-        for i in order:
-            n = small_bucket[i].numel()
-            placed[i] = at
-            exact.extend((at + a, at + b) for a, b in exact_of[i])
-            at += n
-        signature = (tuple((owners[i], small_bucket[i].numel()) for i in order), tuple(exact))
-        exchange = self._exchange(pg, like, world, rank, signature, merge_adjacent(exact))
-        parts = []
-        for dest in sorted(set(owners)):
-            members = [i for i in order if owners[i] == dest]
-            lo = placed[members[0]]
-            numel = sum(small_bucket[i].numel() for i in members)
-            parts.append((dest, lo, numel, lo))
-        staged = torch.cat([small_bucket[i].reshape(-1) for i in order])  # one copy kernel for all slices
+        route = self._route(pg, like, owners, [t.numel() for t in small_bucket], self._exact_of(small_bucket))
+        world, rank = route.world, route.rank
+        staged = torch.cat([small_bucket[i].reshape(-1) for i in route.order])  # one copy kernel for all slices
         with label(REDUCE_GRADIENTS):
-            pending, sent = exchange.launch(staged, 0, parts)
-            result = exchange.finish(pending, 0)
+            pending, sent = route.exchange.launch(staged, 0, route.parts)
+            result = route.exchange.finish(pending, 0)
         overlap = opt.overlap_comm and not get_accelerator().resolves_data_dependency()
         if overlap:
             staged.record_stream(stream)
         self.calls["quantized"] += 1
         self.bytes_sent += sent
-        self.plain_bytes += 2 * (world - 1) * at * like.element_size() // world
+        self.plain_bytes += 2 * (world - 1) * route.numel * like.element_size() // world
         if result is None:
             return  # this rank owns no slice of the call
         total, start = result
@@ -244,17 +229,15 @@ class DeepSpeedGradientReduction:
         if output_bucket is None:
             output_bucket = [None] * len(small_bucket)
         total = total.to(like.dtype)  # one cast for every owned slice
-        for i in order:
-            if owners[i] != rank:
-                continue
+        for i, at in route.owned:
             buf = small_bucket[i]
-            synced = total[placed[i] - start : placed[i] - start + buf.numel()].view(buf.shape)
+            synced = total[at - start : at - start + buf.numel()].view(buf.shape)
             opt._add_to_grad_partition_buffer(output_bucket[i], synced)
             buf.copy_(synced)
             if overlap:
                 buf.record_stream(stream)
 
-    def _exact_of(self, small_bucket) -> list[list[tuple[int, int]]]:
+    def _exact_of(self, small_bucket) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per slice: its ranges (slice coordinates) that belong to small parameters, found
         by address among the gradients of the parameters in DeepSpeed's IPG buckets (each
         slice is a view of one of them)."""
@@ -271,18 +254,52 @@ class DeepSpeedGradientReduction:
         for t in small_bucket:
             lo, size = t.data_ptr(), t.element_size()
             hi = lo + t.numel() * size
-            out.append([((max(a, lo) - lo) // size, (min(b, hi) - lo) // size) for a, b in small if a < hi and b > lo])
-        return out
+            out.append(tuple(((max(a, lo) - lo) // size, (min(b, hi) - lo) // size) for a, b in small if a < hi and b > lo))
+        return tuple(out)
 
-    def _exchange(self, pg, like, world, rank, signature, exact) -> QuantizedExchange:
-        key = (pg, like.dtype, like.device, signature)
-        ex = self._exchanges.get(key)
-        if ex is None:
-            s = self.settings
-            ex = QuantizedExchange.over(s.quantization, like.dtype, pg, world, rank, like.device,
-                                        gradient_kernels_for(like.device, s.quant_kernels), exact)
-            self._exchanges[key] = ex
-        return ex
+    def _route(self, pg, like, owners, numels, exact_of) -> _Route:
+        """How a call's slices travel: a pure function of the process group, the dtype and
+        device, and per slice its owner, size and exact ranges, so one is kept per distinct
+        call (DeepSpeed's buckets repeat every backward)."""
+        key = (pg, like.dtype, like.device, tuple(owners), tuple(numels), exact_of)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._plan_route(pg, like, owners, numels, exact_of)
+        return route
+
+    def _plan_route(self, pg, like, owners, numels, exact_of) -> _Route:
+        world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
+        order = sorted(range(len(numels)), key=lambda i: owners[i])  # by owner, bucket order kept (stable)
+        at, placed, exact = 0, {}, []
+        for i in order:
+            placed[i] = at
+            exact.extend((at + a, at + b) for a, b in exact_of[i])
+            at += numels[i]
+        parts = []
+        for dest in sorted(set(owners)):
+            members = [i for i in order if owners[i] == dest]
+            lo = placed[members[0]]
+            parts.append((dest, lo, sum(numels[i] for i in members), lo))
+        s = self.settings
+        exchange = QuantizedExchange.over(s.quantization, like.dtype, pg, world, rank, like.device,
+                                          gradient_kernels_for(like.device, s.quant_kernels), merge_adjacent(exact))
+        owned = tuple((i, placed[i]) for i in order if owners[i] == rank)
+        return _Route(world, rank, tuple(order), at, tuple(parts), owned, exchange)
+
+
+class _Route(NamedTuple):
+    """One distinct call's plan (:meth:`DeepSpeedGradientReduction._route`): ``order`` the
+    slices staged by owner, ``numel`` their total, ``parts`` the exchange's pieces
+    ``(owner, offset, numel, offset)``, ``owned`` this rank's slices with their staged offsets,
+    and the exchange that carries them."""
+
+    world: int
+    rank: int
+    order: tuple[int, ...]
+    numel: int
+    parts: tuple[tuple[int, int, int, int], ...]
+    owned: tuple[tuple[int, int], ...]
+    exchange: QuantizedExchange
 
 
 def _single_owner(bucket_rank):
