@@ -246,3 +246,39 @@ def test_stage_2_takes_the_key_out_of_deepspeeds_copy():
 def test_install_refuses_an_optimizer_it_does_not_know():
     with pytest.raises(ValueError, match="DeepSpeedZeroOptimizer"):
         deepspeed_grads.install(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0), None)
+
+
+def _route_worker(rank, world):
+    """Routes of calls that differ only in their exact ranges, or only in their owners."""
+
+    class Stand:  # the two methods the reduction replaces (bound as DeepSpeed's own fallback)
+        def allreduce_and_copy_with_multiple_ranks(self, *a, **k):
+            pass
+
+        def allreduce_and_copy(self, *a, **k):
+            pass
+
+    settings = deepspeed_grads.GradientReductionSettings("int8", 32, 0, SMALL)
+    red = deepspeed_grads.DeepSpeedGradientReduction(Stand(), settings)
+    like = torch.zeros(4, dtype=torch.bfloat16)
+    numels = [96, 40, 64]
+    plain = red._route(None, like, [1, 0, 1], numels, ((), (), ()))
+    again = red._route(None, like, [1, 0, 1], numels, ((), (), ()))
+    small = red._route(None, like, [1, 0, 1], numels, ((), ((0, 40),), ()))
+    other = red._route(None, like, [0, 0, 1], numels, ((), (), ()))
+    return dict(
+        reused=again is plain,
+        exact_differs=small is not plain and small.exchange is not plain.exchange,
+        exact_ranges=(plain.exchange._exact, small.exchange._exact),
+        order=plain.order, parts=plain.parts, owned=plain.owned, other_owned=other.owned)
+
+
+def test_a_route_is_kept_per_distinct_call_and_staged_by_owner():
+    """A call's route is reused only for a call with the same owners, sizes and exact ranges:
+    the same slices with a small parameter in them travel with that range exact."""
+    r = run_distributed(_route_worker, 1, timeout=120)[0]
+    assert r["reused"] and r["exact_differs"]
+    # staged by owner (stable): slice 1 (owner 0) first, then slices 0 and 2 (owner 1)
+    assert r["order"] == (1, 0, 2) and r["parts"] == ((0, 0, 40, 0), (1, 40, 160, 40))
+    assert r["owned"] == ((1, 0),) and r["other_owned"] == ((0, 0), (1, 96))
+    assert r["exact_ranges"][0] == [] and r["exact_ranges"][1] == [(0, 40)]
