@@ -258,8 +258,9 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
 
     models = [parse_link(x) for x in links]
     n = int(given.get("world_size", 2))
-    # what a launcher sets (DeepSpeed asks for it); the fake group is already there
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    from one_gpu import launcher_environment
+
+    os.environ.update(launcher_environment(n))
     world = init_emulated_world(n, models[0])
     import torch
 

@@ -365,10 +365,10 @@ def main(argv: list[str] | None = None) -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if a.fake_world:
-        from one_gpu import init_fake_world
+        from one_gpu import init_fake_world, launcher_environment
 
         init_fake_world(a.fake_world)
-        os.environ.update(RANK="0", WORLD_SIZE=str(a.fake_world), LOCAL_RANK="0")  # one rank of a launched world
+        os.environ.update(launcher_environment(a.fake_world))  # one rank of a launched world
     else:
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

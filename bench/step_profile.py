@@ -199,9 +199,9 @@ def main() -> None:
         raise SystemExit(f"--link {a.link!r} needs --emulated-world N")
     if a.fake_world or a.emulated_world:
         torch.cuda.set_device(0)
-        # what a launcher sets (DeepSpeed asks for it); the fake group is made here
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(a.fake_world or a.emulated_world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        from one_gpu import launcher_environment
+
+        os.environ.update(launcher_environment(a.fake_world or a.emulated_world))
     if a.fake_world:
         from one_gpu import init_fake_world
 
