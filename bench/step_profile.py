@@ -13,7 +13,9 @@ events on the compute stream split each step into forward, backward and ``step()
 the forward, the backward and ``step()`` is recorded (host time close to the device time:
 the host is what the step waits for). With ``--profile``, one more step of each arm is
 profiled with torch.profiler and the top operations by host and by device time are
-printed (rank 0).
+printed (rank 0); with ``--cprofile``, one more step under cProfile, its Python functions
+listed by their own host time (where a host-bound phase's time goes: qzero's, DeepSpeed's,
+torch's or the emulated collectives' Python).
 
 ``int8_ahead_nowait`` is a ceiling, not a product setting: gather-ahead whose forward
 pre-hooks enqueue the gather's chunks as usual but never make the forward wait for them
@@ -27,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -169,6 +174,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-rows", type=int, default=14, metavar="N",
                     help="operations listed by host and by device time with --profile")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="one more step of each arm under cProfile: the Python functions with the most time of their own")
     ap.add_argument("--host-breakdown", action="store_true",
                     help="per phase: host time of the gather's launches, packs, unpacks, hooks and reads; "
                          "synchronizing CUDA calls; allocator device allocations/frees/retries; gc (see HostBreakdown)")
@@ -247,11 +254,17 @@ def main() -> None:
             # next forward's start on the compute stream.
             marks = []
             torch.cuda.synchronize()
-            for step in range(a.steps + 1 + (1 if a.profile else 0)):
+            prof_step = a.steps + 1 if a.profile else None
+            cprof_step = a.steps + 1 + (1 if a.profile else 0) if a.cprofile else None
+            for step in range(a.steps + 1 + (1 if a.profile else 0) + (1 if a.cprofile else 0)):
                 batch = global_batch(corpus, step, world * a.micro_batch, a.seq_len, 0)
                 tokens = batch.view(world, a.micro_batch, -1)[rank].to(dev)
-                prof = None
-                if a.profile and step == a.steps + 1:
+                prof = cprof = None
+                if step == cprof_step:
+                    torch.cuda.synchronize()
+                    cprof = cProfile.Profile()
+                    cprof.enable()
+                if step == prof_step:
                     torch.cuda.synchronize()
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                               torch.profiler.ProfilerActivity.CUDA])
@@ -278,6 +291,15 @@ def main() -> None:
                 h3 = time.perf_counter()
                 backend.zero_grad()
                 ev[3].record()
+                if cprof is not None:
+                    cprof.disable()
+                    torch.cuda.synchronize()
+                    if rank == 0:
+                        text = io.StringIO()
+                        pstats.Stats(cprof, stream=text).sort_stats("tottime").print_stats(a.profile_rows)
+                        print(f"--- {name} det={det}: Python functions by their own host time (cProfile, one step)")
+                        print(text.getvalue())
+                    continue
                 if prof is not None:
                     torch.cuda.synchronize()
                     prof.__exit__(None, None, None)

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -504,3 +505,21 @@ def test_collective_host_cost_times_every_collective_it_names(world_of):
     assert set(us) == set(chc.OPS) and all(v > 0 for v in us.values())
     booked = {op: t.calls - before.get(op, 0) for op, t in w.link.totals.items()}
     assert booked == {"all_gather": 4, "reduce_scatter": 4, "all_to_all": 4, "all_reduce": 4}
+
+
+def test_exchange_host_times_each_piece_of_a_quantized_exchange(world_of):
+    """bench/exchange_host.py: each timed call is one quantized exchange (one all-to-all on the
+    emulated link, the payloads decoded into finite sums copied back into the bucket) and every
+    piece of it gets a host time."""
+    eh = bench_scripts.load("exchange_host")
+    w, clock = world_of(2, "none")
+    bucket, slices, order, parts, exchange = eh.build(4096, "int8", 64, torch.device("cpu"), "reference")
+    before = bucket.clone()
+    acc = {name: [] for name in eh.PIECES}
+    for _ in range(3):
+        eh.one_call(slices, order, parts, exchange, time.perf_counter, acc)
+    assert all(len(v) == 3 and all(t >= 0 for t in v) for v in acc.values())
+    assert w.link.totals["all_to_all"].calls == 3
+    own = slices[order[0]]  # rank 0's slice: replaced by its average, finite and changed
+    assert torch.isfinite(own.float()).all() and not torch.equal(own, before[own.numel():])
+    assert torch.equal(slices[order[1]], before[: slices[order[1]].numel()])  # rank 1's slice left alone
