@@ -94,7 +94,7 @@ def check_against_reference(engine, rank, world):
             has_small=bool(small.any()), has_large=bool((~small).any()),
         ))
     reduction = deepspeed_grads.installed(engine.optimizer)
-    return dict(facts=facts, calls=dict(reduction.calls))
+    return dict(facts=facts, calls=dict(reduction.calls), in_place=[(k[3], r.in_place) for k, r in reduction._routes.items()])
 
 
 PATHS = {"multi_rank": dict(use_multi_rank_bucket_allreduce=True, overlap_comm=False),
@@ -163,8 +163,15 @@ def world2():
     return run_distributed(world2_worker, 2, timeout=300)
 
 
-def assert_matches_reference(run):
+def assert_matches_reference(run, multi_rank: bool):
     assert run["calls"]["quantized"] > 0 and run["calls"]["plain"] == 0
+    # DeepSpeed's sub-buckets are views lying back to back: every call whose owners come in one
+    # run each is reduced where it lies (a parameter across a partition edge interleaves them)
+    assert any(here for _, here in run["in_place"]), run["in_place"]
+    if multi_rank:
+        for owners, here in run["in_place"]:
+            runs = [o for k, o in enumerate(owners) if k == 0 or owners[k - 1] != o]
+            assert here == (len(runs) == len(set(runs))), (owners, here)
     assert any(f["has_small"] for f in run["facts"]) and any(f["has_large"] for f in run["facts"])
     for f in run["facts"]:
         assert f["small_exact"], "small parameters must be the exact mean"
@@ -176,12 +183,12 @@ def assert_matches_reference(run):
 @pytest.mark.parametrize("path", list(PATHS))
 def test_reduced_partition_matches_reference_at_world_3(world3, path):
     for r in world3:
-        assert_matches_reference(r[path])
+        assert_matches_reference(r[path], PATHS[path]["use_multi_rank_bucket_allreduce"])
 
 
 def test_reduced_partition_matches_reference_at_world_2_reduce_path(world2):
     for r in world2:
-        assert_matches_reference(r["reduce"])
+        assert_matches_reference(r["reduce"], False)
 
 
 def test_gradient_accumulation_reduces_every_micro_step_into_the_partition(world2):
@@ -266,11 +273,21 @@ def _route_worker(rank, world):
     again = red._route(None, like, [1, 0, 1], numels, ((), (), ()))
     small = red._route(None, like, [1, 0, 1], numels, ((), ((0, 40),), ()))
     other = red._route(None, like, [0, 0, 1], numels, ((), (), ()))
+    here = red._route(None, like, [1, 0, 0], numels, ((), ((0, 40),), ()), True)
+    bucket = torch.zeros(300, dtype=torch.bfloat16)
+    views = list(bucket[:200].split(numels))
+    apart = [bucket[:96], bucket[100:140], bucket[140:204]]
     return dict(
         reused=again is plain,
         exact_differs=small is not plain and small.exchange is not plain.exchange,
         exact_ranges=(plain.exchange._exact, small.exchange._exact),
-        order=plain.order, parts=plain.parts, owned=plain.owned, other_owned=other.owned)
+        order=plain.order, parts=plain.parts, owned=plain.owned, other_owned=other.owned,
+        here=(here.in_place, here.order, here.parts, here.owned, here.exchange._exact),
+        back_to_back=[deepspeed_grads._back_to_back(views, [1, 0, 0]),  # one run per owner
+                      deepspeed_grads._back_to_back(views, [1, 0, 1]),  # owner 1 in two runs
+                      deepspeed_grads._back_to_back(apart, [1, 0, 0]),  # a gap between slices
+                      deepspeed_grads._back_to_back([v.clone() for v in views], [1, 0, 0]),  # separate tensors
+                      deepspeed_grads._back_to_back([views[1], views[0], views[2]], [0, 1, 0])])  # out of order
 
 
 def test_a_route_is_kept_per_distinct_call_and_staged_by_owner():
@@ -282,3 +299,62 @@ def test_a_route_is_kept_per_distinct_call_and_staged_by_owner():
     assert r["order"] == (1, 0, 2) and r["parts"] == ((0, 0, 40, 0), (1, 40, 160, 40))
     assert r["owned"] == ((1, 0),) and r["other_owned"] == ((0, 0), (1, 96))
     assert r["exact_ranges"][0] == [] and r["exact_ranges"][1] == [(0, 40)]
+    # slices that lie back to back by owner travel where they lie: no staging order, pieces at
+    # their offsets in the bucket, exact ranges in bucket coordinates
+    assert r["here"] == (True, (0, 1, 2), ((0, 96, 104, 96), (1, 0, 96, 0)), ((1, 96), (2, 136)), [(96, 136)])
+    assert r["back_to_back"] == [True, False, False, False, False]
+
+
+def _in_place_worker(rank, world):
+    """The same slices reduced where they lie in one bucket and as separate tensors (staged)."""
+
+    class Stand:
+        overlap_comm, gradient_average, sequence_parallel_size = False, True, 1
+        ipg_buckets: dict = {}
+
+        @staticmethod
+        def _add_to_grad_partition_buffer(output, source):  # as DeepSpeed's
+            if output is not None:
+                output.add_(source.to(output.dtype))
+
+        def allreduce_and_copy_with_multiple_ranks(self, *a, **k):
+            pass
+
+        def allreduce_and_copy(self, *a, **k):
+            pass
+
+    settings = deepspeed_grads.GradientReductionSettings("int8", 32, 0, SMALL)
+    red = deepspeed_grads.DeepSpeedGradientReduction(Stand(), settings)
+    g = torch.Generator().manual_seed(11 + rank)
+    sizes = [70, 180, 260, 100]
+    before = (torch.randn(sum(sizes), generator=g) * 1e-2).to(torch.bfloat16)
+    owners = [2, 2, 1, 0] if world == 3 else [1, 1, 0, 0]
+    group = torch.distributed.group.WORLD
+    views = list(before.clone().split(sizes))  # one bucket: in place
+    copies = [v.clone() for v in before.split(sizes)]  # separate tensors: staged
+    red._reduce(views, owners, None, True, group, None)
+    red._reduce(copies, owners, None, True, group, None)
+    # in place again, with DeepSpeed's gradient partition buffers: the per-slice path
+    again = list(before.clone().split(sizes))
+    partition = [torch.zeros(n) for n in sizes]
+    red._reduce(again, owners, partition, True, group, None)
+    mine = [i for i, o in enumerate(owners) if o == rank]
+    original = before.split(sizes)
+    return dict(
+        routes=sorted(r.in_place for r in red._routes.values()),
+        same=all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(views, copies, again)),
+        changed=all(not torch.equal(views[i], original[i]) for i in mine),
+        others_kept=all(torch.equal(views[i], original[i]) for i in range(len(sizes)) if i not in mine),
+        partition=all(torch.equal(partition[i], copies[i].float()) if i in mine else not partition[i].any()
+                      for i in range(len(sizes))))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_slices_back_to_back_are_reduced_in_place_bit_for_bit_as_staged(world):
+    """DeepSpeed's sub-buckets are views lying back to back in its bucket: reduced where they
+    lie (no staging copy, one cast into the owner's run) every rank's owned slices are the
+    bits the staged route gives, the slices it does not own are left alone, and DeepSpeed's
+    gradient partition buffer, where it has one, gets the same values added."""
+    for r in run_distributed(_in_place_worker, world, timeout=120):
+        assert r["routes"] == [False, True], "one staged and one in-place route (the third call reuses it)"
+        assert r["same"] and r["changed"] and r["others_kept"] and r["partition"]

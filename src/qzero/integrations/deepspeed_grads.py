@@ -35,10 +35,15 @@ Left to DeepSpeed's own methods, exactly: a call with a slice more than one rank
 fallback), a process group of one rank and a dtype the gradient kernels do not take. Each
 is counted in :attr:`DeepSpeedGradientReduction.calls`.
 
-Transient memory per call: the staging buffer (the sub-bucket's size, which DeepSpeed's
-own flatten allocates too), the packed payloads (about half of it for int8 codes from bf16)
-and the received ones (``N - 1`` payloads of this rank's piece), and an fp32 sum of this
-rank's piece.
+The call's slices are usually DeepSpeed's bucket itself: views that lie back to back, each
+owner's one run (neighbours with one owner are merged). Then the exchange reads its pieces
+from the bucket where they lie and the owner's averaged sum is cast into its run with one
+copy; only slices that do not lie so are staged into a buffer by owner first.
+
+Transient memory per call: the staging buffer where one is needed (the sub-bucket's size,
+which DeepSpeed's own flatten allocates too), the packed payloads (about half of it for int8
+codes from bf16) and the received ones (``N - 1`` payloads of this rank's piece), and an fp32
+sum of this rank's piece.
 """
 
 from __future__ import annotations
@@ -209,9 +214,13 @@ class DeepSpeedGradientReduction:
 
         opt = self.optimizer
         like = small_bucket[0]
-        route = self._route(pg, like, owners, [t.numel() for t in small_bucket], self._exact_of(small_bucket))
-        world, rank = route.world, route.rank
-        staged = torch.cat([small_bucket[i].reshape(-1) for i in route.order])  # one copy kernel for all slices
+        route = self._route(pg, like, owners, [t.numel() for t in small_bucket], self._exact_of(small_bucket),
+                            _back_to_back(small_bucket, owners))
+        world = route.world
+        if route.in_place:  # the bucket itself, each owner's run where it lies
+            staged = like.as_strided((route.numel,), (1,))
+        else:  # one copy kernel for all slices, by owner
+            staged = torch.cat([small_bucket[i].reshape(-1) for i in route.order])
         with label(REDUCE_GRADIENTS):
             pending, sent = route.exchange.launch(staged, 0, route.parts)
             result = route.exchange.finish(pending, 0)
@@ -228,6 +237,13 @@ class DeepSpeedGradientReduction:
             total.div_(world / float(opt.sequence_parallel_size))
         if output_bucket is None:
             output_bucket = [None] * len(small_bucket)
+        if route.in_place and all(output_bucket[i] is None for i, _ in route.owned):
+            # the owned slices are one run of the bucket: one copy casts the sum into all of them
+            run = staged.narrow(0, start, total.numel())
+            run.copy_(total)
+            if overlap:
+                run.record_stream(stream)
+            return
         total = total.to(like.dtype)  # one cast for every owned slice
         for i, at in route.owned:
             buf = small_bucket[i]
@@ -257,19 +273,21 @@ class DeepSpeedGradientReduction:
             out.append(tuple(((max(a, lo) - lo) // size, (min(b, hi) - lo) // size) for a, b in small if a < hi and b > lo))
         return tuple(out)
 
-    def _route(self, pg, like, owners, numels, exact_of) -> _Route:
+    def _route(self, pg, like, owners, numels, exact_of, in_place: bool = False) -> _Route:
         """How a call's slices travel: a pure function of the process group, the dtype and
-        device, and per slice its owner, size and exact ranges, so one is kept per distinct
-        call (DeepSpeed's buckets repeat every backward)."""
-        key = (pg, like.dtype, like.device, tuple(owners), tuple(numels), exact_of)
+        device, per slice its owner, size and exact ranges, and whether the slices lie back to
+        back by owner (:func:`_back_to_back`), so one is kept per distinct call (DeepSpeed's
+        buckets repeat every backward)."""
+        key = (pg, like.dtype, like.device, tuple(owners), tuple(numels), exact_of, in_place)
         route = self._routes.get(key)
         if route is None:
-            route = self._routes[key] = self._plan_route(pg, like, owners, numels, exact_of)
+            route = self._routes[key] = self._plan_route(pg, like, owners, numels, exact_of, in_place)
         return route
 
-    def _plan_route(self, pg, like, owners, numels, exact_of) -> _Route:
+    def _plan_route(self, pg, like, owners, numels, exact_of, in_place: bool = False) -> _Route:
         world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
-        order = sorted(range(len(numels)), key=lambda i: owners[i])  # by owner, bucket order kept (stable)
+        # in place: where the slices lie; else staged by owner, bucket order kept (stable sort)
+        order = list(range(len(numels))) if in_place else sorted(range(len(numels)), key=lambda i: owners[i])
         at, placed, exact = 0, {}, []
         for i in order:
             placed[i] = at
@@ -284,14 +302,15 @@ class DeepSpeedGradientReduction:
         exchange = QuantizedExchange.over(s.quantization, like.dtype, pg, world, rank, like.device,
                                           gradient_kernels_for(like.device, s.quant_kernels), merge_adjacent(exact))
         owned = tuple((i, placed[i]) for i in order if owners[i] == rank)
-        return _Route(world, rank, tuple(order), at, tuple(parts), owned, exchange)
+        return _Route(world, rank, tuple(order), at, tuple(parts), owned, exchange, in_place)
 
 
 class _Route(NamedTuple):
     """One distinct call's plan (:meth:`DeepSpeedGradientReduction._route`): ``order`` the
-    slices staged by owner, ``numel`` their total, ``parts`` the exchange's pieces
-    ``(owner, offset, numel, offset)``, ``owned`` this rank's slices with their staged offsets,
-    and the exchange that carries them."""
+    slices as staged (by owner; or as they lie, ``in_place``), ``numel`` their total, ``parts``
+    the exchange's pieces ``(owner, offset, numel, offset)``, ``owned`` this rank's slices with
+    their staged offsets, the exchange that carries them, and whether the slices are read and
+    written where they lie in the bucket (:func:`_back_to_back`) rather than staged."""
 
     world: int
     rank: int
@@ -300,6 +319,29 @@ class _Route(NamedTuple):
     parts: tuple[tuple[int, int, int, int], ...]
     owned: tuple[tuple[int, int], ...]
     exchange: QuantizedExchange
+    in_place: bool = False
+
+
+def _back_to_back(small_bucket, owners) -> bool:
+    """Whether the slices lie back to back in one tensor's storage in the order given
+    (contiguous, each starting where the one before ends) and each owner's slices are one run:
+    then the bucket itself is the exchange's staging buffer, each owner's piece where it lies."""
+    first = small_bucket[0]
+    storage, size = first.untyped_storage().data_ptr(), first.element_size()
+    end = first.data_ptr()
+    for t in small_bucket:
+        if t.data_ptr() != end or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage:
+            return False
+        end += t.numel() * size
+    seen, prev = set(), None
+    for i, owner in enumerate(owners):
+        if i and owner == prev:
+            continue
+        if owner in seen:
+            return False
+        seen.add(owner)
+        prev = owner
+    return True
 
 
 def _single_owner(bucket_rank):
