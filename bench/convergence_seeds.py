@@ -14,6 +14,9 @@ seeds), so a single run cannot decide a target of that size. This script reads t
 * a verdict against ``--target`` (percent): **within** when the whole interval lies inside
   ±target, **outside** when the whole interval lies outside it, **undecided** otherwise
   (too few runs, or a mean near the edge). One run is always undecided.
+* how many runs of the measured spread would put that interval inside ±target, if the true
+  difference is zero and if it is the mean measured (none: no number of runs does, the mean
+  being at or past the target): what deciding an undecided arm would take.
 
 The reference's own spread is reported too, where two runs share a seed: the difference
 between their reference arms' final losses is what one run's Δ can be off by.
@@ -71,6 +74,19 @@ def interval(values: list[float]) -> dict:
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
 
 
+def runs_needed(sd: float | None, target: float, mean: float = 0.0, most: int = 1000) -> int | None:
+    """How many runs of this SD put the 95% interval of the mean inside ±``target`` if the true
+    difference were ``mean``: the smallest ``n`` with ``|mean| + t(n-1) sd / sqrt(n) <= target``;
+    None when no number of runs up to ``most`` does (``|mean|`` at or past the target), or
+    without an SD."""
+    if sd is None or abs(mean) >= target:
+        return None
+    for n in range(2, most + 1):
+        if abs(mean) + t975(n - 1) * sd / math.sqrt(n) <= target:
+            return n
+    return None
+
+
 def verdict(stats: dict, target: float) -> str:
     """``within``, ``outside`` or ``undecided`` (see the module note)."""
     if stats["lo"] is None:
@@ -111,6 +127,10 @@ def aggregate(runs: list[dict], target: float) -> dict:
             "runs": [{"file": r["_file"], "seed": r.get("seed"), "diff_pct": d} for r, d in zip(have, deltas)],
             "diff_pct": stats,
             "verdict": verdict(stats, target),
+            # the runs an interval inside the band needs at this SD: if the true difference is
+            # zero, and if it is the mean measured (None: no number of runs would do)
+            "runs_needed": {"at_zero": runs_needed(stats["sd"], target),
+                            "at_mean": runs_needed(stats["sd"], target, stats["mean"])},
             "heldout_diff_pct": interval(held) if held else None,
         }
     # the reference against itself: runs that share a seed
@@ -134,10 +154,12 @@ def markdown(result: dict) -> str:
         "",
         f"Δ = the arm's final loss minus {ref}'s in the same run, in % of {ref}'s; interval: two-sided 95% of "
         f"the mean over the runs (Student's t); verdict against ±{target}%: within when the whole interval "
-        "is inside, outside when it is wholly outside, otherwise undecided.",
+        "is inside, outside when it is wholly outside, otherwise undecided. Runs for the band: how many runs "
+        f"of this SD put the interval inside ±{target}% if the true difference is zero / is the mean measured "
+        "(none: no number of runs does).",
         "",
-        "| arm | runs | Δ per run | mean Δ | SD | 95% interval | verdict | held-out: mean Δ [95%] |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | runs | Δ per run | mean Δ | SD | 95% interval | verdict | runs for the band | held-out: mean Δ [95%] |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in result["arms"].items():
         d = a["diff_pct"]
@@ -146,7 +168,11 @@ def markdown(result: dict) -> str:
         sd = "—" if d["sd"] is None else f"{d['sd']:.2f}%"
         h = a["heldout_diff_pct"]
         held = "—" if h is None else (_pct(h["mean"]) + ("" if h["lo"] is None else f" [{h['lo']:+.2f}%, {h['hi']:+.2f}%]"))
-        lines.append(f"| {a['label']} | {d['n']} | {per} | {_pct(d['mean'])} | {sd} | {iv} | {a['verdict']} | {held} |")
+        need = a["runs_needed"]
+        runs_for = "—" if d["sd"] is None else " / ".join("none" if k is None else str(k)
+                                                          for k in (need["at_zero"], need["at_mean"]))
+        lines.append(f"| {a['label']} | {d['n']} | {per} | {_pct(d['mean'])} | {sd} | {iv} | {a['verdict']} | {runs_for} "
+                     f"| {held} |")
     if result["reference_spread_pct"]:
         lines += ["", f"{ref} against itself (runs of one seed): " + "; ".join(
             f"seed {s}: {v:.2f}% between its runs" for s, v in result["reference_spread_pct"].items())]

@@ -16,9 +16,15 @@
 # wait for each other while sharing GPUs with three other arms may well run slower, so TIME_LIMIT
 # defaults to 330 s there (report after ~5.5-6 min at the latest).
 #
+# SEEDS="4 5 6": one study per seed, all at once on the GPU(s) (one driver each, into OUTDIR/seedN,
+# started 3 s apart, one CPU thread per rank), then bench/convergence_seeds.py over them
+# (OUTDIR/seeds/, against TARGET, default 0.25 %). Six arms of two ranks (three seeds of two arms)
+# fill one H200: about 500 s for 2000 steps of the 125M preset.
+#
 # Usage (repository root, on the GPU machine): bash bench/run_convergence.sh [OUTDIR] [convergence.py args...]
 #   WORLD=2 bash bench/run_convergence.sh OUTDIR
 #   WORLD=2 ARMS=bf16,int8-g64+gq-int8-g64 MICRO_BATCH=16 TIME_LIMIT=480 bash bench/run_convergence.sh OUTDIR
+#   SEEDS="4 5 6" WORLD=2 ARMS=bf16,int4-delta-g256 TIME_LIMIT=530 bash bench/run_convergence.sh OUTDIR --share-gpu
 set -u
 out=${1:-bench/results/convergence}
 shift || true
@@ -26,9 +32,27 @@ mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/regimes.sh"
 qzero_install || exit 1
-nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, matplotlib; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'matplotlib', matplotlib.__version__)"
 world=${WORLD:-1}
+if [ -n "${SEEDS:-}" ]; then
+    pids=()
+    for seed in $SEEDS; do
+        SEEDS= SKIP_INSTALL=1 bash "$here/run_convergence.sh" "$out/seed$seed" "$@" --seed "$seed" --threads 1 \
+            > "$out/seed$seed.log" 2>&1 &
+        pids+=($!)
+        sleep 3
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    dirs=()
+    for seed in $SEEDS; do
+        tail -n 3 "$out/seed$seed.log"
+        [ -f "$out/seed$seed/convergence.json" ] && dirs+=("$out/seed$seed")
+    done
+    [ ${#dirs[@]} -gt 0 ] && python3 "$here/convergence_seeds.py" "${dirs[@]}" --target "${TARGET:-0.25}" --out "$out/seeds"
+    exit $rc
+fi
 if [ "$world" -gt 1 ]; then
     python3 "$here/convergence.py" --device cuda --out "$out" --world-size "$world" \
         --micro-batch "${MICRO_BATCH:-8}" --time-limit "${TIME_LIMIT:-330}" ${ARMS:+--arms "$ARMS"} "$@"

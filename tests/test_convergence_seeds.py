@@ -64,6 +64,16 @@ def test_runs_are_paired_within_and_aggregated_across(tmp_path):
     assert res["reference_spread_pct"] == {"0": pytest.approx(0.2)}
     text = cs.markdown(res)
     assert "| DELTA | 4 | +0.10%, +0.12%, +0.08%, +0.11% | +0.10% |" in text and "within" in text
+    assert delta["runs_needed"] == {"at_zero": 2, "at_mean": 3} and "| within | 2 / 3 |" in text
+
+
+def test_runs_needed_is_the_first_count_whose_interval_fits_the_band():
+    # SD 0.46 %, target 0.25 %: 16 runs if the true difference is zero (2.131 x 0.46 / 4 = 0.245;
+    # 15 give 2.145 x 0.46 / sqrt(15) = 0.255), none at a mean of 0.27 %, more as the mean nears the edge
+    assert cs.runs_needed(0.46, 0.25) == 16
+    assert cs.runs_needed(0.46, 0.25, 0.27) is None and cs.runs_needed(0.46, 0.25, -0.25) is None
+    assert cs.runs_needed(0.46, 0.25, 0.1) > 16
+    assert cs.runs_needed(None, 0.25) is None
 
 
 def test_runs_of_different_studies_or_references_are_refused(tmp_path):
