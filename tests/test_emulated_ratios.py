@@ -68,6 +68,40 @@ def test_runs_of_one_cell_and_link_are_pooled_over_folders(tmp_path, capsys):
     assert "| 600.0 (500.0 / 700.0) | 420.0 (400.0 / 440.0) |" in text
 
 
+def test_host_excess_bounds_a_ratio_by_each_arms_calls(tmp_path, capsys):
+    """--host-excess: each arm's excess is its calls per step times the emulated call's extra
+    host microseconds per kind; the ratio's bounds take each step with none or all of it."""
+    m = matrix({"few": [[0.50, 0.50]], "many": [[0.49, 0.49]]})
+    m["runs"] = {"few": [{"link_per_step": {"all_gather": {"calls": 10.0}, "reduce_scatter": {"calls": 10.0}}}],
+                 "many": [{"link_per_step": {"all_gather": {"calls": 100.0}, "all_to_all": {"calls": 50.0},
+                                             "barrier": {"calls": 2.0}}}]}
+    d = tmp_path / "out" / "cell" / "pcie"
+    d.mkdir(parents=True)
+    (d / "matrix.json").write_text(json.dumps(m))
+    emulated = {"mode": "emulated", "host_us_per_call": {"all_gather_into_tensor": 130.0, "reduce_scatter_tensor": 130.0,
+                                                         "all_to_all_single": 120.0, "all_reduce": 110.0}}
+    nccl = {"mode": "nccl", "host_us_per_call": {"all_gather_into_tensor": 30.0, "reduce_scatter_tensor": 50.0,
+                                                 "all_to_all_single": 40.0, "all_reduce": 30.0}}
+    excess = er.host_excess_us(emulated, nccl)
+    assert excess["all_gather"] == 100.0 and excess["reduce_scatter"] == 80.0 and excess["barrier"] == 80.0
+    got = er.arm_excess_ms(m, excess)
+    assert got == {"few": pytest.approx(1.8), "many": pytest.approx(10.0 + 4.0 + 0.16)}
+    lo, hi = er.excess_bounds(500.0, 490.0, 1.8, 14.16)
+    assert lo == pytest.approx(498.2 / 490.0) and hi == pytest.approx(500.0 / 475.84)
+    for name, obj in (("emu.json", emulated), ("nccl.json", nccl)):
+        (tmp_path / name).write_text(json.dumps(obj))
+    assert er.main([str(tmp_path / "out"), "--pair", "few/many", "--host-excess", str(tmp_path / "emu.json"),
+                    str(tmp_path / "nccl.json")]) == 0
+    assert f"| 1.8, 14.2 | {lo:.3f}–{hi:.3f}× |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the two results in the wrong order
+        er.main([str(tmp_path / "out"), "--pair", "few/many", "--host-excess", str(tmp_path / "nccl.json"),
+                 str(tmp_path / "emu.json")])
+    assert "an emulated and then an NCCL result" in capsys.readouterr().err
+    m["runs"]["many"][0]["link_per_step"]["gossip"] = {"calls": 1.0}  # a kind with no host cost: refused, named
+    with pytest.raises(ValueError, match="gossip"):
+        er.arm_excess_ms(m, excess)
+
+
 def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
     """bench/emulated_calibration.ARMS (what run_emulated.sh's stages run) parse as --arm specs
     whose settings are ZeroConfig's fields with valid values."""
