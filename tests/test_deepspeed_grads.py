@@ -255,18 +255,30 @@ def test_install_refuses_an_optimizer_it_does_not_know():
         deepspeed_grads.install(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0), None)
 
 
+class StandIn:
+    """What the reduction reads of DeepSpeed's ZeRO-2 optimizer: the two methods it replaces
+    (bound as DeepSpeed's own fallback), the settings ``_reduce`` looks at, no IPG bucket (no
+    exact ranges) and DeepSpeed's add into a gradient partition buffer."""
+
+    overlap_comm, gradient_average, sequence_parallel_size = False, True, 1
+    ipg_buckets: dict = {}
+
+    @staticmethod
+    def _add_to_grad_partition_buffer(output, source):  # as DeepSpeed's
+        if output is not None:
+            output.add_(source.to(output.dtype))
+
+    def allreduce_and_copy_with_multiple_ranks(self, *a, **k):
+        pass
+
+    def allreduce_and_copy(self, *a, **k):
+        pass
+
+
 def _route_worker(rank, world):
     """Routes of calls that differ only in their exact ranges, or only in their owners."""
-
-    class Stand:  # the two methods the reduction replaces (bound as DeepSpeed's own fallback)
-        def allreduce_and_copy_with_multiple_ranks(self, *a, **k):
-            pass
-
-        def allreduce_and_copy(self, *a, **k):
-            pass
-
     settings = deepspeed_grads.GradientReductionSettings("int8", 32, 0, SMALL)
-    red = deepspeed_grads.DeepSpeedGradientReduction(Stand(), settings)
+    red = deepspeed_grads.DeepSpeedGradientReduction(StandIn(), settings)
     like = torch.zeros(4, dtype=torch.bfloat16)
     numels = [96, 40, 64]
     plain = red._route(None, like, [1, 0, 1], numels, ((), (), ()))
@@ -307,24 +319,8 @@ def test_a_route_is_kept_per_distinct_call_and_staged_by_owner():
 
 def _in_place_worker(rank, world):
     """The same slices reduced where they lie in one bucket and as separate tensors (staged)."""
-
-    class Stand:
-        overlap_comm, gradient_average, sequence_parallel_size = False, True, 1
-        ipg_buckets: dict = {}
-
-        @staticmethod
-        def _add_to_grad_partition_buffer(output, source):  # as DeepSpeed's
-            if output is not None:
-                output.add_(source.to(output.dtype))
-
-        def allreduce_and_copy_with_multiple_ranks(self, *a, **k):
-            pass
-
-        def allreduce_and_copy(self, *a, **k):
-            pass
-
     settings = deepspeed_grads.GradientReductionSettings("int8", 32, 0, SMALL)
-    red = deepspeed_grads.DeepSpeedGradientReduction(Stand(), settings)
+    red = deepspeed_grads.DeepSpeedGradientReduction(StandIn(), settings)
     g = torch.Generator().manual_seed(11 + rank)
     sizes = [70, 180, 260, 100]
     before = (torch.randn(sum(sizes), generator=g) * 1e-2).to(torch.bfloat16)
