@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+import weakref
 
 from .reference import num_groups
 
@@ -162,6 +162,29 @@ def _spec(arg) -> tuple:
     return (type(arg), arg)  # anything else: its value (never met by qzero's launchers)
 
 
+def _specs_and_addresses(args) -> tuple[tuple, list]:
+    """:func:`_spec` of every argument and what the compiled kernel takes for it
+    (:func:`_address`), in one pass: each pointer's address read once."""
+    specs, addresses = [], []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            specs.append((-(2**31) <= arg < 2**31, -(2**63) <= arg < 2**63, arg % 16 == 0, arg == 1))
+            addresses.append(arg)
+        elif kind is At:
+            a = arg.base.data_ptr() + arg.byte_offset
+            specs.append((arg.dtype, a % 16 == 0))
+            addresses.append(a)
+        elif isinstance(arg, torch.Tensor):
+            a = arg.data_ptr()
+            specs.append((arg.dtype, a % 16 == 0))
+            addresses.append(a)
+        else:
+            specs.append(_spec(arg))
+            addresses.append(_address(arg))
+    return tuple(specs), addresses
+
+
 def _resolve(arg):
     return arg.view() if isinstance(arg, At) else arg
 
@@ -193,6 +216,29 @@ def _tile_starts(row, span: int) -> list[int]:
     return starts + [row[-1][1]]
 
 
+class ByIdentity:
+    """Values kept per live object, found by the object's identity: an entry goes when its object
+    is freed (a weak reference's callback), and an object at a recycled address never finds
+    another one's value. Like ``torch.utils.weak.WeakIdKeyDictionary``, but a lookup makes no
+    weak reference (a launch looks its tables up every time); a value must not hold its own key
+    alive."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, obj):
+        hit = self._entries.get(id(obj))
+        return hit[1] if hit is not None and hit[0]() is obj else None
+
+    def __setitem__(self, obj, value) -> None:
+        key, entries = id(obj), self._entries
+        # the callback runs as the object is freed, before its address can be reused
+        entries[key] = (weakref.ref(obj, lambda _ref, key=key: entries.pop(key, None)), value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class Launcher:
     """Launches Triton kernels with one :class:`KernelTuning` and owns what launches reuse
     (see the module docstring).
@@ -211,9 +257,9 @@ class Launcher:
         #: kernel's Python function -> {specialization key: compiled kernel} (see :meth:`launch`).
         self._compiled: dict = {}
         #: exact index tensor -> (shape, device, version, runs, idx or None, blk) (see :meth:`exact_tables`).
-        self._exact: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._exact = ByIdentity()
         #: GroupRuns -> {(shape, device): RunsTable} (see :meth:`runs_table`).
-        self._runs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._runs = ByIdentity()
 
     def shape(self, numel: int, group_size: int, has_exact: bool) -> LaunchShape:
         """The launch shape of a slice of ``numel`` elements."""
@@ -291,12 +337,13 @@ class Launcher:
             drv = triton.runtime.driver.active
             self._driver = (drv.get_current_device, drv.get_current_stream)
         device = self._driver[0]()
-        key = (device, tuple(consts.items()), tuple(options.items()), tuple(map(_spec, args)))
+        specs, addresses = _specs_and_addresses(args)
+        key = (device, tuple(consts.items()), tuple(options.items()), specs)
         # by the Python function: hashing a JITFunction hashes its source under a lock
         cache = self._compiled.setdefault(getattr(kernel, "fn", kernel), {})
         compiled = cache.get(key)
         if compiled is not None:
-            compiled[grid](*map(_address, args), *consts.values(), stream=self._driver[1](device))
+            compiled[grid](*addresses, *consts.values(), stream=self._driver[1](device))
             return
         compiled = kernel[grid](*map(_resolve, args), **consts, **options)
         if hasattr(compiled, "result"):  # a compilation future (asynchronous compile mode)
