@@ -18,8 +18,13 @@ would make the host wait for the device after all. The emulated all-to-all's own
 host cost (``bench/collective_host_cost.py``) is part of ``launch``; ``--profile`` adds a
 cProfile table of the timed calls (the Python functions with the most time of their own).
 
+``--stub-launches`` (CPU): qzero's own Python alone. The Triton kernels go through their real
+launcher's direct path (specialization key, tables, arguments) to a compiled kernel that does
+nothing, so what is timed is everything but the device's work and Triton's own launch.
+
     python3 bench/exchange_host.py --out exchange_host.json --profile
     python3 bench/exchange_host.py --device cpu --numel 1e6 --calls 50   # a smoke run (reference kernels)
+    python3 bench/exchange_host.py --device cpu --stub-launches --numel 2e6 --calls 400
 """
 
 from __future__ import annotations
@@ -42,7 +47,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PIECES = ("stage", "launch", "finish", "copy back")
 
 
-def build(numel: int, fmt: str, group_size: int, device: torch.device, kernels: str):
+class _NoDeviceWork:
+    """A compiled kernel that launches nothing (``--stub-launches``)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+class _StubKernel:
+    """Stands for a Triton kernel in the launcher: its argument names, and a first (Triton)
+    launch that returns :class:`_NoDeviceWork` for the launcher to keep."""
+
+    def __init__(self, real):
+        self.arg_names = real.arg_names
+        self.fn = self
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _NoDeviceWork()
+
+
+def stubbed_gradient_kernels():
+    """Triton's gradient kernels on the CPU with every launch stubbed (``--stub-launches``)."""
+    from qzero.quant import gradients_triton
+    from qzero.quant.triton import TritonKernels
+
+    for name in ("_grad_pack_kernel", "_dequantize_sum_kernel"):
+        setattr(gradients_triton, name, _StubKernel(getattr(gradients_triton, name)))
+    kernels = TritonKernels()
+    kernels.launcher.interpret = False
+    kernels.launcher._driver = (lambda: 0, lambda device: 0)
+    return kernels
+
+
+def build(numel: int, fmt: str, group_size: int, device: torch.device, kernels):
     """The bucket, its two slices (rank 1's first, as DeepSpeed's backward order puts them),
     the exchange with a few exact ranges (norm weights), and the parts it is called with."""
     from qzero.quant import gradient_kernels_for
@@ -59,8 +96,8 @@ def build(numel: int, fmt: str, group_size: int, device: torch.device, kernels: 
         at += slices[i].numel()
     exact = [(k * 4096, k * 4096 + 128) for k in range(8)]
     quant = GradientQuantization(group_size, fmt, 0)
-    exchange = QuantizedExchange.over(quant, torch.bfloat16, dist.group.WORLD, 2, 0, device,
-                                      gradient_kernels_for(device, kernels), exact)
+    kernel_set = gradient_kernels_for(device, kernels) if isinstance(kernels, str) else kernels
+    exchange = QuantizedExchange.over(quant, torch.bfloat16, dist.group.WORLD, 2, 0, device, kernel_set, exact)
     return bucket, slices, order, tuple(parts), exchange
 
 
@@ -86,7 +123,8 @@ def one_call(slices, order, parts, exchange, clock, acc=None) -> None:
 
 
 def measure(a, device: torch.device) -> dict:
-    bucket, slices, order, parts, exchange = build(int(a.numel), a.fmt, a.group_size, device, a.kernels)
+    kernels = stubbed_gradient_kernels() if a.stub_launches else a.kernels
+    bucket, slices, order, parts, exchange = build(int(a.numel), a.fmt, a.group_size, device, kernels)
     cuda = device.type == "cuda"
     clock = time.perf_counter
     for _ in range(a.warmup):
@@ -129,12 +167,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--busy-ms", type=float, default=200.0, help="GPU sleep per round, longer than its host loop")
+    ap.add_argument("--stub-launches", action="store_true",
+                    help="CPU: the Triton kernels' launches stubbed, qzero's own Python timed (see above)")
     ap.add_argument("--profile", action="store_true", help="cProfile the last round")
     ap.add_argument("--profile-rows", type=int, default=25)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.calls < 1 or a.numel < 2 or a.rounds < 1 or a.warmup < 0:
         raise SystemExit(f"--calls, --rounds must be positive and --numel at least 2, got {a.calls}, {a.rounds}, {a.numel}")
+    if a.stub_launches and a.device != "cpu":
+        raise SystemExit("--stub-launches times the CPU path: use it with --device cpu")
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():

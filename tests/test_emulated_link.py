@@ -523,3 +523,23 @@ def test_exchange_host_times_each_piece_of_a_quantized_exchange(world_of):
     own = slices[order[0]]  # rank 0's slice: replaced by its average, finite and changed
     assert torch.isfinite(own.float()).all() and not torch.equal(own, before[own.numel():])
     assert torch.equal(slices[order[1]], before[: slices[order[1]].numel()])  # rank 1's slice left alone
+
+
+def test_exchange_host_stub_launches_go_through_the_launchers_direct_path(world_of, monkeypatch):
+    """--stub-launches: after the first launch of each kernel, every launch is the launcher's
+    direct one (its key and arguments built, a compiled kernel that does nothing called)."""
+    pytest.importorskip("triton")
+    eh = bench_scripts.load("exchange_host")
+    from qzero.quant import gradients_triton
+
+    for name in ("_grad_pack_kernel", "_dequantize_sum_kernel"):  # restored after the test
+        monkeypatch.setattr(gradients_triton, name, getattr(gradients_triton, name))
+    w, clock = world_of(2, "none")
+    kernels = eh.stubbed_gradient_kernels()
+    bucket, slices, order, parts, exchange = eh.build(4096, "int8", 64, torch.device("cpu"), kernels)
+    acc = {name: [] for name in eh.PIECES}
+    for _ in range(3):
+        eh.one_call(slices, order, parts, exchange, time.perf_counter, acc)
+    compiled = [kernels.launcher.compiled(getattr(gradients_triton, n))
+                for n in ("_grad_pack_kernel", "_dequantize_sum_kernel")]
+    assert all(len(c) == 1 for c in compiled) and w.link.totals["all_to_all"].calls == 3
