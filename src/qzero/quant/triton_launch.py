@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
-import weakref
 
 from .reference import num_groups
 
