@@ -13,7 +13,8 @@
 #   kernels    the CUDA kernel tests, and bench/gpu_check.py with both ranks on this GPU (--share-gpu)
 #   sweep      gather-ahead against the synchronous gather at the gather buckets SWEEP_AG (2e7 5e8),
 #              and INT8 + gather-ahead against FSDP2 at 5e8/5e7; three links
-#   deepspeed  plain DeepSpeed and the DeepSpeed adapter with gather-ahead, in one run; PCIe-class, Ethernet-class
+#   deepspeed  plain DeepSpeed and the DeepSpeed adapter with gather-ahead, alone and with quantized gradients,
+#              in one run; PCIe-class, Ethernet-class
 #   small      Qwen3-1.7B at 5e8/5e7: plain, INT8, INT8 + gather-ahead, FSDP2; three links
 #   lowbit500  the 4-bit payloads at 5e8 gather / 5e7 reduce buckets, Ethernet-class and PCIe-class
 #   scale      rank 0 of DP-N for N in SCALE_WORLDS (4 8 64): INT8 + gather-ahead, INT8 gradients, the
@@ -128,8 +129,8 @@ if has sweep; then  # gather-ahead against the synchronous gather at other gathe
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
         --links "pcie:$k,ethernet:$k" "${a[@]}" --peers fsdp2 --budget "$(left 15)" --out "$out/ag5e8_rs5e7_4b" > "$out/ag5e8_rs5e7_4b.log" 2>&1
 fi
-if has deepspeed; then  # DeepSpeed and the adapter in one run
-    mapfile -t a < <(arms ds_int8_ahead deepspeed)
+if has deepspeed; then  # DeepSpeed and the adapter (with and without quantized gradients) in one run
+    mapfile -t a < <(arms ds_int8_ahead ds_int8_ahead_qgrad deepspeed)
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "pcie:$k,ethernet:$k" "${a[@]}" --reference deepspeed --budget "$(left 15)" \
         --out "$out/deepspeed_4b" > "$out/deepspeed_4b.log" 2>&1
