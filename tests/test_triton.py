@@ -446,6 +446,31 @@ def test_exact_tables_are_reused_and_follow_in_place_changes():
     assert c[1] is not a[1]
 
 
+def test_by_identity_keeps_a_value_while_its_object_lives():
+    """The launcher's table caches: found by the object itself (not an equal one), replaced
+    when set again, gone when the object is freed, never found by a later object at its address."""
+    import gc
+
+    cache = triton_launch.ByIdentity()
+    a, b = torch.zeros(3), torch.zeros(3)
+    cache[a] = "first"
+    assert cache.get(a) == "first" and cache.get(b) is None and len(cache) == 1
+    cache[a] = "again"
+    assert cache.get(a) == "again" and len(cache) == 1
+    cache[b] = "b"
+    del a
+    gc.collect()
+    assert len(cache) == 1 and cache.get(b) == "b"
+    for _ in range(100):  # fresh objects, some at freed addresses: none finds another's value
+        c = torch.zeros(3)
+        assert cache.get(c) is None
+        cache[c] = "c"
+        assert cache.get(c) == "c"
+        del c
+    gc.collect()
+    assert len(cache) == 1
+
+
 def test_launch_tables_live_as_long_as_their_index():
     """The tables are keyed by the index and the group runs themselves, weakly: an entry goes
     when its index or runs go (nothing of it keeps them alive), and a new tensor at a recycled
