@@ -994,7 +994,7 @@ def main(argv=None) -> int:
     print(f"convergence: preset {args.preset} ({params:,} parameters), {len(arms)} arms at world size {world}, "
           f"{args.steps} steps of {args.micro_batch} x {args.seq_len} tokens"
           + (f" ({args.micro_batch // world} sequences per rank)" if world > 1 else "")
-          + f", bf16, device {device}", flush=True)
+          + f", bf16, lr {args.lr:g}, seed {args.seed}, device {device}", flush=True)
     if device == "cuda":
         print(f"  estimate: 6 x {params / 1e6:.1f}M x {tokens // world} tokens = "
               f"{6 * params * tokens / world / 1e12:.2f} TFLOP/step per rank; at {EFFECTIVE_FLOPS / 1e12:.0f} TFLOP/s "

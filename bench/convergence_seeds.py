@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -48,9 +49,61 @@ def t975(dof: int) -> float:
     return _T975[dof - 1] if dof <= len(_T975) else 1.960
 
 
+_HEADER = re.compile(r"convergence: preset (?P<preset>\S+) .*? at world size (?P<world>\d+), (?P<steps>\d+) steps "
+                     r"of (?P<batch>\d+) x (?P<seq>\d+) tokens(?P<rest>.*)")
+
+
+def load_log(file: str) -> dict:
+    """A run from the log ``bench/convergence.py`` printed (what ``run_convergence.sh SEEDS=...``
+    keeps as ``seedN.log``): its header, the arms it started and the table it printed last.
+    For a run whose ``convergence.json`` was not kept; Δ % as printed (two decimals). The seed
+    is the header's, or else the ``seedN`` of the file's name."""
+    with open(file) as f:
+        lines = f.read().splitlines()
+    head = next((m for m in map(_HEADER.match, lines) if m), None)
+    if head is None:
+        raise ValueError(f"{file}: not a bench/convergence.py log (no 'convergence: preset ...' line)")
+    rest = head["rest"]
+    seed = re.search(r"\bseed (\d+)", rest) or re.search(r"seed(\d+)\.log$", os.path.basename(file))
+    if seed is None:
+        raise ValueError(f"{file}: the log names no seed (neither its header nor a file name like seed9.log)")
+    lr = re.search(r"\blr ([0-9.e+-]+)", rest)
+    names = [m[1] for m in (re.match(r"\s+started (\S+)\s+on ", line) for line in lines) if m]
+    table = [i for i, line in enumerate(lines) if line.startswith("| arm | final loss (mean of steps ")]
+    if not table or not names:
+        raise ValueError(f"{file}: the run did not finish (no final table, or no arm started)")
+    top = table[-1]
+    cols = [c.strip() for c in lines[top].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[top + 2:top + 2 + len(names)]]
+    if len(rows) != len(names) or any(len(r) != len(cols) for r in rows):
+        raise ValueError(f"{file}: its final table does not hold one row per started arm ({names})")
+    span = re.search(r"steps (\d+)\D(\d+)\)", cols[1])
+    held_col = next((i for i, c in enumerate(cols) if c.startswith("Δ held-out vs ")), None)
+
+    def pct(text: str) -> float | None:
+        return None if text in ("—", "") else float(text.rstrip("%"))
+
+    reference = names[[r[2] for r in rows].index("—")]
+    arms = {n: {"final_loss": float(r[1]), "diff_pct": pct(r[3]) or 0.0} for n, r in zip(names, rows)}
+    run = {"preset": head["preset"], "steps": int(head["steps"]), "seq_len": int(head["seq"]),
+           "micro_batch": int(head["batch"]), "world_size": int(head["world"]),
+           "lr": float(lr[1]) if lr else None, "last": int(span[2]) - int(span[1]) + 1 if span else None,
+           "seed": int(seed[1]), "from_log": True,
+           "summary": {"reference": reference, "arms": arms},
+           "arms": {n: {"label": r[0]} for n, r in zip(names, rows)}}
+    if held_col is not None:
+        run["heldout_summary"] = {"reference": reference, "arms": {
+            n: {"diff_pct": 0.0 if n == reference else pct(r[held_col])} for n, r in zip(names, rows)}}
+    return run
+
+
 def load_run(path: str) -> dict:
     """A run's ``convergence.json`` (``path`` is the file or its folder), checked for what the
-    aggregation needs."""
+    aggregation needs; a ``.log`` file is read by :func:`load_log`."""
+    if path.endswith(".log") and os.path.isfile(path):
+        run = load_log(path)
+        run["_file"] = path
+        return run
     file = os.path.join(path, "convergence.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise ValueError(f"{path}: no convergence.json there")
@@ -105,11 +158,13 @@ def aggregate(runs: list[dict], target: float) -> dict:
     if len(references) != 1:
         raise ValueError(f"the runs compare against different reference arms: {sorted(references)}")
     reference = references.pop()
-    shapes = {(r.get("preset"), r.get("steps"), r.get("seq_len"), r.get("micro_batch"), r.get("world_size"),
-               r.get("lr"), r.get("last")) for r in runs}
-    if len(shapes) != 1:
-        raise ValueError("the runs are of different studies (preset, steps, seq_len, micro_batch, world_size, lr, "
-                         f"last differ): {sorted(map(str, shapes))}")
+    # a field a run's log does not print (lr in older logs) is not held against it
+    keys = ("preset", "steps", "seq_len", "micro_batch", "world_size", "lr", "last")
+    differ = [k for k in keys if len({r.get(k) for r in runs if not (r.get("from_log") and r.get(k) is None)}) > 1]
+    if differ:
+        shapes = {tuple(r.get(k) for k in keys) for r in runs}
+        raise ValueError(f"the runs are of different studies ({', '.join(differ)} differ; each run's "
+                         f"{', '.join(keys)}): {sorted(map(str, shapes))}")
     names = []
     for r in runs:
         names += [n for n in r["summary"]["arms"] if n not in names]
@@ -140,7 +195,8 @@ def aggregate(runs: list[dict], target: float) -> dict:
     repeats = {str(seed): losses for seed, losses in by_seed.items() if len(losses) > 1}
     spread = {seed: 100.0 * (max(v) - min(v)) / min(v) for seed, v in repeats.items()}
     return {"reference": reference, "target_pct": target, "runs": [r["_file"] for r in runs],
-            "seeds": [r.get("seed") for r in runs], "arms": arms, "reference_spread_pct": spread}
+            "seeds": [r.get("seed") for r in runs], "arms": arms, "reference_spread_pct": spread,
+            "from_logs": [r["_file"] for r in runs if r.get("from_log")]}
 
 
 def _pct(x: float | None) -> str:
@@ -173,6 +229,9 @@ def markdown(result: dict) -> str:
                                                           for k in (need["at_zero"], need["at_mean"]))
         lines.append(f"| {a['label']} | {d['n']} | {per} | {_pct(d['mean'])} | {sd} | {iv} | {a['verdict']} | {runs_for} "
                      f"| {held} |")
+    if result.get("from_logs"):
+        lines += ["", "Counted from the table their log printed (their convergence.json was not kept; Δ % to two "
+                  "decimals): " + ", ".join(f"`{os.path.basename(f)}`" for f in result["from_logs"]) + "."]
     if result["reference_spread_pct"]:
         lines += ["", f"{ref} against itself (runs of one seed): " + "; ".join(
             f"seed {s}: {v:.2f}% between its runs" for s, v in result["reference_spread_pct"].items())]
@@ -181,7 +240,8 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of bench/convergence.py runs")
+    ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of bench/convergence.py runs, or the log a "
+                    "run printed (a .log file: for a run whose convergence.json was not kept)")
     ap.add_argument("--target", type=float, default=0.5, help="percent (default 0.5)")
     ap.add_argument("--out", default=None, help="write seeds.md and seeds.json here")
     args = ap.parse_args(argv)

@@ -99,3 +99,62 @@ def test_the_committed_runs_of_seed_0_show_the_reference_spread(tmp_path):
     res = json.loads((tmp_path / "seeds.json").read_text())
     assert res["reference_spread_pct"]["0"] == pytest.approx(0.20, abs=0.005)
     assert (tmp_path / "seeds.md").read_text().startswith("# Final loss against bf16 over 2 runs")
+
+
+LOG = """\
+convergence: preset tiny (1,000 parameters), 2 arms at world size 2, 20 steps of 4 x 64 tokens (2 sequences per rank), bf16{extra}, device cuda
+  started bf16         on cuda:0 (pids 1 2)
+  started delta on cuda:0 (pids 3 4)
+  [   10 s] bf16 20/20 loss 1.0 done | delta 20/20 loss 1.0 done
+wrote /x/convergence.json, convergence.md, convergence.png (wall 12 s)
+| arm | final loss (mean of steps 11–20) | Δ vs bf16 | Δ % | paired SE of Δ | held-out loss (final, after step 20) | Δ held-out vs bf16 % | gather bytes vs plain |
+|---|---|---|---|---|---|---|---|
+| bf16 (plain gather) | 1.0000 | — | — | — | 2.0000 | — | 1.000 |
+| DELTA | 1.0011 | +0.0011 | {delta} | 0.0010 | 2.0000 | -0.37% | 0.258 |
+"""
+
+
+def test_a_run_is_read_from_the_log_it_printed(tmp_path):
+    """A run whose convergence.json did not come back counts through the table its log printed;
+    the seed is the header's, or the file name's; it aggregates with JSON runs of the same study."""
+    old = tmp_path / "seed9.log"
+    old.write_text(LOG.format(extra="", delta="+0.11%"))
+    new = tmp_path / "run.log"
+    new.write_text(LOG.format(extra=", lr 0.0003, seed 4", delta="-0.07%"))
+    a = cs.load_run(str(old))
+    assert a["seed"] == 9 and a["lr"] is None and a["last"] == 10 and a["steps"] == 20
+    assert a["summary"] == {"reference": "bf16", "arms": {"bf16": {"final_loss": 1.0, "diff_pct": 0.0},
+                                                          "delta": {"final_loss": 1.0011, "diff_pct": 0.11}}}
+    assert a["heldout_summary"]["arms"]["delta"]["diff_pct"] == -0.37 and a["arms"]["delta"]["label"] == "DELTA"
+    b = cs.load_run(str(new))
+    assert b["seed"] == 4 and b["lr"] == 3e-4
+    c = run(tmp_path, "s1", 1, {"delta": 0.2}, heldout={"delta": 0.1})
+    res = cs.aggregate([a, b, cs.load_run(c)], 0.25)
+    assert res["arms"]["delta"]["diff_pct"]["mean"] == pytest.approx((0.11 - 0.07 + 0.2) / 3)
+    assert res["from_logs"] == [str(old), str(new)]
+    assert "`seed9.log`, `run.log`" in cs.markdown(res)
+    # a log of another study is refused like a JSON one
+    other = tmp_path / "seed5.log"
+    other.write_text(LOG.format(extra="", delta="+0.1%").replace("20 steps", "40 steps"))
+    with pytest.raises(ValueError, match="steps"):
+        cs.aggregate([a, cs.load_run(str(other))], 0.25)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("hello\n", "not a bench/convergence.py log"),
+    (LOG.format(extra="", delta="+0.1%"), "names no seed"),
+    (LOG.format(extra=", seed 1", delta="+0.1%").split("wrote")[0], "did not finish"),
+])
+def test_a_log_that_cannot_be_counted_is_refused(tmp_path, text, match):
+    path = tmp_path / "run.log"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        cs.load_run(str(path))
+    assert cs.main([str(path)]) == 2
+
+
+def test_the_committed_logs_of_seeds_9_and_11_count():
+    base = os.path.join(RESULTS, "dp2_delta_gathers")
+    got = [cs.load_run(os.path.join(base, f"seed{s}.log"))["summary"]["arms"]["int4-delta-g256"]["diff_pct"]
+           for s in (9, 11)]
+    assert got == [-0.41, -0.97]
