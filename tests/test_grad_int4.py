@@ -550,3 +550,28 @@ def test_qualify_refuses_a_gradient_refinement_without_quantized_gradients(capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("qzero: error: --candidate zero_quantized_gradients_format")
     assert "add --candidate zero_quantized_gradients=true" in err[0]
+
+
+def test_the_reference_pack_never_asks_the_device_whether_a_group_is_refused(monkeypatch):
+    """The reference pack (the kernels' specification, and the path without Triton) refuses a
+    non-finite group without reading a tensor back on the host: on CUDA every such read waits
+    for the device, once per piece of every bucket."""
+    gen = torch.Generator().manual_seed(11)
+    n, gs = 1000, 64
+    layout = aligned_layout(get_format("int4").value_bytes(n), math.ceil(n / gs), 0, 2)
+    for poison in (None, 130):
+        x = torch.randn(n, generator=gen).bfloat16()
+        if poison is not None:
+            x[poison] = float("nan")
+        p = torch.zeros(layout.nbytes, dtype=torch.uint8)
+
+        def no_host_read(*_):
+            raise AssertionError("the pack read a tensor's value on the host")
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__bool__", no_host_read)
+            m.setattr(torch.Tensor, "item", no_host_read)
+            ref.pack_gradient(x, p, layout, gs, "int4", None, 0)
+        _, scales, _ = ref.sections(p, layout, n, gs, "int4", x.dtype)
+        refused = torch.isnan(scales).nonzero().flatten().tolist()
+        assert refused == ([] if poison is None else [poison // gs])

@@ -135,8 +135,9 @@ def pack_gradient(
     padded = torch.nn.functional.pad(y, (0, groups * group_size - n)).view(groups, group_size)
     bad = ~torch.isfinite(padded).all(dim=1)
     bad_elem = bad.repeat_interleave(group_size)[:n]
-    if bool(bad.any()):
-        y = y.masked_fill(bad_elem, 0.0)  # a group of zeros: zero values; its scale is made NaN below
+    # a refused group becomes zeros: zero values; its scale is made NaN below (unconditionally:
+    # testing whether any group is refused would wait for the device on every pack)
+    y = y.masked_fill(bad_elem, 0.0)
     values, scales = quantize(y, group_size, fmt)
     scales = torch.where(bad, torch.full_like(scales, float("nan")), scales)
     values_out.copy_(values)
