@@ -24,7 +24,8 @@ between their reference arms' final losses is what one run's Δ can be off by.
     python bench/convergence_seeds.py bench/results/convergence/dp2_delta_gathers/seed0 \\
         bench/results/convergence/dp2_delta_gathers/seed1 --target 0.25 --out OUT
 
-Writes ``OUT/seeds.md`` and ``OUT/seeds.json`` and prints the table. Pure Python: no GPU.
+Writes ``OUT/seeds.md``, ``OUT/seeds.json`` and ``OUT/seeds.png`` (each run's Δ, the mean and
+its interval against the band) and prints the table. Pure Python: no GPU.
 """
 
 from __future__ import annotations
@@ -238,6 +239,40 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: str) -> None:
+    """``path`` (PNG): per arm with more than one run, each run's Δ % (dots), the mean and its 95%
+    interval (bar), and the ±target band (shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [(n, a) for n, a in result["arms"].items() if a["diff_pct"]["n"] > 1]
+    if not arms:
+        return
+    target = result["target_pct"]
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.7 * len(arms)))
+    ax.axvspan(-target, target, color="tab:green", alpha=0.12, label=f"±{target}% of {result['reference']}")
+    ax.axvline(0.0, color="0.4", lw=0.8)
+    for y, (_, a) in enumerate(arms):
+        runs = [r["diff_pct"] for r in a["runs"]]
+        ax.scatter(runs, [y] * len(runs), s=18, color="0.35", zorder=3)
+        d = a["diff_pct"]
+        ax.errorbar([d["mean"]], [y + 0.22], xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], fmt="o",
+                    color="tab:blue", capsize=4, zorder=4)
+    ax.set_yticks(range(len(arms)), [f"{a['label']} ({a['diff_pct']['n']} runs)" for _, a in arms])
+    ax.invert_yaxis()
+    # the runs set the scale; an interval wider than them (two runs) runs off the axes
+    edge = 1.25 * max([2 * target] + [abs(r["diff_pct"]) for _, a in arms for r in a["runs"]])
+    ax.set_xlim(-edge, edge)
+    ax.set_xlabel(f"final loss − {result['reference']}'s in the same run, %")
+    ax.set_title("dots: runs; bar: the mean and its 95% interval", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of bench/convergence.py runs, or the log a "
@@ -259,6 +294,7 @@ def main(argv=None) -> int:
             f.write(text)
         with open(os.path.join(args.out, "seeds.json"), "w") as f:
             json.dump(result, f, indent=1)
+        plot(result, os.path.join(args.out, "seeds.png"))
     print(text, end="")
     return 0
 

@@ -133,6 +133,8 @@ def test_a_run_is_read_from_the_log_it_printed(tmp_path):
     assert res["arms"]["delta"]["diff_pct"]["mean"] == pytest.approx((0.11 - 0.07 + 0.2) / 3)
     assert res["from_logs"] == [str(old), str(new)]
     assert "`seed9.log`, `run.log`" in cs.markdown(res)
+    cs.plot(res, str(tmp_path / "seeds.png"))
+    assert (tmp_path / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a log of another study is refused like a JSON one
     other = tmp_path / "seed5.log"
     other.write_text(LOG.format(extra="", delta="+0.1%").replace("20 steps", "40 steps"))
