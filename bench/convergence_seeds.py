@@ -19,13 +19,25 @@ seeds), so a single run cannot decide a target of that size. This script reads t
   being at or past the target): what deciding an undecided arm would take.
 
 The reference's own spread is reported too, where two runs share a seed: the difference
-between their reference arms' final losses is what one run's Δ can be off by.
+between their reference arms' final losses is what one run's Δ can be off by. So is its spread
+from seed to seed (the SD of its final loss over the seeds): what changing the seed alone moves.
+
+Over the run (``--window`` steps, default 200): per arm, the Δ % of each window's mean loss,
+and its mean and interval over the runs that kept their per-step losses — whether an arm lags
+bf16 on the way and catches up, or drifts away, which the final loss alone does not show.
+
+With ``--floor ARM`` (a replicate of the reference: the same settings, a second arm of the same
+run, so its Δ is the reference's own non-determinism), every other arm's SD of Δ is set against
+the floor's: the ratio and a one-sided F-test (does the arm's Δ move from run to run more than
+the reference's own does?). An arm can be unbiased (its mean Δ zero) and still move a run much
+further than non-determinism does: that is a different claim from the mean's, and this names it.
 
     python bench/convergence_seeds.py bench/results/convergence/dp2_delta_gathers/seed0 \\
         bench/results/convergence/dp2_delta_gathers/seed1 --target 0.25 --out OUT
 
-Writes ``OUT/seeds.md``, ``OUT/seeds.json`` and ``OUT/seeds.png`` (each run's Δ, the mean and
-its interval against the band) and prints the table. Pure Python: no GPU.
+Writes ``OUT/seeds.md``, ``OUT/seeds.json``, ``OUT/seeds.png`` (each run's Δ, the mean and
+its interval against the band) and ``OUT/seeds_over_steps.png`` (the Δ over the run) and prints
+the tables. Pure Python: no GPU.
 """
 
 from __future__ import annotations
@@ -48,6 +60,41 @@ def t975(dof: int) -> float:
     if dof < 1:
         raise ValueError(f"degrees of freedom must be at least 1, got {dof}")
     return _T975[dof - 1] if dof <= len(_T975) else 1.960
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) (continued fraction, modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast below the mean only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-14:
+            break
+    return front * f
+
+
+def f_sf(x: float, d1: int, d2: int) -> float:
+    """P(F > x) for Fisher's F with (d1, d2) degrees of freedom."""
+    if d1 < 1 or d2 < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got ({d1}, {d2})")
+    if x <= 0.0:
+        return 1.0
+    return _betainc(d2 / 2.0, d1 / 2.0, d2 / (d2 + d1 * x))
 
 
 _HEADER = re.compile(r"convergence: preset (?P<preset>\S+) .*? at world size (?P<world>\d+), (?P<steps>\d+) steps "
@@ -152,9 +199,10 @@ def verdict(stats: dict, target: float) -> str:
     return "undecided"
 
 
-def aggregate(runs: list[dict], target: float) -> dict:
+def aggregate(runs: list[dict], target: float, floor: str | None = None, window: int = 200) -> dict:
     """Per arm, over the runs that have it: Δ % of the final loss (and of the final held-out
-    loss) from each run's reference, their interval and the verdict."""
+    loss) from each run's reference, their interval and the verdict; with ``floor`` (an arm
+    that replicates the reference), every other arm's spread against the floor's."""
     references = {r["summary"]["reference"] for r in runs}
     if len(references) != 1:
         raise ValueError(f"the runs compare against different reference arms: {sorted(references)}")
@@ -189,15 +237,73 @@ def aggregate(runs: list[dict], target: float) -> dict:
                             "at_mean": runs_needed(stats["sd"], target, stats["mean"])},
             "heldout_diff_pct": interval(held) if held else None,
         }
-    # the reference against itself: runs that share a seed
+    # the reference against itself: runs that share a seed, and its final loss from seed to seed
     by_seed: dict = {}
     for r in runs:
         by_seed.setdefault(r.get("seed"), []).append(r["summary"]["arms"][reference]["final_loss"])
     repeats = {str(seed): losses for seed, losses in by_seed.items() if len(losses) > 1}
     spread = {seed: 100.0 * (max(v) - min(v)) / min(v) for seed, v in repeats.items()}
+    per_seed = [v[0] for seed, v in by_seed.items() if seed is not None]  # the first run of each seed
+    across = None
+    if len(per_seed) > 1:
+        mean = statistics.fmean(per_seed)
+        across = {"seeds": len(per_seed), "mean_loss": mean, "sd_pct": 100.0 * statistics.stdev(per_seed) / mean}
+    against_floor = None
+    if floor is not None:
+        if floor not in arms:
+            raise ValueError(f"--floor {floor!r} is not an arm of these runs (arms: {sorted(arms)})")
+        fsd, fn = arms[floor]["diff_pct"]["sd"], arms[floor]["diff_pct"]["n"]
+        if not fsd:
+            raise ValueError(f"--floor {floor!r} needs at least two runs with different Δ to have a spread "
+                             f"(it has {fn})")
+        against_floor = {"floor": floor, "floor_runs": fn, "floor_sd_pct": fsd, "arms": {}}
+        for name, a in arms.items():
+            sd, n = a["diff_pct"]["sd"], a["diff_pct"]["n"]
+            if name == floor or sd is None:
+                continue
+            ratio = sd / fsd
+            against_floor["arms"][name] = {"runs": n, "sd_pct": sd, "ratio": ratio, "F": ratio ** 2,
+                                           "p_more": f_sf(ratio ** 2, n - 1, fn - 1)}
     return {"reference": reference, "target_pct": target, "runs": [r["_file"] for r in runs],
             "seeds": [r.get("seed") for r in runs], "arms": arms, "reference_spread_pct": spread,
+            "reference_across_seeds": across, "spread_against_floor": against_floor,
+            "over_steps": over_steps(runs, reference, window),
             "from_logs": [r["_file"] for r in runs if r.get("from_log")]}
+
+
+def over_steps(runs: list[dict], reference: str, window: int) -> dict:
+    """Per arm with per-step losses in at least two runs: Δ % of the mean loss of each ``window``
+    steps from the reference's over the same steps, in every run, and its interval over the runs.
+    A run whose arm or reference did not finish every step (or a run from a log) is left out."""
+    if window < 1:
+        raise ValueError(f"--window must be at least 1 step, got {window}")
+    names = []
+    for r in runs:
+        names += [n for n in (r.get("arms") or {}) if n != reference and n not in names]
+    out = {}
+    for name in names:
+        curves, files = [], []
+        for r in runs:
+            steps, arms = r.get("steps"), r.get("arms") or {}
+            mine, ref = (arms.get(name) or {}).get("losses"), (arms.get(reference) or {}).get("losses")
+            if not mine or not ref or not steps or len(mine) != steps or len(ref) != steps:
+                continue
+            curve = []
+            for lo in range(0, steps, window):
+                a = statistics.fmean(mine[lo:lo + window])
+                b = statistics.fmean(ref[lo:lo + window])
+                curve.append(100.0 * (a - b) / b)
+            curves.append(curve)
+            files.append(r["_file"])
+        if len(curves) < 2 or len({len(c) for c in curves}) != 1:
+            continue
+        steps = runs[0]["steps"]
+        windows = []
+        for k in range(len(curves[0])):
+            stats = interval([c[k] for c in curves])
+            windows.append({"first": k * window + 1, "last": min(steps, (k + 1) * window), **stats})
+        out[name] = {"runs": len(curves), "files": files, "window": window, "windows": windows, "curves": curves}
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -236,6 +342,33 @@ def markdown(result: dict) -> str:
     if result["reference_spread_pct"]:
         lines += ["", f"{ref} against itself (runs of one seed): " + "; ".join(
             f"seed {s}: {v:.2f}% between its runs" for s, v in result["reference_spread_pct"].items())]
+    across = result.get("reference_across_seeds")
+    if across:
+        lines += ["", f"{ref}'s final loss from seed to seed ({across['seeds']} seeds, the first run of each): "
+                  f"SD {across['sd_pct']:.2f}% of its mean {across['mean_loss']:.4f}."]
+    over = {n: o for n, o in (result.get("over_steps") or {}).items()}
+    if over:
+        names = list(over)
+        lines += ["", f"Over the run: Δ % of each {over[names[0]]['window']} steps' mean loss from {ref}'s over the same "
+                  "steps, mean over the runs with their per-step losses [95% interval]:", "",
+                  "| steps | " + " | ".join(f"{result['arms'][n]['label']} ({over[n]['runs']} runs)" for n in names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for k, w in enumerate(over[names[0]]["windows"]):
+            cells = []
+            for n in names:
+                v = over[n]["windows"][k]
+                cells.append(_pct(v["mean"]) + ("" if v["lo"] is None else f" [{v['lo']:+.2f}%, {v['hi']:+.2f}%]"))
+            lines.append(f"| {w['first']}–{w['last']} | " + " | ".join(cells) + " |")
+    fl = result.get("spread_against_floor")
+    if fl:
+        floor_label = result["arms"][fl["floor"]]["label"]
+        lines += ["", f"Spread against the floor, {floor_label} ({fl['floor_runs']} runs, SD of Δ "
+                  f"{fl['floor_sd_pct']:.2f}%: {ref}'s own run-to-run non-determinism). Ratio = the arm's SD of Δ over "
+                  "the floor's; p = one-sided F-test that the arm's Δ moves more than the floor's:", "",
+                  "| arm | runs | SD of Δ | ratio | F | p |", "|---|---|---|---|---|---|"]
+        for name, a in fl["arms"].items():
+            lines.append(f"| {result['arms'][name]['label']} | {a['runs']} | {a['sd_pct']:.2f}% | {a['ratio']:.1f}× "
+                         f"| {a['F']:.1f} | {a['p_more']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -273,17 +406,53 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_over_steps(result: dict, path: str) -> None:
+    """``path`` (PNG): per arm with at least three runs of per-step losses, each run's Δ % per
+    window (thin), their mean (bold) and its 95% interval (shaded), and the ±target band; one
+    y scale for every arm, so that their spreads compare at a glance."""
+    arms = [(n, o) for n, o in (result.get("over_steps") or {}).items() if o["runs"] >= 3]
+    if not arms:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    target = result["target_pct"]
+    fig, axes = plt.subplots(len(arms), 1, figsize=(7.5, 0.6 + 2.6 * len(arms)), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, (name, o) in zip(axes[:, 0], arms):
+        mid = [(w["first"] + w["last"]) / 2 for w in o["windows"]]
+        for c in o["curves"]:
+            ax.plot(mid, c, color="0.6", lw=0.7)
+        ax.plot(mid, [w["mean"] for w in o["windows"]], color="tab:blue", lw=2, label="mean over the runs")
+        ax.fill_between(mid, [w["lo"] for w in o["windows"]], [w["hi"] for w in o["windows"]], color="tab:blue",
+                        alpha=0.2, label="95% interval of the mean")
+        ax.axhspan(-target, target, color="tab:green", alpha=0.12, label=f"±{target}%")
+        ax.axhline(0.0, color="0.4", lw=0.8)
+        ax.set_title(f"{result['arms'][name]['label']} ({o['runs']} runs)", fontsize=9)
+        ax.set_ylabel(f"Δ vs {result['reference']}, %")
+    axes[0, 0].legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel(f"step (mean loss of each {arms[0][1]['window']} steps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of bench/convergence.py runs, or the log a "
                     "run printed (a .log file: for a run whose convergence.json was not kept)")
     ap.add_argument("--target", type=float, default=0.5, help="percent (default 0.5)")
+    ap.add_argument("--floor", default=None, help="an arm that replicates the reference (e.g. bf16-rep2): set every "
+                    "other arm's spread of Δ against it")
+    ap.add_argument("--window", type=int, default=200, help="steps per window of the Δ over the run (default 200)")
     ap.add_argument("--out", default=None, help="write seeds.md and seeds.json here")
     args = ap.parse_args(argv)
     if not args.target > 0:
         ap.error(f"--target must be a positive percent, got {args.target}")
     try:
-        result = aggregate([load_run(p) for p in args.runs], args.target)
+        result = aggregate([load_run(p) for p in args.runs], args.target, args.floor, args.window)
     except ValueError as e:
         print(f"convergence_seeds: error: {e}", file=sys.stderr)
         return 2
@@ -295,6 +464,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "seeds.json"), "w") as f:
             json.dump(result, f, indent=1)
         plot(result, os.path.join(args.out, "seeds.png"))
+        plot_over_steps(result, os.path.join(args.out, "seeds_over_steps.png"))
     print(text, end="")
     return 0
 

@@ -76,6 +76,50 @@ def test_runs_needed_is_the_first_count_whose_interval_fits_the_band():
     assert cs.runs_needed(None, 0.25) is None
 
 
+def test_the_f_test_agrees_with_students_t_and_with_itself():
+    """P(F(1, n) > t²) is the two-sided tail of t (the module's own t table is independent of the
+    continued fraction); F(d1, d2) > x is F(d2, d1) < 1/x; equal degrees of freedom: P(F > 1) = 1/2."""
+    for dof in (1, 2, 5, 10, 30):
+        assert cs.f_sf(cs.t975(dof) ** 2, 1, dof) == pytest.approx(0.05, abs=2e-4)
+    for d1, d2, x in ((18, 3, 24.3), (3, 18, 0.7), (7, 11, 2.0), (2, 2, 5.0)):
+        assert cs.f_sf(x, d1, d2) == pytest.approx(1.0 - cs.f_sf(1.0 / x, d2, d1), abs=1e-12)
+    assert cs.f_sf(1.0, 6, 6) == pytest.approx(0.5, abs=1e-12)
+    # F(2, 2): P(F > x) = 1 / (1 + x), in closed form
+    assert cs.f_sf(3.0, 2, 2) == pytest.approx(0.25, abs=1e-12)
+    assert cs.f_sf(0.0, 3, 4) == 1.0 and cs.f_sf(1e12, 3, 4) < 1e-6
+    with pytest.raises(ValueError, match="at least 1"):
+        cs.f_sf(1.0, 0, 3)
+
+
+def test_an_arm_is_set_against_the_floor_and_the_reference_across_seeds(tmp_path):
+    """--floor: each arm's SD of Δ over the floor's, with the F-test; the reference's final loss
+    from seed to seed counts each seed once."""
+    floor = [0.1, -0.1, 0.05, -0.05]
+    wide = [1.0, -1.0, 0.5, -0.5]
+    paths = [run(tmp_path, f"s{i}", i, {"rep": f, "delta": w}, reference_loss=1.0 + 0.01 * i)
+             for i, (f, w) in enumerate(zip(floor, wide))]
+    paths.append(run(tmp_path, "s0again", 0, {"delta": 0.2}, reference_loss=5.0))  # seed 0 again: not counted twice
+    res = cs.aggregate([cs.load_run(p) for p in paths], 0.25, floor="rep")
+    fl = res["spread_against_floor"]
+    assert fl["floor"] == "rep" and fl["floor_runs"] == 4
+    d = fl["arms"]["delta"]
+    want_sd = statistics.stdev(wide + [0.2])
+    assert d["runs"] == 5 and d["ratio"] == pytest.approx(want_sd / statistics.stdev(floor))
+    assert d["p_more"] == pytest.approx(cs.f_sf(d["ratio"] ** 2, 4, 3)) and d["p_more"] < 0.05
+    across = res["reference_across_seeds"]
+    losses = [1.0, 1.01, 1.02, 1.03]
+    assert across["seeds"] == 4 and across["sd_pct"] == pytest.approx(100 * statistics.stdev(losses) / statistics.fmean(losses))
+    text = cs.markdown(res)
+    assert "Spread against the floor, REP (4 runs" in text and "| DELTA | 5 |" in text
+    assert "from seed to seed (4 seeds" in text
+    with pytest.raises(ValueError, match="'nope' is not an arm"):
+        cs.aggregate([cs.load_run(p) for p in paths], 0.25, floor="nope")
+    one = run(tmp_path, "solo", 9, {"rep": 0.1, "delta": 0.3})
+    with pytest.raises(ValueError, match="at least two runs"):
+        cs.aggregate([cs.load_run(one)], 0.25, floor="rep")
+    assert cs.main([*paths, "--floor", "nope"]) == 2
+
+
 def test_runs_of_different_studies_or_references_are_refused(tmp_path):
     a = run(tmp_path, "a", 0, {"delta": 0.1})
     b = run(tmp_path, "b", 1, {"delta": 0.1}, steps=40)
