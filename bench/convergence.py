@@ -272,6 +272,7 @@ def arm_settings(arm: Arm, args):
         steps=args.steps,
         warmup=max(0, min(10, args.steps - 2)),  # steps left out of the step-time median only
         lr=args.lr,
+        lr_warmup=getattr(args, "lr_warmup", 0),
         seed=args.seed,
         heldout=getattr(args, "heldout", 0.0),
         eval_every=getattr(args, "eval_every", 0) if getattr(args, "heldout", 0.0) else 0,
@@ -291,6 +292,12 @@ def smooth(values: list[float], window: int) -> list[float]:
             acc -= values[i - window]
         out.append(acc / min(i + 1, window))
     return out
+
+
+def _schedule(study: dict) -> str:
+    """The learning-rate schedule in words (a study recorded before ``lr_warmup`` had none)."""
+    warm = study.get("lr_warmup") or 0
+    return f"linear warmup over {warm} steps, then constant" if warm else "constant"
 
 
 def final_losses(losses: dict[str, list[float]], reference: str, last: int = 100) -> dict:
@@ -856,6 +863,8 @@ def parse_args(argv=None):
                     help="sequences per step, all ranks together (the global batch); each of --world-size ranks "
                          "trains on micro-batch / world-size of them, the same sequences at any world size")
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr-warmup", type=int, default=0, metavar="N",
+                    help="linear learning-rate warmup over the first N steps, in every arm (default 0: constant lr)")
     ap.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -920,6 +929,8 @@ def parse_args(argv=None):
                      f"{args.eval_sequences}")
         if args.grad_error_every < 0:
             ap.error(f"--grad-error-every must be 0 or more, got {args.grad_error_every}")
+        if not 0 <= args.lr_warmup <= args.steps:
+            ap.error(f"--lr-warmup must be from 0 to --steps ({args.steps}) steps, got {args.lr_warmup}")
         gq = [a.name for a in args.arm_list if a.grad_quantized]
         if gq and args.world_size < 2 and args.from_arms is None:
             ap.error(f"arm(s) {', '.join(gq)} quantize the gradient reduction, which sends nothing at world size 1 "
@@ -994,7 +1005,8 @@ def main(argv=None) -> int:
     print(f"convergence: preset {args.preset} ({params:,} parameters), {len(arms)} arms at world size {world}, "
           f"{args.steps} steps of {args.micro_batch} x {args.seq_len} tokens"
           + (f" ({args.micro_batch // world} sequences per rank)" if world > 1 else "")
-          + f", bf16, lr {args.lr:g}, seed {args.seed}, device {device}", flush=True)
+          + f", bf16, lr {args.lr:g}" + (f" (warmup {args.lr_warmup} steps)" if args.lr_warmup else "")
+          + f", seed {args.seed}, device {device}", flush=True)
     if device == "cuda":
         print(f"  estimate: 6 x {params / 1e6:.1f}M x {tokens // world} tokens = "
               f"{6 * params * tokens / world / 1e12:.2f} TFLOP/step per rank; at {EFFECTIVE_FLOPS / 1e12:.0f} TFLOP/s "
@@ -1099,6 +1111,7 @@ def main(argv=None) -> int:
         "seq_len": args.seq_len,
         "micro_batch": args.micro_batch,
         "lr": args.lr,
+        "lr_warmup": args.lr_warmup,
         "clip": args.clip,
         "seed": args.seed,
         "last": args.last,
@@ -1262,6 +1275,7 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
         "seq_len": st["seq_len"],
         "micro_batch": st["micro_batch"] * world,  # the global batch (the records hold a rank's)
         "lr": st["lr"],
+        "lr_warmup": st.get("lr_warmup", 0),  # arms recorded before the setting existed ran without warmup
         "clip": clip,
         "seed": st["seed"],
         "last": last,
@@ -1336,7 +1350,7 @@ def render(study: dict, out: str) -> None:
         "",
         f"Model `{study['preset']}` ({study['params']:,} parameters, Qwen3-shaped, random init), data: "
         f"{study['data']}; {study['steps']} steps of {study['micro_batch']} x {study['seq_len']} tokens, bf16, "
-        f"ZeRO-2, AdamW lr {study['lr']:g} (constant, no weight decay), gradient clipping {study['clip']:g}, "
+        f"ZeRO-2, AdamW lr {study['lr']:g} ({_schedule(study)}, no weight decay), gradient clipping {study['clip']:g}, "
         f"seed {study['seed']} — the same model, batches and seed in every arm. "
         + ("Each arm is an independent world-size-1 run: " if world == 1 else
            f"Each arm is a DP{world} run ({study['micro_batch'] // world} sequences per rank): ")

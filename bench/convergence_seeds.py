@@ -116,6 +116,7 @@ def load_log(file: str) -> dict:
     if seed is None:
         raise ValueError(f"{file}: the log names no seed (neither its header nor a file name like seed9.log)")
     lr = re.search(r"\blr ([0-9.e+-]+)", rest)
+    warm = re.search(r"\(warmup (\d+) steps\)", rest)
     names = [m[1] for m in (re.match(r"\s+started (\S+)\s+on ", line) for line in lines) if m]
     table = [i for i, line in enumerate(lines) if line.startswith("| arm | final loss (mean of steps ")]
     if not table or not names:
@@ -135,7 +136,8 @@ def load_log(file: str) -> dict:
     arms = {n: {"final_loss": float(r[1]), "diff_pct": pct(r[3]) or 0.0} for n, r in zip(names, rows)}
     run = {"preset": head["preset"], "steps": int(head["steps"]), "seq_len": int(head["seq"]),
            "micro_batch": int(head["batch"]), "world_size": int(head["world"]),
-           "lr": float(lr[1]) if lr else None, "last": int(span[2]) - int(span[1]) + 1 if span else None,
+           "lr": float(lr[1]) if lr else None, "lr_warmup": int(warm[1]) if warm else 0,
+           "last": int(span[2]) - int(span[1]) + 1 if span else None,
            "seed": int(seed[1]), "from_log": True,
            "summary": {"reference": reference, "arms": arms},
            "arms": {n: {"label": r[0]} for n, r in zip(names, rows)}}
@@ -160,6 +162,7 @@ def load_run(path: str) -> dict:
     summary = run.get("summary")
     if not isinstance(summary, dict) or "arms" not in summary or "reference" not in summary:
         raise ValueError(f"{file}: not a bench/convergence.py study (no summary with arms and a reference)")
+    run.setdefault("lr_warmup", 0)  # a study recorded before the setting existed ran without warmup
     run["_file"] = file
     return run
 
@@ -208,7 +211,7 @@ def aggregate(runs: list[dict], target: float, floor: str | None = None, window:
         raise ValueError(f"the runs compare against different reference arms: {sorted(references)}")
     reference = references.pop()
     # a field a run's log does not print (lr in older logs) is not held against it
-    keys = ("preset", "steps", "seq_len", "micro_batch", "world_size", "lr", "last")
+    keys = ("preset", "steps", "seq_len", "micro_batch", "world_size", "lr", "lr_warmup", "last")
     differ = [k for k in keys if len({r.get(k) for r in runs if not (r.get("from_log") and r.get(k) is None)}) > 1]
     if differ:
         shapes = {tuple(r.get(k) for k in keys) for r in runs}

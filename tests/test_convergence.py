@@ -31,12 +31,12 @@ def test_end_to_end_on_the_cpu(tmp_path):
     res = subprocess.run(
         [sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(steps), "--seq-len", "32", "--micro-batch", "2",
          "--arms", "bf16,int8-g64", "--device", "cpu", "--last", "4", "--smooth", "3", "--heldout", "0.05",
-         "--eval-every", "3", "--eval-sequences", "4", "--out", str(out)],
+         "--eval-every", "3", "--eval-sequences", "4", "--lr-warmup", "3", "--out", str(out)],
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     # progress lines while running, the table printed last
-    assert "bf16 " in res.stdout and f"/{steps}" in res.stdout
+    assert "bf16 " in res.stdout and f"/{steps}" in res.stdout and "lr 0.0003 (warmup 3 steps)" in res.stdout
     tail = res.stdout.strip().splitlines()
     assert tail[-4].startswith("| arm |") and tail[-1].startswith("| INT8 g64 |")
 
@@ -52,6 +52,7 @@ def test_end_to_end_on_the_cpu(tmp_path):
     q = study["settings"]["int8-g64"]["zero"]
     assert q["zero_quantized_weights"] is True and q["zero_quantized_weights_group_size"] == 64
     assert study["settings"]["bf16"]["world_size"] == 1
+    assert study["lr_warmup"] == 3 and {st["lr_warmup"] for st in study["settings"].values()} == {3}
     # same seed and data: step 1 sees the same initial weights and batch in both arms
     assert study["arms"]["bf16"]["losses"][0] == study["arms"]["int8-g64"]["losses"][0]
     q = study["arms"]["int8-g64"]
@@ -72,6 +73,7 @@ def test_end_to_end_on_the_cpu(tmp_path):
     assert f"| {study['arms']['int8-g64']['heldout_losses'][-1][1]:.4f} |" in rows[2]
     assert "; held-out loss " in md
     assert "INT8 g64 vs bf16" in md and "standard-library" in md
+    assert "(linear warmup over 3 steps, then constant, no weight decay)" in md
     assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
 
     # --render rewrites the Markdown and the plot from the JSON alone
@@ -245,7 +247,9 @@ def test_arguments_are_checked_before_any_work(capsys):
                        (["--world-size", "0"], "--world-size must be at least 1"),
                        (["--world-size", "2", "--arms", "bf16,int8-g64+gq-int9-g64"], "int9"),
                        (["--share-gpu"], "needs --world-size 2"),
-                       (["--world-size", "2", "--share-gpu", "--device", "cpu"], "--share-gpu is for CUDA")):
+                       (["--world-size", "2", "--share-gpu", "--device", "cpu"], "--share-gpu is for CUDA"),
+                       (["--lr-warmup", "-1"], "--lr-warmup must be from 0 to --steps (2000) steps, got -1"),
+                       (["--steps", "10", "--lr-warmup", "11"], "--lr-warmup must be from 0 to --steps (10)")):
         with pytest.raises(SystemExit):
             conv.parse_args(argv)
         assert word in capsys.readouterr().err
@@ -424,7 +428,8 @@ def test_from_arms_reads_older_records():
     records = {"bf16": older_record(False), "int8-g64": older_record(True), "fp8-g64": older_record(True, "fp8")}
     study = conv.study_from_records(records, conv.parse_arms(arms))
     assert list(study["arms"]) == arms.split(",")
-    want = {"steps": 2000, "micro_batch": 8, "lr": 0.0003, "clip": 1.0, "seq_len": 512, "preset": "qwen3-125m-byte"}
+    want = {"steps": 2000, "micro_batch": 8, "lr": 0.0003, "lr_warmup": 0, "clip": 1.0, "seq_len": 512,
+            "preset": "qwen3-125m-byte"}
     assert {key: study[key] for key in want} == want
     broken = dict(records, **{"fp8-g64": older_record(True, "int4")})
     with pytest.raises(ValueError, match="fmt=int4"):

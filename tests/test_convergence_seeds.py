@@ -125,6 +125,11 @@ def test_runs_of_different_studies_or_references_are_refused(tmp_path):
     b = run(tmp_path, "b", 1, {"delta": 0.1}, steps=40)
     with pytest.raises(ValueError, match="different studies"):
         cs.aggregate([cs.load_run(a), cs.load_run(b)], 0.25)
+    warm = run(tmp_path, "warm", 1, {"delta": 0.1}, lr_warmup=100)  # a run recorded without the key had none
+    with pytest.raises(ValueError, match="lr_warmup"):
+        cs.aggregate([cs.load_run(a), cs.load_run(warm)], 0.25)
+    assert cs.aggregate([cs.load_run(a), cs.load_run(run(tmp_path, "zero", 1, {"delta": 0.2}, lr_warmup=0))],
+                        0.25)["arms"]["delta"]["diff_pct"]["n"] == 2
     with pytest.raises(ValueError, match="no convergence.json"):
         cs.load_run(str(tmp_path / "missing"))
     bad = tmp_path / "bad"
@@ -184,6 +189,12 @@ def test_a_run_is_read_from_the_log_it_printed(tmp_path):
     other.write_text(LOG.format(extra="", delta="+0.1%").replace("20 steps", "40 steps"))
     with pytest.raises(ValueError, match="steps"):
         cs.aggregate([a, cs.load_run(str(other))], 0.25)
+    # a log of a run with a warmup names it in its header (convergence.py prints "lr X (warmup N steps)")
+    warm = tmp_path / "seed6.log"
+    warm.write_text(LOG.format(extra=", lr 0.0003 (warmup 100 steps), seed 6", delta="+0.1%"))
+    assert cs.load_run(str(warm))["lr_warmup"] == 100 and b["lr_warmup"] == 0
+    with pytest.raises(ValueError, match="lr_warmup"):
+        cs.aggregate([b, cs.load_run(str(warm))], 0.25)
 
 
 @pytest.mark.parametrize("text,match", [

@@ -16,6 +16,7 @@ Each backend builds the model itself (FSDP2 wants fp32 parameters, the others th
 training dtype) and exposes ``model``, ``backward``, ``step`` (False when skipped),
 ``zero_grad``, ``grad_norm``, ``gathered_bytes`` and ``reduced_bytes`` (sent, plain: weight
 gather and gradient reduction) of the last step,
+``param_groups`` (the optimizer's, whose ``lr`` the training loop may set before a step),
 ``finish`` and ``flats`` (the replicated weight buffers whose bits must agree on every
 rank; empty where nothing is replicated), ``sample(index)`` (weights at flat indices
 into the parameters laid end to end, identical on every rank) and ``forward_only_done``
@@ -46,6 +47,9 @@ class QZeroBackend:
 
     def step(self) -> bool:
         return self.opt.step()
+
+    def param_groups(self):
+        return self.opt.param_groups
 
     def zero_grad(self):
         self.opt.zero_grad()
@@ -131,6 +135,9 @@ class DeepSpeedBackend:
     def step(self) -> bool:
         self.engine.step()
         return not getattr(self.opt, "overflow", False)
+
+    def param_groups(self):
+        return self.opt.param_groups  # DeepSpeed's ZeRO optimizer hands its inner optimizer's groups
 
     def zero_grad(self):
         pass  # engine.step() clears the gradients at the accumulation boundary
@@ -247,6 +254,9 @@ class FSDP2Backend:
             self._reduce_seen = now
         self.opt.step()
         return True
+
+    def param_groups(self):
+        return self.opt.param_groups
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)

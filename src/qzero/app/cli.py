@@ -132,6 +132,8 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
     w.add_argument("--warmup", type=int, default=None,
                    help=f"steps excluded from timing (default {DEFAULT_WARMUP}, fewer when --steps is small)")
     w.add_argument("--lr", type=float, default=1e-3)
+    w.add_argument("--lr-warmup", type=int, default=0, metavar="N",
+                   help="linear learning-rate warmup over the first N steps (default 0: none)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
                    help="hold out this fraction of the data (its end) and report the loss on it (default 0: none)")

@@ -67,6 +67,10 @@ class TrainSettings:
     steps: int = 20
     warmup: int = 2
     lr: float = 1e-3
+    lr_warmup: int = 0
+    """Steps of linear learning-rate warmup: step k (counted from 1) trains at
+    ``lr * k / lr_warmup`` while k <= lr_warmup, at ``lr`` after (0: ``lr`` from the first step).
+    Not ``warmup``, which only leaves steps out of the timing. 0 <= lr_warmup <= steps."""
     seed: int = 0
     deterministic: bool = True  # CUDA: deterministic kernels, so arms of one setting reproduce exactly
     heldout: float = 0.0
@@ -218,6 +222,9 @@ def validate(settings: TrainSettings) -> None:
     lr = settings.lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
         raise WorkloadError(f"lr must be a finite number >= 0, got {lr!r}")
+    warm = settings.lr_warmup
+    if isinstance(warm, bool) or not isinstance(warm, int) or not 0 <= warm <= settings.steps:
+        raise WorkloadError(f"lr_warmup must be a whole number of steps from 0 to steps ({settings.steps}), got {warm!r}")
     for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
         if getattr(settings, name) < 1:
             raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
@@ -321,6 +328,14 @@ def _size(n: float) -> str:
 # ---------------------------------------------------------------------- one rank
 
 
+def lr_at(settings: TrainSettings, step: int) -> float:
+    """The learning rate of step ``step`` (counted from 0): ``settings.lr`` after a linear warmup
+    over the first ``settings.lr_warmup`` steps."""
+    if step < settings.lr_warmup:
+        return settings.lr * (step + 1) / settings.lr_warmup
+    return settings.lr
+
+
 def train_worker(settings: TrainSettings, out_path: str | None, show_progress: bool = True) -> dict | None:
     """Run the training loop on this rank (process group already initialised)."""
     from .heldout import heldout_loss
@@ -367,6 +382,9 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
             ) / settings.grad_accum
             backend.backward(loss)
             loss_sum += loss.detach()
+        if settings.lr_warmup:
+            for group in backend.param_groups():
+                group["lr"] = lr_at(settings, step)
         took = backend.step()
         gathered.append(backend.gathered_bytes())
         backend.zero_grad()
