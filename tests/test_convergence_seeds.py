@@ -215,3 +215,42 @@ def test_the_committed_logs_of_seeds_9_and_11_count():
     got = [cs.load_run(os.path.join(base, f"seed{s}.log"))["summary"]["arms"]["int4-delta-g256"]["diff_pct"]
            for s in (9, 11)]
     assert got == [-0.41, -0.97]
+
+
+def test_the_difference_over_the_run_is_per_window_and_paired(tmp_path):
+    """--window: per run, Δ % of each window's mean loss from the reference's over the same steps;
+    the mean and interval over the runs that kept every step; a run that stopped early, or one
+    read from its log, is left out."""
+    def with_losses(name, seed, ref, arm, steps=6):
+        folder = run(tmp_path, name, seed, {"delta": 100 * (sum(arm[-2:]) / sum(ref[-2:]) - 1)}, steps=steps)
+        path = os.path.join(folder, "convergence.json")
+        record = json.load(open(path))
+        record["arms"]["bf16"]["losses"], record["arms"]["delta"]["losses"] = ref, arm
+        json.dump(record, open(path, "w"))
+        return folder
+
+    ref = [4.0, 4.0, 2.0, 2.0, 1.0, 1.0]
+    a = with_losses("a", 0, ref, [4.4, 4.4, 2.0, 2.0, 1.01, 1.01])   # +10%, 0%, +1%
+    b = with_losses("b", 1, ref, [4.0, 4.8, 2.1, 2.1, 0.99, 0.99])   # +10%, +5%, -1%
+    short = with_losses("short", 2, ref, [4.0, 4.0, 2.0, 2.0, 1.0])  # 5 of 6 steps: left out
+    log = tmp_path / "seed3.log"
+    log.write_text(LOG.format(extra="", delta="+0.1%").replace("20 steps", "6 steps").replace("11–20", "5–6"))
+    runs = [cs.load_run(p) for p in (a, b, short)] + [cs.load_run(str(log))]
+    for r in runs:
+        r["last"] = 10  # the log's window, the same study
+    res = cs.aggregate(runs, 0.25, window=2)
+    over = res["over_steps"]["delta"]
+    assert over["runs"] == 2 and over["files"] == [runs[0]["_file"], runs[1]["_file"]]
+    assert [(w["first"], w["last"]) for w in over["windows"]] == [(1, 2), (3, 4), (5, 6)]
+    assert [w["mean"] for w in over["windows"]] == pytest.approx([10.0, 2.5, 0.0], abs=1e-9)
+    half = 12.706 * statistics.stdev([0.0, 5.0]) / math.sqrt(2)
+    assert (over["windows"][1]["lo"], over["windows"][1]["hi"]) == (pytest.approx(2.5 - half), pytest.approx(2.5 + half))
+    text = cs.markdown(res)
+    assert "| steps | DELTA (2 runs) |" in text and "| 1–2 | +10.00% [" in text
+    with pytest.raises(ValueError, match="--window must be at least 1 step, got 0"):
+        cs.aggregate(runs, 0.25, window=0)
+    # the plot needs three runs of an arm
+    c = with_losses("c", 4, ref, [4.0, 4.0, 2.0, 2.0, 1.0, 1.0])
+    res = cs.aggregate([cs.load_run(p) for p in (a, b, c)], 0.25, window=2)
+    cs.plot_over_steps(res, str(tmp_path / "over.png"))
+    assert (tmp_path / "over.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
