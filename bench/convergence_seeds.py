@@ -349,7 +349,7 @@ def markdown(result: dict) -> str:
     if across:
         lines += ["", f"{ref}'s final loss from seed to seed ({across['seeds']} seeds, the first run of each): "
                   f"SD {across['sd_pct']:.2f}% of its mean {across['mean_loss']:.4f}."]
-    over = {n: o for n, o in (result.get("over_steps") or {}).items()}
+    over = result.get("over_steps") or {}
     if over:
         names = list(over)
         lines += ["", f"Over the run: Δ % of each {over[names[0]]['window']} steps' mean loss from {ref}'s over the same "
