@@ -1,7 +1,7 @@
 """Where a training step's host time goes, by phase (``bench/step_profile.py --host-breakdown``).
 
 :class:`HostBreakdown` wraps, for as long as it is installed, the gather engine's chunk
-launches (the ``streams`` schedule's ``_enqueue_through``, the ``inline`` schedule's ``_pump``),
+launches (the ``streams`` schedule's ``_enqueue_through``, the ``inline`` schedule's ``_launch_all``),
 its packs and unpacks, gather-ahead's forward pre-hooks and parameter reads, and stage 2's
 gradient hooks, bucket launches and finishes (the quantized exchange's inside them) with host
 timers, and counts Python's garbage collections. While a phase is counted (``counting("fwd")``), it
@@ -22,7 +22,7 @@ import torch
 class HostBreakdown:
     """Where the host time of each phase (forward, backward, step) goes (``--host-breakdown``):
     seconds and calls of the gather's chunk launches (``_Streamed._enqueue_through`` and the
-    inline schedule's ``_pump``), its packs and unpacks, gather-ahead's hooks and parameter
+    inline schedule's ``_launch_all``), its packs and unpacks, gather-ahead's hooks and parameter
     reads; synchronizing CUDA calls (``torch.cuda.set_sync_debug_mode``, with the qzero or
     transformers frame that made them), the caching allocator's device allocations, frees and
     retries, and Python's garbage collections. Installed before the backend is built (the
@@ -30,7 +30,7 @@ class HostBreakdown:
 
     #: (module under qzero, function or Class.method[, key]): the key defaults to the name
     #: without its leading underscores. Times are inclusive (a reduction's launch holds its pack).
-    TIMED = (("wire.engine", "_Streamed._enqueue_through"), ("wire.engine", "_Inline._pump"),
+    TIMED = (("wire.engine", "_Streamed._enqueue_through"), ("wire.engine", "_Inline._launch_all"),
              ("wire.engine", "pack_chunk"), ("wire.engine", "unpack_chunk"),
              ("wire.overlap", "GatherAhead._hook"), ("wire.overlap", "GatherAhead.wait_for"),
              # the gradient reduction, stage 2: the hook per parameter (staging its gradient;

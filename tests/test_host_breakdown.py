@@ -17,7 +17,7 @@ def breakdown_run(rank, world, quantized_gradients=False):
     from qzero.optim import grads
     from qzero.wire import engine, overlap, quantized_reduce
 
-    wrapped = lambda: (engine._Inline._pump, engine.pack_chunk, overlap.GatherAhead._hook,  # noqa: E731
+    wrapped = lambda: (engine._Inline._launch_all, engine.pack_chunk, overlap.GatherAhead._hook,  # noqa: E731
                        grads.Stage2Grads._launch, quantized_reduce.QuantizedExchange.finish)
     originals = wrapped()
     hb = hb_mod.HostBreakdown()
@@ -51,11 +51,12 @@ def test_the_breakdown_counts_each_phase_and_restores_what_it_wrapped():
         assert restored
         per = report["per_step"]
         fwd, step = per["fwd"], per["step"]
-        # the forward overlaps the gather: its hooks run and launch chunks (inline schedule)
-        assert fwd["hook"][0] >= 6 and fwd["pump"][0] > 0 and fwd["pack_chunk"][0] > 0
+        # the forward overlaps the gather: its hooks run and land the chunks still in flight
+        assert fwd["hook"][0] >= 6 and fwd["unpack_chunk"][0] > 0
         assert fwd["hook"][1] > 0  # milliseconds
-        # step() starts the gather: its first chunks are launched there
-        assert step["pack_chunk"][0] >= 1
+        # step() starts the gather and launches every chunk there (inline schedule), none from the forward
+        assert step["launch_all"][0] >= 1 and step["pack_chunk"][0] >= 2
+        assert "launch_all" not in fwd and "pack_chunk" not in fwd
         # nothing of the gather runs in the backward (it waited for the whole gather first)
         assert "pack_chunk" not in per["bwd"]
         for phase in ("fwd", "bwd", "step"):

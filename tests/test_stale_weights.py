@@ -178,3 +178,49 @@ def test_a_compiled_forward_waits_too():
     """torch.compile breaks its graph at the waits (they are never traced) and keeps the bits."""
     for sync, ahead in run_distributed(compiled, 2, timeout=300):
         assert sync == ahead
+
+
+def _reads_on_rank_zero_only(rank, world, delta):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
+    twin = copy.deepcopy(model)
+    model, twin = model.bfloat16(), twin.bfloat16()
+    cfg = dict(zero_quantized_weights=True, zero_quantized_weights_format="int4" if delta else "int8",
+               zero_quantized_weights_delta=delta, small_param_numel=8,
+               allgather_bucket_size=world * 16 * 16 * (2 if delta else 1))  # one or two Linears a chunk: many chunks
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2),
+                              config=qzero.ZeroConfig(overlap_param_gather=True, **cfg))
+    ref = qzero.ZeroOptimizer(twin, functools.partial(torch.optim.AdamW, lr=1e-2),
+                              config=qzero.ZeroConfig(overlap_param_gather=False, **cfg))
+    g = torch.Generator().manual_seed(rank)
+    seen = []
+    for _ in range(3):
+        x = torch.randn(4, 16, generator=g).bfloat16()
+        for m, o in ((model, opt), (twin, ref)):
+            o.backward(m(x).float().square().mean())
+            o.step()
+            o.zero_grad()
+        if rank == 0:  # rank 0 alone reads right after step(): a save, an evaluation, a log line
+            sd = model.state_dict()
+            with torch.no_grad():
+                out = model(x)
+            seen.append(all(torch.equal(sd[k], v) for k, v in twin.state_dict().items())
+                        and torch.equal(out, twin(x)))
+        dist.barrier()  # the other ranks meet it here, having read nothing
+        # a collective of the user's own, issued by every rank while the gather may run ahead
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [world] * 3
+    opt.wait_for_weights()
+    return seen, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["int8", "int4-delta"])
+def test_a_read_on_one_rank_only_after_step_neither_hangs_nor_is_stale(delta):
+    """Rank 0 saves and evaluates right after ``step()`` while the other ranks do not: no
+    collective of the gather may be issued by that read alone (it would hang, or pair with
+    the user's own collective on the other ranks)."""
+    results = run_distributed(_reads_on_rank_zero_only, 2, delta, timeout=60)
+    assert results[0][0] == [True] * 3 and results[1][0] == []
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)

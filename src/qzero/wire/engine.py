@@ -44,15 +44,19 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
 
 ``inline`` (every device; the only one off CUDA)
     Pack and unpack run on the current stream; collectives are launched asynchronously
-    and waited for in order, with up to ``depth`` chunks in flight (2 under gather-ahead:
-    each ``wait_until`` also launches the next chunks).
+    and waited for in order, with up to ``depth`` chunks in flight (2 under gather-ahead).
+    Every chunk is launched when the gather starts: a chunk whose receive buffer is needed
+    again lands there, so under gather-ahead the last ``depth`` chunks are left in flight.
 
 The same on every rank: collectives are matched across ranks by the order they are issued
 in, and a user may issue their own (a loss all-reduce, say) while a gather runs ahead. So
 how many chunks have been launched or enqueued at any point is decided by the sequence of
 calls alone (``start_gather``, ``wait_until(k)``, ``wait``), never by timing: an earlier
 version enqueued "while the device is still busy with the update", and the ranks then
-disagreed on the order of the next collectives and hung.
+disagreed on the order of the next collectives and hung. Nor by reads on one rank only (rank
+0 saving or evaluating right after ``step()``): only the ``streams`` schedule with a lookahead
+``L > 0`` launches collectives from a wait, and there every rank must make the same reads
+(``opt.wait_for_weights()`` on every rank first).
 
 A plain gather with nothing to overlap (no ``prepare``, not ahead: ``qzero.all_gather``, the
 exact re-gather) is one in-place collective over the whole buffer: each partition already
@@ -388,14 +392,21 @@ class _Inline(_ChunkLoop):
         self._direct = not work.quantized and len(work.chunks) == 1
         n = 0 if self._direct else min(depth, len(work.chunks))
         self._buffers = context.recv_buffers(flat, n, work.max_recv_bytes)
-        self._pump()
+        self._launch_all()
 
     def _buffer(self, k: int) -> torch.Tensor:
         return self._buffers[k % len(self._buffers)][: self.world * self.plan.chunks[k].payload_bytes]
 
-    def _pump(self) -> None:
+    def _launch_all(self) -> None:
+        # Every chunk's collective is launched here, in start_gather, never from a wait: a
+        # read of the weights on one rank only (rank 0 saving or evaluating right after
+        # step()) must not issue a collective the other ranks never issue. A chunk whose
+        # buffer is needed again lands first, so at most ``depth`` stay in flight.
         n = len(self.plan.chunks)
-        while self._launched < n and (self._direct or len(self._in_flight) < len(self._buffers)):
+        while self._launched < n:
+            if not self._direct and len(self._in_flight) >= len(self._buffers):
+                self._land(*self._in_flight.popleft())
+                self.finished += 1
             chunk = self.plan.chunks[self._launched]
             if self.prepare is not None:
                 self.prepare(chunk.offset + chunk.numel)
@@ -407,7 +418,6 @@ class _Inline(_ChunkLoop):
             while self.finished <= min(chunk_index, len(self.plan.chunks) - 1):
                 self._land(*self._in_flight.popleft())
                 self.finished += 1
-                self._pump()
         if self.done:
             self._buffers = []
 
