@@ -504,9 +504,13 @@ def grad_lifetime_run(rank, world, stage):
     seen["kept_zero"] = g.grad is not None and not g.grad.any()
     opt.zero_grad()
     seen["dropped"] = g.grad is None and g.master.grad is None
-    before = g.master.clone()
-    opt.step()  # no backward: zero gradients, as before the shard was dropped (Adam's momentum still moves)
-    seen["step_without_backward"] = g.grad is not None and not g.grad.any() and not torch.equal(before, g.master)
+    before, weights = g.master.clone(), [p.detach().clone() for p in model.parameters()]
+    try:  # no backward since zero_grad(): refused (torch.optim would skip it; Adam's momentum would still move)
+        opt.step()
+        seen["step_without_backward"] = False
+    except RuntimeError as e:
+        seen["step_without_backward"] = ("without opt.backward(loss)" in str(e) and torch.equal(before, g.master)
+                                         and all(torch.equal(a, b) for a, b in zip(weights, model.parameters())))
     return seen
 
 

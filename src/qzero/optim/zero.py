@@ -37,6 +37,7 @@ from .flat import FlatGroup
 from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from ..wire.quantized_reduce import GradientQuantization
 from . import update as sliced_update
+from .guard import ModelGuard
 from .scaler import LossScaler
 from ..vocabulary import WEIGHT_FORMATS
 
@@ -146,6 +147,11 @@ class ZeroOptimizer:
         #: Gradient traffic of the last step, per flat group (all its micro-batches).
         self.last_reduce: list[ReduceStats] = []
         self.steps_taken = 0
+        # [Note: the model belongs to the optimizer] in guard.py; and the loop's order:
+        # backward since the last zero_grad/step, step, zero_grad before the next backward.
+        self.guard = ModelGuard(model, self.groups, inner)
+        self._backward_ran = False
+        self._stepped = False
 
     # ------------------------------------------------------------------ the loop
 
@@ -182,10 +188,17 @@ class ZeroOptimizer:
         if not loss.requires_grad:
             raise ValueError("ZeroOptimizer.backward(loss): loss does not require grad (was it computed under "
                              "torch.no_grad() or torch.inference_mode(), detached, or from frozen parameters only?)")
+        if self._stepped:
+            raise RuntimeError(
+                "qzero: ZeroOptimizer.backward() after step() without opt.zero_grad() in between: the last "
+                "step's gradients would be added to this one's. Call opt.zero_grad() after step() "
+                "(model.zero_grad() does not clear the optimizer's gradient buffers)")
         self._finish_gathers()
+        self.guard.check(self.steps_taken)
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:
             grads.after_backward()
+        self._backward_ran = True
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -201,6 +214,13 @@ class ZeroOptimizer:
         self.wait_for_weights()
         for grads in self.grads:
             grads.before_step()
+        if not self._backward_ran:
+            raise RuntimeError(
+                "qzero: ZeroOptimizer.step() without opt.backward(loss) since the last zero_grad() or step(): "
+                "nothing to apply (a plain loss.backward() is not enough: the optimizer reduces, scales and "
+                "checks the gradients in opt.backward)")
+        self.guard.check(self.steps_taken)
+        self._backward_ran, self._stepped = False, True
         self.last_reduce = [grads.take_stats() for grads in self.grads]
         shards = [g.grad_shard() for g in self.groups]
         if self.scaler.enabled:
@@ -300,6 +320,7 @@ class ZeroOptimizer:
         memory peak; ``False`` zeroes them in place."""
         for grads in self.grads:
             grads.zero(set_to_none)
+        self._backward_ran = self._stepped = False
 
     @torch.no_grad()
     def gather_exact_weights(self) -> None:
@@ -327,6 +348,7 @@ class ZeroOptimizer:
 
         self.wait_for_weights()
         load_checkpoint(self, path)
+        self.guard.snapshot()
 
     def state_dict(self) -> dict:
         """A torch.distributed.checkpoint state dict: sharded fp32 masters and optimizer state."""

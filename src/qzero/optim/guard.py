@@ -1,0 +1,91 @@
+"""What may not change behind the optimizer's back, checked at every ``step()``.
+
+[Note: the model belongs to the optimizer]
+
+After ``ZeroOptimizer(model, ...)`` every trainable parameter is a view into a flat buffer,
+its fp32 master lives (sharded) in the optimizer, and every step overwrites the weights with
+the gathered masters. A change made to the model or to the inner optimizer directly would
+then be lost, or train wrong, without a word:
+
+* an in-place write to a weight (``model.load_state_dict``, ``nn.init``, a ``no_grad`` edit):
+  the next step gathers the old masters over it (with delta gathers, one rank's edit would
+  even leave the replicas apart);
+* ``model.to(dtype)`` / ``.half()`` / ``.float()`` or any ``p.data = ...``: the parameter is
+  no longer a view of the flat buffer, so it is never updated again;
+* a parameter replaced (``module.weight = nn.Parameter(...)``), or one made trainable after
+  construction: never updated;
+* ``requires_grad_(False)`` on a parameter the optimizer holds: momentum and weight decay
+  still move it;
+* parameters or groups added to the inner optimizer: stepped with gradients no rank reduced.
+
+:class:`ModelGuard` records, at construction and after every step, each held parameter's
+identity, storage, dtype, ``requires_grad`` and version counter (qzero's own writes go
+through the flat buffer and leave the counter alone), and :meth:`ModelGuard.check` raises
+naming the first parameter that changed and what to do instead. The check reads metadata
+only: no device work, no synchronisation. It runs on each rank for that rank's model: a
+change made on some ranks only raises there (under ``torchrun`` the others are then stopped).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: What to do instead, said by every error of this module.
+_INSTEAD = ("load weights before constructing the ZeroOptimizer, or through opt.load_checkpoint(); "
+            "change dtype, device or which parameters train before constructing it")
+
+
+class ModelChangedError(RuntimeError):
+    """The model or the inner optimizer was changed behind the ZeroOptimizer's back."""
+
+
+class ModelGuard:
+    def __init__(self, model: torch.nn.Module, groups, inner: torch.optim.Optimizer):
+        self.model, self.inner = model, inner
+        self.held = [(name, p) for g in groups for name, p in zip(g.names, g.params)]
+        self.masters = [g.master for g in groups]
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Record the state the optimizer left the parameters in (after its own writes)."""
+        self.state = [(p._version, p.data_ptr(), p.dtype, p.requires_grad) for _, p in self.held]
+        self.ids = {id(p) for _, p in self.held}
+
+    def check(self, step: int) -> None:
+        where = f"before optimizer step {step + 1}"
+        for (name, p), (version, ptr, dtype, requires_grad) in zip(self.held, self.state):
+            if p.dtype != dtype or p.data_ptr() != ptr:
+                raise ModelChangedError(
+                    f"qzero: parameter {name!r} no longer lives in the optimizer's flat buffer {where} (now "
+                    f"{p.dtype}, was {dtype}): model.to(...), .half(), .float() or p.data = ... after the "
+                    f"ZeroOptimizer was built would leave it untrained; {_INSTEAD}")
+            if p._version != version:
+                raise ModelChangedError(
+                    f"qzero: parameter {name!r} was written outside the optimizer {where} (model.load_state_dict, "
+                    f"nn.init, or an in-place edit): the next step would gather the optimizer's fp32 masters "
+                    f"over it; {_INSTEAD}")
+            if p.requires_grad != requires_grad:
+                raise ModelChangedError(
+                    f"qzero: parameter {name!r} changed requires_grad to {p.requires_grad} {where}: the optimizer "
+                    f"would still move it (momentum, weight decay); {_INSTEAD}")
+        seen = set()
+        for name, p in self.model.named_parameters():
+            seen.add(id(p))
+            if p.requires_grad and id(p) not in self.ids:
+                raise ModelChangedError(
+                    f"qzero: trainable parameter {name!r} is not one the optimizer holds {where} (replaced by "
+                    f"module.<name> = nn.Parameter(...), or made trainable after construction): it would never "
+                    f"be updated; {_INSTEAD}")
+        gone = [name for name, p in self.held if id(p) not in seen]
+        if gone:
+            raise ModelChangedError(
+                f"qzero: parameter {gone[0]!r} is no longer in the model {where} (replaced or removed): the "
+                f"optimizer would keep training a tensor the model does not use; {_INSTEAD}")
+        groups = self.inner.param_groups
+        if len(groups) != len(self.masters) or any(
+                len(g["params"]) != 1 or g["params"][0] is not m for g, m in zip(groups, self.masters)):
+            raise ModelChangedError(
+                f"qzero: the inner optimizer's parameter groups were changed {where} (add_param_group or an "
+                f"edit of param_groups[i]['params']): parameters outside the optimizer's flat groups get no "
+                f"reduced gradients, so the replicas would drift apart; build the ZeroOptimizer with "
+                f"param_groups=[...] instead (hyperparameters such as the learning rate may change freely)")
