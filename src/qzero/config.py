@@ -196,7 +196,8 @@ class ZeroConfig:
     direction only: its size again on the link. Off by default: on an Ethernet-class DP2 link
     it cost 1.16x in whole-step time (Qwen3-1.7B, gather-ahead) and saved no peak memory.
     Turn it on where memory binds at the end of backward (a Qwen3-4B at DP8 stages ~5.8 GiB
-    there in windows, 446 MiB with it: ``bench/plan_report.py``)."""
+    there in windows, 446 MiB with it: ``bench/plan_report.py``). Such parameters are reduced
+    after every bucket of the backward (the windows' zeros must land before them)."""
 
     gather_schedule: str = "auto"
     """How the weight gather's chunks are scheduled (the results are the same bits):

@@ -31,8 +31,8 @@ The two stages differ only in *when*:
 
 * :class:`Stage1Grads` keeps a full gradient buffer (parameters' ``.grad`` are views
   into it) and reduces it once, at ``step()``, after all micro-batches.
-* :class:`Stage2Grads` reduces each bucket as soon as backward has produced all its
-  gradients (overlapping backward), then frees the parameter gradients: only the
+* :class:`Stage2Grads` reduces each bucket once backward has produced all its gradients
+  (overlapping backward), in an order every rank shares ([Note: one launch order]), then frees the parameter gradients: only the
   gradient shard (during backward its landing shard, see the note; from the end of a
   backward until ``zero_grad`` the fp32 shard) and at most a few staged buckets exist. With gradient accumulation this reduces (and, quantized,
   quantizes) every micro-batch: stage 2 keeps no full gradient to reduce once at the
@@ -399,6 +399,22 @@ class Stage2Grads:
         for bucket in self.buckets:
             for i in bucket.slots:
                 self._targets.setdefault(i, []).append((bucket, self.reducer.pieces_of(bucket, slots[i])))
+        # [Note: one launch order] Collectives pair up across ranks by the order they are
+        # issued in, so buckets and solo parameters are launched in one order that every
+        # rank shares; a unit that completes early waits for the units before it. Were they
+        # launched as they complete, a parameter left without a gradient on some ranks only
+        # (a skipped branch, an MoE expert no token chose) would reorder one rank's
+        # collectives: wrong sums, or a size mismatch. The first backward uses an order made
+        # from the plan alone (reverse layout order: a bucket completes when its
+        # first-laid-out parameter arrives). At its end, the order in which rank 0's buckets
+        # completed is broadcast and kept: from then on the buckets launch as early as they
+        # did on rank 0. Solo parameters (``solo_reduce``) come last: a bucket's window can
+        # cover a solo parameter's place in its owner's partition (as zeros), and with the
+        # landing shard the bucket's result is written there, so the solo's must land after.
+        units = [(-min(b.slots), b.index, b) for b in self.buckets if b.slots]
+        units += [(1, b.index, b) for b in self.buckets if not b.slots]  # padding only
+        self._order = [u for *_, u in sorted(units, key=lambda t: t[:2])] + sorted(self.reducer.solo)
+        self._completed: list[int] | None = []  # bucket indices in completion order (first backward only)
         self._reset()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(group.params)
@@ -411,6 +427,7 @@ class Stage2Grads:
         self._solo_sent: set[int] = set()
         self._solo_held: dict[int, torch.Tensor] = {}
         self._pending: deque = deque()  # (finish, works, buffer, bucket or slot)
+        self._next = 0  # the first unit of self._order not launched yet
 
     def _make_hook(self, slot_index: int):
         def hook(param: torch.Tensor) -> None:
@@ -428,18 +445,36 @@ class Stage2Grads:
     def _on_grad(self, slot_index: int, param: torch.Tensor) -> None:
         grad = param.grad.detach().reshape(-1)
         if slot_index in self._solo:
-            if self.overlap:
-                self._launch_solo(slot_index, grad.to(self.dtype))
-            else:  # overlap_comm off: nothing is reduced before backward ends
-                self._solo_held[slot_index] = grad.to(self.dtype)
+            self._solo_held[slot_index] = grad.to(self.dtype)
         for bucket, pieces in self._targets.get(slot_index, ()):
             buf = self._staging_for(bucket)
             for a, b, off in pieces:
                 buf[off : off + b - a].add_(grad[a:b])
             self._missing[bucket.index] -= 1
-            if self._missing[bucket.index] == 0 and self.overlap:
-                self._launch(bucket)
+            if self._missing[bucket.index] == 0 and self._completed is not None:
+                self._completed.append(bucket.index)
         param.grad = None
+        if self.overlap:  # overlap_comm off: nothing is reduced before backward ends
+            self._launch_due(everything=False)
+
+    def _launch_due(self, everything: bool) -> None:
+        """Launch the next units of the fixed order ([Note: one launch order]) while they are
+        complete (``everything``: all of them, at the backward's end; what backward did not
+        deliver counts as zeros)."""
+        while self._next < len(self._order):
+            unit = self._order[self._next]
+            if isinstance(unit, int):  # a solo parameter
+                held = self._solo_held.pop(unit, None)
+                if held is None:
+                    if not everything:
+                        return
+                    held = torch.zeros(self.group.layout.slots[unit].numel, dtype=self.dtype, device=self.group.device)
+                self._launch_solo(unit, held)
+            else:
+                if self._missing[unit.index] and not everything:
+                    return
+                self._launch(unit)
+            self._next += 1
 
     def _launch(self, bucket) -> None:
         buf = self._staging_for(bucket)  # zeros if backward delivered nothing to it
@@ -468,19 +503,28 @@ class Stage2Grads:
     def after_backward(self) -> None:
         """Reduce what backward left (buckets and solo parameters without a gradient count
         as zeros), in a fixed order so every rank issues the same collectives, then wait."""
-        for bucket in self.buckets:
-            if bucket.index not in self._launched:
-                self._launch(bucket)
-        for i in sorted(self._solo):
-            if i not in self._solo_sent:
-                held = self._solo_held.pop(i, None)
-                if held is None:
-                    held = torch.zeros(self.group.layout.slots[i].numel, dtype=self.dtype, device=self.group.device)
-                self._launch_solo(i, held)
+        self._launch_due(everything=True)
         while self._pending:
             self._finish_oldest()
         self.reducer.fold_landing()
+        if self._completed is not None:
+            self._learn_order()
         self._reset()
+
+    def _learn_order(self) -> None:
+        """Keep rank 0's completion order of the first backward ([Note: one launch order])."""
+        by_index = {b.index: b for b in self.buckets}
+        done = set(self._completed)
+        order = self._completed + [u.index for u in self._order if not isinstance(u, int) and u.index not in done]
+        self._completed = None
+        if self.group.world_size > 1:
+            t = torch.tensor(order, dtype=torch.int64, device=self.group.device)
+            pg = self.group.process_group
+            src = dist.get_global_rank(pg, 0) if pg is not None else 0
+            with peer_failure("the gradient reduction"):
+                dist.broadcast(t, src=src, group=pg)
+            order = t.tolist()
+        self._order = [by_index[i] for i in order] + sorted(self.reducer.solo)
 
     def before_step(self) -> None:
         pass
