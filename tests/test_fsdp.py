@@ -449,3 +449,28 @@ def test_optimizer_check_leaves_the_sliced_update_alone():
     assert sliceable(opt, [master])
     opt.register_step_pre_hook(lambda *_: None)  # anyone else's hook still turns it off
     assert not sliceable(opt, [master])
+
+
+def _data_assignment_run(rank, world):
+    from qzero.fsdp import quantize_weight_gathers
+
+    torch.manual_seed(0)
+    model = quantize_weight_gathers(torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 40)),
+                                    small_param_numel=100)
+    before = model[0].weight.detach().clone()
+    try:
+        model[0].weight.data = torch.full((40, 40), 3.0)
+        refused = None
+    except TypeError as e:
+        refused = str(e)
+    unchanged = torch.equal(model[0].weight.detach(), before) and model[0].weight.shape == (40, 40)
+    with torch.no_grad():  # what the error says to do instead: takes effect in the wrapped tensor
+        model[0].weight.copy_(torch.full((40, 40), 3.0))
+    return refused, unchanged, float(model[0].weight.unwrapped.sum())
+
+
+def test_assigning_data_of_a_wrapped_parameter_is_refused_not_lost():
+    """``p.data = t`` would change the wrapper's metadata but not the tensor FSDP2 gathers from."""
+    for refused, unchanged, copied in run_distributed(_data_assignment_run, 2):
+        assert refused is not None and "'0.weight'" in refused and "p.copy_(new)" in refused
+        assert unchanged and copied == 4800.0

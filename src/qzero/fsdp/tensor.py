@@ -154,6 +154,20 @@ class QuantizedGatherTensor(torch.Tensor):
         return f"QuantizedGatherTensor({self._format.fmt}, g{self._format.group_size}, {self._tensor!r})"
 
     @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new) -> None:
+        # torch's own setter would change the wrapper's metadata but not the wrapped tensor
+        # FSDP2 gathers from: the assignment would be lost without a word.
+        name = f" {self._record.name!r}" if self._record is not None else ""
+        raise TypeError(
+            f"qzero.fsdp: cannot assign .data of parameter{name}, which quantize_weight_gathers wrapped (the "
+            f"wrapped tensor would keep its old values). Write into it instead (with torch.no_grad(): "
+            f"p.copy_(new), or model.load_state_dict(...)), or load the weights before quantize_weight_gathers")
+
+    @property
     def unwrapped(self) -> torch.Tensor:
         """The wrapped fp32 tensor (shares its storage)."""
         return self._tensor
