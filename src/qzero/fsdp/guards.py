@@ -124,6 +124,26 @@ class StrippedCheck:
                 "them with plain tensors, so FSDP2 would gather them plainly. Call quantize_weight_gathers after the "
                 "step that replaces parameters (on the fp32 model, before fully_shard), or load without replacing them"
             )
+        self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        """Refuse FSDP2 settings the per-parameter quantized gather cannot carry, naming them,
+        instead of FSDP2's shape or dtype error inside its all-gather (the same settings on
+        every rank, so every rank raises)."""
+        if self._sharded is None:
+            self._sharded = _fsdp_params(self.model)
+        for fsdp_param in self._sharded.values():
+            held = wrapped_in(fsdp_param.sharded_param)
+            if held is None or held._record is None:
+                continue
+            name = held._record.name
+            post = getattr(fsdp_param, "post_forward_mesh_info", None)  # True: the mesh itself; False: None
+            main = getattr(fsdp_param, "mesh_info", None)
+            if post is not None and main is not None and post.shard_mesh_size != main.shard_mesh_size:
+                raise ValueError(
+                    f"qzero.fsdp: parameter {name!r} is resharded after forward to a smaller mesh (an integer "
+                    "reshard_after_forward); quantize_weight_gathers supports reshard_after_forward=True or False "
+                    "only: use one of those, or quantize_group_gathers after fully_shard")
 
 
 def _fsdp_params(model: nn.Module | None) -> dict:

@@ -233,6 +233,13 @@ class QuantizedGatherTensor(torch.Tensor):
         world = mesh.size()
         full = tuple(outer_size) if outer_size is not None else None
         compute = getattr(mp_policy, "param_dtype", None) or shard.dtype
+        if full is not None and tuple(shard.shape[1:]) != tuple(full[1:]):
+            name = f" {self._record.name!r}" if self._record is not None else ""
+            raise ValueError(
+                f"qzero.fsdp: parameter{name} of shape {list(full)} is sharded along another dimension than 0 "
+                f"(this rank's shard: {list(shard.shape)}; fully_shard's shard_placement_fn); quantize_weight_gathers "
+                "carries Shard(0) only: return Shard(0) (or None) for it, or use quantize_group_gathers after "
+                "fully_shard, which carries any placement")
         if full is None or not carries(full, world) or tuple(shard.shape) != shard_shape(full, world):
             # Plain: the padded shard in the compute dtype, as FSDP2 gathers it itself.
             rows = -(-full[0] // world) if full else shard.shape[0]
