@@ -32,8 +32,8 @@ The two stages differ only in *when*:
 * :class:`Stage1Grads` keeps a full gradient buffer (parameters' ``.grad`` are views
   into it) and reduces it once, at ``step()``, after all micro-batches.
 * :class:`Stage2Grads` reduces each bucket once backward has produced all its gradients
-  (overlapping backward), in an order every rank shares ([Note: one launch order]), then frees the parameter gradients: only the
-  gradient shard (during backward its landing shard, see the note; from the end of a
+  (overlapping backward), in an order every rank shares ([Note: one launch order]), then
+  frees the parameter gradients: only the gradient shard (during backward its landing shard, see the note; from the end of a
   backward until ``zero_grad`` the fp32 shard) and at most a few staged buckets exist. With gradient accumulation this reduces (and, quantized,
   quantizes) every micro-batch: stage 2 keeps no full gradient to reduce once at the
   end. Quantization errors of the micro-batches then add up in the fp32 shard (each
@@ -423,8 +423,6 @@ class Stage2Grads:
     def _reset(self) -> None:
         self._missing = {b.index: len(b.slots) for b in self.buckets}
         self._staging: dict[int, torch.Tensor] = {}
-        self._launched: set[int] = set()
-        self._solo_sent: set[int] = set()
         self._solo_held: dict[int, torch.Tensor] = {}
         self._pending: deque = deque()  # (finish, works, buffer, bucket or slot)
         self._next = 0  # the first unit of self._order not launched yet
@@ -481,14 +479,12 @@ class Stage2Grads:
         del self._staging[bucket.index]
         with label(REDUCE_GRADIENTS):
             self._pending.append((self.reducer.finish, self.reducer.launch(buf, bucket), buf, bucket))
-        self._launched.add(bucket.index)
         self._bound_in_flight()
 
     def _launch_solo(self, slot_index: int, buf: torch.Tensor) -> None:
         slot = self.group.layout.slots[slot_index]
         with label(REDUCE_GRADIENTS):
             self._pending.append((self.reducer.finish_solo, self.reducer.launch_solo(buf, slot), buf, slot))
-        self._solo_sent.add(slot_index)
         self._bound_in_flight()
 
     def _bound_in_flight(self) -> None:

@@ -1,4 +1,4 @@
-"""What may not change behind the optimizer's back, checked at every ``step()``.
+"""What may not change behind the optimizer's back, checked at every ``backward()`` and ``step()``.
 
 [Note: the model belongs to the optimizer]
 
@@ -18,7 +18,7 @@ then be lost, or train wrong, without a word:
   still move it;
 * parameters or groups added to the inner optimizer: stepped with gradients no rank reduced.
 
-:class:`ModelGuard` records, at construction and after every step, each held parameter's
+:class:`ModelGuard` records, at construction and after ``load_checkpoint``, each held parameter's
 identity, storage, dtype, ``requires_grad`` and version counter (qzero's own writes go
 through the flat buffer and leave the counter alone), and :meth:`ModelGuard.check` raises
 naming the first parameter that changed and what to do instead. The check reads metadata
