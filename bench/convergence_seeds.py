@@ -10,7 +10,11 @@ seeds), so a single run cannot decide a target of that size. This script reads t
 * the difference from the reference in every run (Δ %, paired within the run: the reference
   saw the same batches), and their mean, standard deviation and a two-sided 95% interval
   of the mean (Student's t over the runs);
-* the same for the final held-out loss, where the runs measured one;
+* a two-sided p-value that the mean Δ is zero (Student's t): whether the arm differs from the
+  reference at all, which a verdict of "undecided" leaves open;
+* the same for the final held-out loss, where the runs measured one; and over the run, the Δ of
+  every held-out evaluation the runs share, and (``--heldout-last K``) of each run's mean over its
+  last K evaluations (one evaluation of a few windows is noisier than 100 steps of training loss);
 * a verdict against ``--target`` (percent): **within** when the whole interval lies inside
   ±target, **outside** when the whole interval lies outside it, **undecided** otherwise
   (too few runs, or a mean near the edge). One run is always undecided.
@@ -86,6 +90,13 @@ def _betainc(a: float, b: float, x: float) -> float:
         if abs(c * d - 1.0) < 1e-14:
             break
     return front * f
+
+
+def t_p_two_sided(t: float, dof: int) -> float:
+    """P(|T| >= |t|) for Student's t with ``dof`` degrees of freedom."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {dof}")
+    return _betainc(dof / 2.0, 0.5, dof / (dof + t * t))
 
 
 def f_sf(x: float, d1: int, d2: int) -> float:
@@ -172,10 +183,11 @@ def interval(values: list[float]) -> dict:
     n = len(values)
     mean = statistics.fmean(values)
     if n < 2:
-        return {"n": n, "mean": mean, "sd": None, "lo": None, "hi": None}
+        return {"n": n, "mean": mean, "sd": None, "lo": None, "hi": None, "p_zero": None}
     sd = statistics.stdev(values)
     half = t975(n - 1) * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
+    p_zero = t_p_two_sided(mean / (sd / math.sqrt(n)), n - 1) if sd > 0 else (1.0 if mean == 0 else 0.0)
+    return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half, "p_zero": p_zero}
 
 
 def runs_needed(sd: float | None, target: float, mean: float = 0.0, most: int = 1000) -> int | None:
@@ -202,7 +214,8 @@ def verdict(stats: dict, target: float) -> str:
     return "undecided"
 
 
-def aggregate(runs: list[dict], target: float, floor: str | None = None, window: int = 200) -> dict:
+def aggregate(runs: list[dict], target: float, floor: str | None = None, window: int = 200,
+              heldout_last: int = 1) -> dict:
     """Per arm, over the runs that have it: Δ % of the final loss (and of the final held-out
     loss) from each run's reference, their interval and the verdict; with ``floor`` (an arm
     that replicates the reference), every other arm's spread against the floor's."""
@@ -271,6 +284,7 @@ def aggregate(runs: list[dict], target: float, floor: str | None = None, window:
             "seeds": [r.get("seed") for r in runs], "arms": arms, "reference_spread_pct": spread,
             "reference_across_seeds": across, "spread_against_floor": against_floor,
             "over_steps": over_steps(runs, reference, window),
+            "heldout_over_steps": heldout_over_steps(runs, reference, heldout_last),
             "from_logs": [r["_file"] for r in runs if r.get("from_log")]}
 
 
@@ -309,6 +323,38 @@ def over_steps(runs: list[dict], reference: str, window: int) -> dict:
     return out
 
 
+def heldout_over_steps(runs: list[dict], reference: str, last: int = 1) -> dict:
+    """Per arm with held-out losses in at least two runs: Δ % of the held-out loss from the
+    reference's at every evaluation step all those runs share, its interval over the runs, and
+    that of each run's mean Δ over its ``last`` shared evaluations. A run from a log (no
+    held-out curve) is left out."""
+    if last < 1:
+        raise ValueError(f"--heldout-last must be at least 1 evaluation, got {last}")
+    names = []
+    for r in runs:
+        names += [n for n in (r.get("arms") or {}) if n != reference and n not in names]
+    out = {}
+    for name in names:
+        pairs = []
+        for r in runs:
+            arms = r.get("arms") or {}
+            mine, ref = (arms.get(name) or {}).get("heldout_losses"), (arms.get(reference) or {}).get("heldout_losses")
+            if mine and ref:
+                pairs.append((r["_file"], dict(map(tuple, mine)), dict(map(tuple, ref))))
+        if len(pairs) < 2:
+            continue
+        steps = sorted(set.intersection(*(set(m) & set(b) for _, m, b in pairs)))
+        if not steps:
+            continue
+        curves = [[100.0 * (m[k] - b[k]) / b[k] for k in steps] for _, m, b in pairs]
+        k = min(last, len(steps))
+        out[name] = {"runs": len(pairs), "files": [f for f, _, _ in pairs], "steps": steps,
+                     "evaluations": [{"step": st, **interval([c[i] for c in curves])} for i, st in enumerate(steps)],
+                     "last": {"evaluations": k, "first_step": steps[-k], "last_step": steps[-1],
+                              **interval([statistics.fmean(c[-k:]) for c in curves])}}
+    return out
+
+
 def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:+.2f}%"
 
@@ -324,8 +370,9 @@ def markdown(result: dict) -> str:
         f"of this SD put the interval inside ±{target}% if the true difference is zero / is the mean measured "
         "(none: no number of runs does).",
         "",
-        "| arm | runs | Δ per run | mean Δ | SD | 95% interval | verdict | runs for the band | held-out: mean Δ [95%] |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | runs | Δ per run | mean Δ | SD | 95% interval | p (mean Δ = 0) | verdict | runs for the band "
+        "| held-out: mean Δ [95%] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in result["arms"].items():
         d = a["diff_pct"]
@@ -337,8 +384,9 @@ def markdown(result: dict) -> str:
         need = a["runs_needed"]
         runs_for = "—" if d["sd"] is None else " / ".join("none" if k is None else str(k)
                                                           for k in (need["at_zero"], need["at_mean"]))
-        lines.append(f"| {a['label']} | {d['n']} | {per} | {_pct(d['mean'])} | {sd} | {iv} | {a['verdict']} | {runs_for} "
-                     f"| {held} |")
+        pz = "—" if d["p_zero"] is None else f"{d['p_zero']:.3f}"
+        lines.append(f"| {a['label']} | {d['n']} | {per} | {_pct(d['mean'])} | {sd} | {iv} | {pz} | {a['verdict']} "
+                     f"| {runs_for} | {held} |")
     if result.get("from_logs"):
         lines += ["", "Counted from the table their log printed (their convergence.json was not kept; Δ % to two "
                   "decimals): " + ", ".join(f"`{os.path.basename(f)}`" for f in result["from_logs"]) + "."]
@@ -362,6 +410,30 @@ def markdown(result: dict) -> str:
                 v = over[n]["windows"][k]
                 cells.append(_pct(v["mean"]) + ("" if v["lo"] is None else f" [{v['lo']:+.2f}%, {v['hi']:+.2f}%]"))
             lines.append(f"| {w['first']}–{w['last']} | " + " | ".join(cells) + " |")
+    held = result.get("heldout_over_steps") or {}
+    if held:
+        names = list(held)
+        lines += ["", f"Held-out loss over the run: Δ % from {ref}'s at each evaluation, mean over the runs [95% "
+                  "interval]; last row: each run's mean Δ over its last evaluations:", "",
+                  "| after step | " + " | ".join(f"{result['arms'][n]['label']} ({held[n]['runs']} runs)" for n in names)
+                  + " |", "|---|" + "---|" * len(names)]
+
+        def cell(v):
+            return _pct(v["mean"]) + ("" if v["lo"] is None else f" [{v['lo']:+.2f}%, {v['hi']:+.2f}%]")
+
+        steps = sorted({st for n in names for st in held[n]["steps"]})
+        for st in steps:
+            row = []
+            for n in names:
+                ev = next((e for e in held[n]["evaluations"] if e["step"] == st), None)
+                row.append("—" if ev is None else cell(ev))
+            lines.append(f"| {st} | " + " | ".join(row) + " |")
+        spans = {n: f"{held[n]['last']['evaluations']} ({held[n]['last']['first_step']}–{held[n]['last']['last_step']})"
+                 for n in names}
+        if len(set(spans.values())) == 1:
+            lines.append(f"| mean of the last {spans[names[0]]} | " + " | ".join(cell(held[n]["last"]) for n in names) + " |")
+        else:  # the arms share different evaluations
+            lines.append("| mean of the last | " + " | ".join(f"{spans[n]}: {cell(held[n]['last'])}" for n in names) + " |")
     fl = result.get("spread_against_floor")
     if fl:
         floor_label = result["arms"][fl["floor"]]["label"]
@@ -450,12 +522,14 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", default=None, help="an arm that replicates the reference (e.g. bf16-rep2): set every "
                     "other arm's spread of Δ against it")
     ap.add_argument("--window", type=int, default=200, help="steps per window of the Δ over the run (default 200)")
+    ap.add_argument("--heldout-last", type=int, default=1, help="held-out evaluations per run averaged in the last row "
+                    "of the held-out table (default 1: the final one)")
     ap.add_argument("--out", default=None, help="write seeds.md and seeds.json here")
     args = ap.parse_args(argv)
     if not args.target > 0:
         ap.error(f"--target must be a positive percent, got {args.target}")
     try:
-        result = aggregate([load_run(p) for p in args.runs], args.target, args.floor, args.window)
+        result = aggregate([load_run(p) for p in args.runs], args.target, args.floor, args.window, args.heldout_last)
     except ValueError as e:
         print(f"convergence_seeds: error: {e}", file=sys.stderr)
         return 2

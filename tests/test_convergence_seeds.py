@@ -254,3 +254,52 @@ def test_the_difference_over_the_run_is_per_window_and_paired(tmp_path):
     res = cs.aggregate([cs.load_run(p) for p in (a, b, c)], 0.25, window=2)
     cs.plot_over_steps(res, str(tmp_path / "over.png"))
     assert (tmp_path / "over.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_p_value_of_a_zero_mean_is_students_t_two_sided():
+    # at the tabled 97.5% quantile the two-sided p is 5%, for every degree of freedom
+    for dof in range(1, 31):
+        assert cs.t_p_two_sided(cs.t975(dof), dof) == pytest.approx(0.05, abs=2e-4)
+    assert cs.t_p_two_sided(0.0, 7) == pytest.approx(1.0)
+    assert cs.t_p_two_sided(-3.0, 10) == cs.t_p_two_sided(3.0, 10) == pytest.approx(0.013343, abs=1e-5)
+    values = [0.2, 0.1, 0.4, 0.3, 0.25]
+    got = cs.interval(values)
+    t = statistics.fmean(values) / (statistics.stdev(values) / math.sqrt(5))
+    assert got["p_zero"] == pytest.approx(cs.t_p_two_sided(t, 4)) and got["p_zero"] < 0.01
+    assert cs.interval([0.3])["p_zero"] is None
+    assert cs.interval([0.0, 0.0])["p_zero"] == 1.0 and cs.interval([0.1, 0.1])["p_zero"] == 0.0
+    with pytest.raises(ValueError, match="at least 1"):
+        cs.t_p_two_sided(1.0, 0)
+
+
+def test_the_heldout_loss_is_paired_per_evaluation_and_averaged_over_the_last(tmp_path):
+    """Held-out Δ % at each evaluation the runs share, and each run's mean over its last K."""
+    def with_heldout(name, seed, ref, arm):
+        folder = run(tmp_path, name, seed, {"delta": 0.1})
+        path = os.path.join(folder, "convergence.json")
+        record = json.load(open(path))
+        record["arms"]["bf16"]["heldout_losses"], record["arms"]["delta"]["heldout_losses"] = ref, arm
+        json.dump(record, open(path, "w"))
+        return folder
+
+    ref = [[10, 2.0], [20, 1.0], [30, 1.0]]
+    a = with_heldout("a", 0, ref, [[10, 2.2], [20, 1.02], [30, 0.98]])      # +10%, +2%, -2%
+    b = with_heldout("b", 1, ref, [[10, 2.0], [20, 1.04], [30, 1.0]])       # 0%, +4%, 0%
+    c = with_heldout("c", 2, ref + [[40, 1.0]], [[10, 2.0], [20, 1.0], [30, 1.0], [40, 1.5]])  # 40: not shared
+    runs = [cs.load_run(p) for p in (a, b, c)]
+    held = cs.aggregate(runs, 0.25, heldout_last=2)["heldout_over_steps"]["delta"]
+    assert held["runs"] == 3 and held["steps"] == [10, 20, 30]
+    assert [e["mean"] for e in held["evaluations"]] == pytest.approx([10 / 3, 2.0, -2 / 3])
+    # per run, the mean of the last two shared evaluations: 0%, +2%, 0%
+    last = held["last"]
+    assert (last["evaluations"], last["first_step"], last["last_step"]) == (2, 20, 30)
+    assert last["mean"] == pytest.approx(2 / 3) and last["sd"] == pytest.approx(statistics.stdev([0.0, 2.0, 0.0]))
+    text = cs.markdown(cs.aggregate(runs, 0.25, heldout_last=2))
+    assert "| after step | DELTA (3 runs) |" in text and "| 20 | +2.00% [" in text
+    assert "| mean of the last 2 (20–30) | +0.67% [" in text
+    # more than the runs share: all of them
+    assert cs.aggregate(runs, 0.25, heldout_last=9)["heldout_over_steps"]["delta"]["last"]["evaluations"] == 3
+    with pytest.raises(ValueError, match="--heldout-last must be at least 1 evaluation, got 0"):
+        cs.aggregate(runs, 0.25, heldout_last=0)
+    # one run with held-out losses is no curve
+    assert cs.aggregate(runs[:1], 0.25)["heldout_over_steps"] == {}
