@@ -1,5 +1,5 @@
 """Changes made behind the ZeroOptimizer's back are refused at the next step, on every rank
-that made them, before any update ([Note: the model belongs to the optimizer] in
+(also where only some ranks made them), before any update ([Note: the model belongs to the optimizer] in
 qzero/optim/guard.py); and the loop's order (opt.backward, step, opt.zero_grad) is enforced.
 
 Each case builds a fresh model and optimizer on two gloo ranks, trains one step, makes one
@@ -98,6 +98,63 @@ def test_a_change_behind_the_optimizers_back_is_refused_before_any_update(stage,
             assert raised is not None, f"rank {rank}: {change} was not refused"
             assert CHANGES[change][1] in raised and "qzero:" in raised, (change, raised)
             assert masters_unchanged, f"rank {rank}: {change}: the masters moved before the refusal"
+
+
+def _one_rank_run(rank, world, change, stage, where):
+    """``change`` on rank 0 only, between steps (``where="backward"``: found at the next
+    backward) or between backward and step (``"step"``)."""
+    model = _model()
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2),
+                              config=qzero.ZeroConfig(stage=stage, small_param_numel=8))
+    opt.backward(_loss(model, rank))
+    opt.step()
+    opt.zero_grad()
+    masters = [g.master.clone() for g in opt.groups]
+    raised = None
+    try:
+        if where == "step":
+            opt.backward(_loss(model, rank))
+        if rank == 0:
+            CHANGES[change][0](model, opt)
+        if where == "backward":
+            opt.backward(_loss(model, rank))
+        opt.step()
+    except ModelChangedError as e:
+        raised = str(e)
+    return raised, all(torch.equal(a, g.master) for a, g in zip(masters, opt.groups))
+
+
+@pytest.mark.parametrize("world,stage,where", [(2, 1, "backward"), (2, 2, "backward"), (3, 2, "step"),
+                                               (3, 1, "step")])
+@pytest.mark.parametrize("change", ["load_state_dict", "replaced parameter"])
+def test_a_change_on_one_rank_only_is_refused_on_every_rank(world, stage, where, change):
+    """The ranks agree on the check: the others do not run on into the step's collectives (a
+    hang before: rank 0 raised, the others waited for it), they raise naming rank 0's change."""
+    seen = run_distributed(_one_rank_run, world, change, stage, where, timeout=120)
+    for rank, (raised, masters_unchanged) in enumerate(seen):
+        assert raised is not None, f"rank {rank}: a change on rank 0 only was not refused"
+        assert CHANGES[change][1] in raised, (rank, raised)
+        if rank:
+            assert "rank(s) [0] changed the model" in raised and "this rank did not" in raised, raised
+        assert masters_unchanged, f"rank {rank}: the masters moved before the refusal"
+
+
+def _between_micro_batches_run(rank, world):
+    model = _model()
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2),
+                              config=qzero.ZeroConfig(stage=2, small_param_numel=8))
+    opt.backward(_loss(model, rank))
+    _load(model, opt)  # on every rank, between the two micro-batches of one step
+    try:
+        opt.backward(_loss(model, rank))
+    except ModelChangedError as e:
+        return str(e)
+    return None
+
+
+def test_a_change_between_micro_batches_is_refused_at_the_next_one():
+    for raised in run_distributed(_between_micro_batches_run, 2):
+        assert raised is not None and "was written outside the optimizer before optimizer step 1" in raised
 
 
 def _allowed_run(rank, world):

@@ -21,14 +21,28 @@ then be lost, or train wrong, without a word:
 :class:`ModelGuard` records, at construction and after ``load_checkpoint``, each held parameter's
 identity, storage, dtype, ``requires_grad`` and version counter (qzero's own writes go
 through the flat buffer and leave the counter alone), and :meth:`ModelGuard.check` raises
-naming the first parameter that changed and what to do instead. The check reads metadata
-only: no device work, no synchronisation. It runs on each rank for that rank's model: a
-change made on some ranks only raises there (under ``torchrun`` the others are then stopped).
+naming the first parameter that changed and what to do instead.
+
+The local check reads metadata only. The ranks then agree on its outcome: a change made on
+some ranks only (``if rank == 0: model.load_state_dict(...)``) must not let the other ranks
+run on into the step's collectives and wait there for a rank that raised. Every rank sends
+one integer (changed or not) in an all-gather on a side stream, so the host waits for that
+exchange only, not for the model's queued kernels; when a rank changed something, its
+message is exchanged too, and every rank raises, the others naming the rank and its change.
+The exchange runs at ``step()`` and at the first ``backward()`` of each step, where a loop
+changes a model (loading, editing, evaluating between steps). At the later micro-batches of
+an accumulating step the check stays local: an exchange there would wait behind the previous
+micro-batch's gradient reductions, which are meant to overlap this one's backward, so a
+change made on some ranks only between two micro-batches raises on those ranks only.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from ..wire.comm import all_gather_into, exchange_texts
 
 #: What to do instead, said by every error of this module.
 _INSTEAD = ("load weights before constructing the ZeroOptimizer, or through opt.load_checkpoint(); "
@@ -40,10 +54,14 @@ class ModelChangedError(RuntimeError):
 
 
 class ModelGuard:
-    def __init__(self, model: torch.nn.Module, groups, inner: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, groups, inner: torch.optim.Optimizer, process_group=None,
+                 world: int = 1, device: torch.device | None = None):
         self.model, self.inner = model, inner
         self.held = [(name, p) for g in groups for name, p in zip(g.names, g.params)]
         self.masters = [g.master for g in groups]
+        self.group, self.world = process_group, world
+        self.device = device if device is not None else torch.device("cpu")
+        self._side: torch.cuda.Stream | None = None  # the agreement's stream (CUDA), made at first use
         self.snapshot()
 
     def snapshot(self) -> None:
@@ -51,7 +69,49 @@ class ModelGuard:
         self.state = [(p._version, p.data_ptr(), p.dtype, p.requires_grad) for _, p in self.held]
         self.ids = {id(p) for _, p in self.held}
 
-    def check(self, step: int) -> None:
+    def check(self, step: int, agree: bool = True) -> None:
+        """Raise :class:`ModelChangedError` on every rank if any rank's model or inner optimizer
+        changed (this rank's own error where it changed; else one naming the ranks that did).
+        ``agree=False``: on this rank only, without the exchange."""
+        error = self.find(step)
+        if self.world < 2 or not agree:
+            if error is not None:
+                raise error
+            return
+        flags = self._gather_flags(0 if error is None else 1)
+        changed = [r for r, f in enumerate(flags) if f]
+        if not changed:
+            return
+        said = exchange_texts(str(error) if error is not None else "", self.group, self.world, self.device)
+        if error is not None:
+            raise error
+        first = changed[0]
+        raise ModelChangedError(
+            f"qzero: rank(s) {changed} changed the model or the inner optimizer behind the ZeroOptimizer's back "
+            f"before optimizer step {step + 1} (this rank did not, so the replicas would part); rank {first} "
+            f"reports: {said[first]}")
+
+    def _gather_flags(self, flag: int) -> list[int]:
+        """Every rank's flag, through one all-gather of one integer each. On CUDA it runs on a
+        side stream: the host waits for the exchange, not for the kernels already queued."""
+        on_cuda = self.device.type == "cuda"
+        if on_cuda and self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._side) if on_cuda else contextlib.nullcontext():
+            mine = torch.tensor([flag], dtype=torch.int64, device=self.device)
+            table = torch.empty(self.world, dtype=torch.int64, device=self.device)
+            all_gather_into(table, mine, group=self.group)
+            return table.tolist()
+
+    def find(self, step: int) -> ModelChangedError | None:
+        """This rank's first change since the snapshot, as an error (None: none)."""
+        try:
+            self._find(step)
+        except ModelChangedError as e:
+            return e
+        return None
+
+    def _find(self, step: int) -> None:
         where = f"before optimizer step {step + 1}"
         for (name, p), (version, ptr, dtype, requires_grad) in zip(self.held, self.state):
             if p.dtype != dtype or p.data_ptr() != ptr:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire.agreement import digest, optimizer_fields
-from ..wire.comm import GatherStats, agree_or_raise, world_or_default
+from ..wire.comm import GatherStats, agree_or_raise, agreement_device, world_or_default
 from ..config import ZeroConfig
 from ..wire.copy_engine import CopyEngineComm, check_copy_engine_support
 from ..wire.engine import DEPTH as OVERLAP_DEPTH
@@ -149,7 +149,8 @@ class ZeroOptimizer:
         self.steps_taken = 0
         # [Note: the model belongs to the optimizer] in guard.py; and the loop's order:
         # backward since the last zero_grad/step, step, zero_grad before the next backward.
-        self.guard = ModelGuard(model, self.groups, inner)
+        self.guard = ModelGuard(model, self.groups, inner, process_group, world,
+                                agreement_device(process_group, context.device) if world > 1 else None)
         self._backward_ran = False
         self._stepped = False
 
@@ -194,7 +195,7 @@ class ZeroOptimizer:
                 "step's gradients would be added to this one's. Call opt.zero_grad() after step() "
                 "(model.zero_grad() does not clear the optimizer's gradient buffers)")
         self._finish_gathers()
-        self.guard.check(self.steps_taken)
+        self.guard.check(self.steps_taken, agree=not self._backward_ran)  # agreed at a step's first micro-batch
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         for grads in self.grads:
             grads.after_backward()

@@ -263,7 +263,7 @@ def agree_or_raise(group, world: int, device, error: Exception | None, fields: d
         # every rank sends the same length: [ok, count, values... padded to MAX_FIELDS]
         row = [0, 0] if error is not None else [1, len(names)] + [int(fields[n]) for n in names]
         row += [0] * (2 + MAX_FIELDS - len(row))
-        device = _agreement_device(group, device)
+        device = agreement_device(group, device)
         sig = torch.tensor(row, dtype=torch.int64, device=device)
         table = torch.empty(world * sig.numel(), dtype=torch.int64, device=device)
         all_gather_into(table, sig, group=group)
@@ -285,6 +285,11 @@ def agree_or_raise(group, world: int, device, error: Exception | None, fields: d
                     raise ValueError(f"{what}: {said}; nothing was done")
     if error is not None:
         raise error
+
+
+def exchange_texts(mine: str, group, world: int, device) -> list[str]:
+    """Every rank's text (at most 1 MiB each), by rank; collective: every rank calls it."""
+    return [d.get("text", "") for d in _exchange_details({"text": mine}, group, world, agreement_device(group, device))]
 
 
 def _exchange_details(mine: dict[str, str], group, world: int, device) -> list[dict[str, str]]:
@@ -316,7 +321,7 @@ def _exchange_details(mine: dict[str, str], group, world: int, device) -> list[d
 _DETAILS_BYTES = 1 << 20
 
 
-def _agreement_device(group, device) -> torch.device:
+def agreement_device(group, device) -> torch.device:
     """``device`` where the backend can run the exchange on it, else the backend's own."""
     if device is None or device.type not in ("cpu", "cuda"):
         return _default_device(group)
