@@ -288,17 +288,22 @@ def aggregate(runs: list[dict], target: float, floor: str | None = None, window:
             "from_logs": [r["_file"] for r in runs if r.get("from_log")]}
 
 
+def _other_arms(runs: list[dict], reference: str) -> list[str]:
+    """The arms of the runs other than the reference, in the order they first appear."""
+    names = []
+    for r in runs:
+        names += [n for n in (r.get("arms") or {}) if n != reference and n not in names]
+    return names
+
+
 def over_steps(runs: list[dict], reference: str, window: int) -> dict:
     """Per arm with per-step losses in at least two runs: Δ % of the mean loss of each ``window``
     steps from the reference's over the same steps, in every run, and its interval over the runs.
     A run whose arm or reference did not finish every step (or a run from a log) is left out."""
     if window < 1:
         raise ValueError(f"--window must be at least 1 step, got {window}")
-    names = []
-    for r in runs:
-        names += [n for n in (r.get("arms") or {}) if n != reference and n not in names]
     out = {}
-    for name in names:
+    for name in _other_arms(runs, reference):
         curves, files = [], []
         for r in runs:
             steps, arms = r.get("steps"), r.get("arms") or {}
@@ -330,11 +335,8 @@ def heldout_over_steps(runs: list[dict], reference: str, last: int = 1) -> dict:
     held-out curve) is left out."""
     if last < 1:
         raise ValueError(f"--heldout-last must be at least 1 evaluation, got {last}")
-    names = []
-    for r in runs:
-        names += [n for n in (r.get("arms") or {}) if n != reference and n not in names]
     out = {}
-    for name in names:
+    for name in _other_arms(runs, reference):
         pairs = []
         for r in runs:
             arms = r.get("arms") or {}
