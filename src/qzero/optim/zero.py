@@ -213,14 +213,15 @@ class ZeroOptimizer:
 
     def _step(self) -> bool:
         self.wait_for_weights()
-        for grads in self.grads:
-            grads.before_step()
         if not self._backward_ran:
             raise RuntimeError(
                 "qzero: ZeroOptimizer.step() without opt.backward(loss) since the last zero_grad() or step(): "
                 "nothing to apply (a plain loss.backward() is not enough: the optimizer reduces, scales and "
                 "checks the gradients in opt.backward)")
+        # before stage 1's reductions start: the guard's exchange would otherwise wait behind them
         self.guard.check(self.steps_taken)
+        for grads in self.grads:
+            grads.before_step()
         self._backward_ran, self._stepped = False, True
         self.last_reduce = [grads.take_stats() for grads in self.grads]
         shards = [g.grad_shard() for g in self.groups]
