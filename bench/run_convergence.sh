@@ -22,7 +22,8 @@
 # fill one H200: about 500 s for 2000 steps of the 125M preset. MPS=1 runs them under the CUDA
 # Multi-Process Service (started here, stopped at the end; pipe and log folders in /tmp), so the
 # arms' kernels run at once instead of in time slices: three seeds in about 310 s, four in 455 s
-# (87 GB of the H200 for eight arms). If the daemon cannot start, the seeds run without it.
+# (87 GB of the H200 for eight arms). A daemon already running at CUDA_MPS_PIPE_DIRECTORY is used
+# as it is and left running; if none runs and one cannot start, the seeds run without it.
 #
 # Usage (repository root, on the GPU machine): bash bench/run_convergence.sh [OUTDIR] [convergence.py args...]
 #   WORLD=2 bash bench/run_convergence.sh OUTDIR
@@ -45,7 +46,9 @@ if [ -n "${SEEDS:-}" ]; then
         export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/qzero_mps_pipe} \
             CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/qzero_mps_log}
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        if nvidia-cuda-mps-control -d && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
+        if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && pgrep nvidia-cuda-mps >/dev/null && echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+            mps=2; echo "CUDA MPS: on (a daemon already running at $CUDA_MPS_PIPE_DIRECTORY; left running at the end)"
+        elif nvidia-cuda-mps-control -d && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
             mps=1; echo "CUDA MPS: on"
         else
             echo "CUDA MPS could not start: the seeds run without it"
