@@ -274,7 +274,7 @@ def test_defaults_and_every_way_in():
         False, "int8", 64)
     on = qzero.ZeroConfig.from_dict({"zero_quantized_weights": True, "zero_quantized_weights_delta": True,
                                      "zero_quantized_weights_delta_resync_steps": 50})
-    assert (on.zero_quantized_weights_format, on.zero_quantized_weights_group_size) == ("int4", 256)
+    assert (on.zero_quantized_weights_format, on.zero_quantized_weights_group_size) == ("int4", 64)
     assert on.zero_quantized_weights_delta_resync_steps == 50
     assert qzero.ZeroConfig(**on.to_dict()) == on
     from qzero.app.train import settings_from

@@ -34,7 +34,7 @@ MAX_SCALE_POWER = 64
 #: The delta payload's defaults (see ``zero_quantized_weights_delta``; its formats are
 #: ``qzero.vocabulary.DELTA_FORMATS``): measured, bytes against error, in ``docs/delta-gathers.md``.
 DELTA_FORMAT = "int4"
-DELTA_GROUP_SIZE = 256
+DELTA_GROUP_SIZE = 64
 #: ``zero_quantized_gradients_group_size``'s default per format (left as None): groups of 256
 #: for ``int4`` (4.125 bits an element; chosen by measurement, see ``docs/quantized_gradients.md``),
 #: ``DEFAULT_GROUP_SIZE`` for the 8-bit formats.
@@ -91,7 +91,7 @@ class ZeroConfig:
 
     zero_quantized_weights_group_size: int | None = None
     """Elements that share one fp32 scale; a positive multiple of 8. ``None`` (the default):
-    64, or 256 with ``zero_quantized_weights_delta`` (``docs/delta-gathers.md`` has the
+    64, also with ``zero_quantized_weights_delta`` (``docs/delta-gathers.md`` has the
     measurement behind it); resolved on construction."""
 
     zero_quantized_weights_format: str | None = None
@@ -105,7 +105,7 @@ class ZeroConfig:
     already holds, and let every rank add it to that replica (a closed loop: the next
     difference is taken against the replica actually held, so quantization errors do not
     accumulate; each replica element stays within one quantization step of the rounded
-    master). INT4 differences with 256-element groups cost 0.52 bytes per parameter, about
+    master). INT4 differences with 64-element groups cost 0.5625 bytes per parameter, about
     half of INT8 weights, at a much smaller error. Small parameters travel exactly. Exact
     resyncs (the plain gather: every replica becomes the rounded masters): the first gather
     after construction, the gather that ends a ``load_checkpoint`` that cannot restore the
