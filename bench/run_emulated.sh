@@ -16,13 +16,13 @@
 #   deepspeed  plain DeepSpeed and the DeepSpeed adapter with gather-ahead, alone and with quantized gradients,
 #              in one run; PCIe-class, Ethernet-class
 #   small      Qwen3-1.7B at 5e8/5e7: plain, INT8, INT8 + gather-ahead, FSDP2; three links
-#   lowbit500  the 4-bit payloads at 5e8 gather / 5e7 reduce buckets, Ethernet-class and PCIe-class
+#   lowbit500  the 4-bit payloads at 5e8 gather / 5e7 reduce buckets, LOWBIT500_LINKS (Ethernet-class and PCIe-class)
 #   scale      rank 0 of DP-N for N in SCALE_WORLDS (4 8 64): INT8 + gather-ahead, INT8 gradients, the
 #              4-bit payloads, FSDP2; Ethernet-class and PCIe-class
 #   table      the calibration table from everything measured
 # Usage (repository root, one GPU): bash bench/run_emulated.sh OUT [STAGE ...]   (default: all but ethernet)
 # Environment: LIMIT (seconds for the whole script, default 550), S and CTAS (skip floor / grid when given),
-# STEPS (6), WARMUP (2), ROUNDS (1), LOWBIT_ARMS, LOWBIT_LINKS, KERNEL_TESTS, SKIP_GPU_CHECK, GRID ("0 4 8 16"), TARGET_ARMS, PROBE, QUICK_CHECK (skip the DP8 check and the CTA costs).
+# STEPS (6), WARMUP (2), ROUNDS (1), LOWBIT_ARMS, LOWBIT_LINKS, LOWBIT500_LINKS, KERNEL_TESTS, SKIP_GPU_CHECK, GRID ("0 4 8 16"), TARGET_ARMS, PROBE, QUICK_CHECK (skip the DP8 check and the CTA costs).
 set -u
 out=${1:?usage: bash bench/run_emulated.sh OUT [stage ...]}
 shift
@@ -143,8 +143,10 @@ if has small; then  # Qwen3-1.7B at the buckets of its real results
 fi
 if has lowbit500; then  # the 4-bit payloads at the larger buckets
     mapfile -t a < <(arms ${LOWBIT_ARMS:-delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead})
+    lk=""
+    for l in ${LOWBIT500_LINKS:-ethernet pcie}; do lk+="${lk:+,}$l:$k"; done
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
-        --links "ethernet:$k,pcie:$k" "${a[@]}" --budget "$(left 15)" --out "$out/lowbit500_4b" > "$out/lowbit500_4b.log" 2>&1
+        --links "$lk" "${a[@]}" --budget "$(left 15)" --out "$out/lowbit500_4b" > "$out/lowbit500_4b.log" 2>&1
 fi
 if has scale; then  # DP-N: rank 0's shard and ring bytes (N-1)/N of a larger world
     for n in ${SCALE_WORLDS:-4 8 64}; do
