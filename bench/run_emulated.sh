@@ -40,6 +40,7 @@ spec() { python3 -c "import sys; sys.path.insert(0, '$here'); import emulated_ca
 arms() { local a; for a in "$@"; do printf -- '--arm\n%s\n' "$(spec "$a")"; done; }
 left() { echo $(( limit - SECONDS - ${1:-30} )); }
 has() { [[ "$stages" == *" $1 "* ]]; }
+links_of() { local l s=""; for l in "$@"; do s+="${s:+,}$l:$k"; done; echo "$s"; }  # REGIME ... -> --links, at $k
 
 if has check; then
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv > "$out/check.log" 2>&1
@@ -100,8 +101,7 @@ if has ethernet50; then  # the committed 4B Ethernet-class results' buckets
 fi
 if has lowbit; then  # the 4-bit payloads, every link
     mapfile -t a < <(arms ${LOWBIT_ARMS:-delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead fsdp2})
-    lk=""
-    for l in ${LOWBIT_LINKS:-ethernet pcie nvlink}; do lk+="${lk:+,}$l:$k"; done
+    lk=$(links_of ${LOWBIT_LINKS:-ethernet pcie nvlink})
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \
         --links "$lk" "${a[@]}" --budget "$(left 15)" --out "$out/lowbit_4b" > "$out/lowbit_4b.log" 2>&1
 fi
@@ -143,8 +143,7 @@ if has small; then  # Qwen3-1.7B at the buckets of its real results
 fi
 if has lowbit500; then  # the 4-bit payloads at the larger buckets
     mapfile -t a < <(arms ${LOWBIT_ARMS:-delta_ahead_qgrad4 int8_ahead_qgrad4 delta_ahead int8_ahead_qgrad int8_ahead})
-    lk=""
-    for l in ${LOWBIT500_LINKS:-ethernet pcie}; do lk+="${lk:+,}$l:$k"; done
+    lk=$(links_of ${LOWBIT500_LINKS:-ethernet pcie})
     python3 "$here/emulated_matrix.py" "${common[@]}" --presets qwen3-4b --allgather-bucket-sizes 5e8 --reduce-bucket-sizes 5e7 \
         --links "$lk" "${a[@]}" --budget "$(left 15)" --out "$out/lowbit500_4b" > "$out/lowbit500_4b.log" 2>&1
 fi
