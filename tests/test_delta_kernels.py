@@ -215,16 +215,19 @@ def test_kernels_match_reference(fmt, gs, dtype):
 
 
 @cpu_only
+@pytest.mark.parametrize("with_exact", [True, False], ids=["exact", "no_exact"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_kernels_world_3_small_tiles_and_refusals(fmt):
-    """World 3 in one launch, tiles smaller than the slice (program boundaries), exact runs
-    across them, and non-finite differences refused alike."""
+def test_kernels_world_3_small_tiles_and_refusals(fmt, with_exact):
+    """World 3 in one launch, tiles smaller than the slice (program boundaries: five whole
+    tiles, read and written without bounds masks, and a short last one per rank), exact runs
+    across them (group runs) or none, and non-finite differences in whole tiles refused alike."""
     tk = kernels(block_elems=64, exact_block_elems=64)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
     n = 3 * (64 * 5 + 24)
     m, r = step_pair(n, torch.bfloat16, rng)
     exact = torch.tensor(sorted({0, 5, 6, 7, 60, 61, 62, 63, 64, 65, n // 3, n // 3 + 1, n - 1}), dtype=torch.int64)
+    exact = exact if with_exact else None
     assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == reference.NOT_REFUSED
     m[n - 50] = float("inf")
     assert check_kernels_match(tk, m, r, fmt, 8, exact, gen, world=3) == (n - 50) // 8 * 8

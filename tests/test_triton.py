@@ -471,6 +471,27 @@ def test_by_identity_keeps_a_value_while_its_object_lives():
     assert len(cache) == 1
 
 
+def test_runs_table_refuses_a_run_the_alignment_hint_would_misdescribe():
+    """The kernels tell the compiler that every group run starts at a multiple of RUN_ALIGN
+    elements (16-byte vectors); a table whose run does not is refused, never launched with a
+    false hint. Every planned run passes (groups are multiples of 8)."""
+    launcher = Launcher(KernelTuning(block_elems=64, exact_block_elems=64))
+    plan = plan_gather(2 * 336, 2, zero_quantized_weights_format="int4", zero_quantized_weights_group_size=8,
+                       exact_ranges=[(0, 3), (40, 100)], allgather_bucket_size=672)
+    chunk = plan.chunks[0]
+    runs = plan.group_runs(chunk)
+    shape = launcher.shape(chunk.numel, 8, True)
+    assert all(lo % triton_launch.RUN_ALIGN == 0 for row in runs.rows for lo, _, _ in row)
+    launcher.runs_table(runs, shape, torch.device("cpu"))
+    from qzero.layout.gather_plan import GroupRuns
+
+    bad = GroupRuns(runs.numel, runs.group_size,
+                    tuple(tuple((lo + 4 if lo else lo, hi, first) for lo, hi, first in row) for row in runs.rows),
+                    runs.layouts, runs.payload_bytes)
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        launcher.runs_table(bad, shape, torch.device("cpu"))
+
+
 def test_launch_tables_live_as_long_as_their_index():
     """The tables are keyed by the index and the group runs themselves, weakly: an entry goes
     when its index or runs go (nothing of it keeps them alive), and a new tensor at a recycled

@@ -53,32 +53,72 @@ if triton is not None:
         """One rank's delta payload ([Note: delta payload]): ``d = fp32(RN(target)) - fp32(replica)``
         in registers (one read of each), quantized as a weight is; a group with a non-finite
         ``d`` gets scale NaN and values 0; exact elements send ``RN(target)``'s bits aside.
-        With group runs, a tile of exact groups stores its side elements only (as the weight pack)."""
+        With group runs, a tile of exact groups stores its side elements only (as the weight pack).
+        A whole tile of coded power-of-two groups (every program but the last, outside group
+        runs' edges) is read and written without bounds masks, so its loads and stores are
+        16-byte vectors; the bytes are the same either way."""
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         vg = pid * G
         if RUNS:
-            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS, True)
         coded = tl.where(vg >= 0, rem, 0)  # elements whose values are stored
+        if GS == GS_PAD:
+            if coded == G * GS:
+                _pack_delta_tile(target_ptr, replica_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid,
+                                 base, vg, rem, coded, g, IS_BF16, SOFT, FMT, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT,
+                                 STEPS, True)
+            else:
+                _pack_delta_tile(target_ptr, replica_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid,
+                                 base, vg, rem, coded, g, IS_BF16, SOFT, FMT, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT,
+                                 STEPS, False)
+        else:
+            _pack_delta_tile(target_ptr, replica_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base,
+                             vg, rem, coded, g, IS_BF16, SOFT, FMT, QMAX, FLOOR, GS, GS_PAD, G, HAS_EXACT, STEPS,
+                             False)
+
+    @triton.jit
+    def _pack_delta_tile(target_ptr, replica_ptr, values_ptr, scales_ptr, side_ptr, idx_ptr, blk_ptr, pid, base, vg,
+                         rem, coded, g, IS_BF16: tl.constexpr, SOFT: tl.constexpr, FMT: tl.constexpr,
+                         QMAX: tl.constexpr, FLOOR: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr,
+                         G: tl.constexpr, HAS_EXACT: tl.constexpr, STEPS: tl.constexpr, FULL: tl.constexpr):
+        """One program's tile of :func:`_pack_delta_kernel`; ``FULL``: ``coded == G * GS`` and
+        ``GS == GS_PAD`` (no bounds masks)."""
         j = tl.arange(0, GS_PAD)
         offs = g[:, None] * GS + j[None, :]
-        valid = (j[None, :] < GS) & (offs < rem)
-        t_bits = _narrow(tl.load(target_ptr + base + offs, mask=valid, other=0.0), IS_BF16, SOFT)
-        r_bits = tl.load(replica_ptr + base + offs, mask=valid, other=0)
+        if FULL:
+            valid = offs >= 0
+            t_bits = _narrow(tl.load(target_ptr + base + offs), IS_BF16, SOFT)
+            r_bits = tl.load(replica_ptr + base + offs)
+        else:
+            valid = (j[None, :] < GS) & (offs < rem)
+            t_bits = _narrow(tl.load(target_ptr + base + offs, mask=valid, other=0.0), IS_BF16, SOFT)
+            r_bits = tl.load(replica_ptr + base + offs, mask=valid, other=0)
         d = _widen(t_bits, IS_BF16) - _widen(r_bits, IS_BF16)
         d = _zero_exact(d, t_bits, side_ptr, idx_ptr, blk_ptr, pid, base, offs, valid, HAS_EXACT, STEPS)
         finite = tl.abs(d) < float("inf")  # false for NaN too
         ok = tl.min(finite.to(tl.int32), axis=1) != 0  # per group
         scale = _scale_of(tl.max(tl.where(finite, tl.abs(d), 0.0), axis=1), QMAX, FLOOR)
         q = tl.where(ok[:, None], _quantized_int(tl.where(finite, d, 0.0), _reciprocal(scale)[:, None]), 0)
+        scale = tl.where(ok, scale, float("nan"))
         if FMT == 2:
             qe, qo = tl.split(tl.reshape(q, [G, GS_PAD // 2, 2]))
             byte = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
             jb = tl.arange(0, GS_PAD // 2)
             pair = g[:, None] * (GS // 2) + jb[None, :]
-            tl.store(values_ptr + vg * (GS // 2) + pair, byte, mask=(jb[None, :] < GS // 2) & (2 * pair < coded))
+            if FULL:
+                tl.store(values_ptr + vg * (GS // 2) + pair, byte)
+            else:
+                tl.store(values_ptr + vg * (GS // 2) + pair, byte, mask=(jb[None, :] < GS // 2) & (2 * pair < coded))
         else:
-            tl.store(values_ptr + vg * GS + offs, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=valid & (offs < coded))
-        tl.store(scales_ptr + vg + g, tl.where(ok, scale, float("nan")), mask=g * GS < coded)
+            v = q.to(tl.int8).to(tl.uint8, bitcast=True)
+            if FULL:
+                tl.store(values_ptr + vg * GS + offs, v)
+            else:
+                tl.store(values_ptr + vg * GS + offs, v, mask=valid & (offs < coded))
+        if FULL:
+            tl.store(scales_ptr + vg + g, scale)
+        else:
+            tl.store(scales_ptr + vg + g, scale, mask=g * GS < coded)
 
 
 def _check_delta_format(f) -> None:

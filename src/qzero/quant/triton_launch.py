@@ -197,6 +197,11 @@ def _address(arg):
     return arg
 
 
+#: Every run of a :class:`RunsTable` starts at a multiple of this many elements (runs start
+#: on group boundaries; group sizes are multiples of 8): the packs and the delta unpack tell the compiler so.
+RUN_ALIGN = 8
+
+
 class RunsTable(NamedTuple):
     """Group runs as the kernels read them: one row per payload, ``row_len`` int64 each:
     the payload's scales offset, then per run ``(first program, lo, hi, first coded group)``
@@ -306,6 +311,8 @@ class Launcher:
                 flat.append(layout.scales_offset)
                 p = 0
                 for lo, hi, first in row:
+                    if lo % RUN_ALIGN:  # the kernels' alignment hint would be false: wrong bytes
+                        raise ValueError(f"a group run starts at element {lo}, not a multiple of {RUN_ALIGN}")
                     flat += [p, lo, hi, first]
                     p += -(-(hi - lo) // shape.span)
                 flat += [2**62, 0, 0, -1] * (n_runs - len(row))

@@ -83,7 +83,7 @@ if triton is not None:
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         vg = pid * G  # the payload index of the tile's first group
         if RUNS:
-            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS, True)
         # Elements whose values are stored: a tile of exact groups copies its side elements and
         # stores nothing else.
         coded = tl.where(vg >= 0, rem, 0)
@@ -214,19 +214,43 @@ if triton is not None:
             scales_offset = tl.load(row_ptr)
         scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
         dst_ptr = flat_ptr + (r * partition + offset)
-        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
+        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS, DELTA)
         if DELTA:
-            offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
-            ok = tl.abs(scale) < float("inf")
-            old = tl.load(dst_ptr + base + offs, mask=valid, other=0)
-            new = _narrow(_widen(old, IS_BF16) + q * scale[:, None], IS_BF16, SOFT)
-            tl.store(dst_ptr + base + offs, tl.where(ok[:, None], new, old), mask=valid)
-            start = r * partition + offset + base + g * GS  # flat index of each group's first element
-            first = tl.min(tl.where(ok, tl.full(start.shape, _NOT_REFUSED, tl.int64), start), axis=0)
-            if first < _NOT_REFUSED:
-                tl.atomic_min(refused_ptr, first)
+            if GS == GS_PAD:
+                if rem == G * GS:
+                    _add_delta_tile(values_ptr, scales_ptr, dst_ptr, refused_ptr, r * partition + offset, base, rem,
+                                    vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G, True)
+                else:
+                    _add_delta_tile(values_ptr, scales_ptr, dst_ptr, refused_ptr, r * partition + offset, base, rem,
+                                    vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G, False)
+            else:
+                _add_delta_tile(values_ptr, scales_ptr, dst_ptr, refused_ptr, r * partition + offset, base, rem, vg,
+                                IS_BF16, SOFT, FMT, GS, GS_PAD, G, False)
         else:
             _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
+
+    @triton.jit
+    def _add_delta_tile(values_ptr, scales_ptr, dst_ptr, refused_ptr, first_flat, base, rem, vg,
+                        IS_BF16: tl.constexpr, SOFT: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
+                        GS_PAD: tl.constexpr, G: tl.constexpr, FULL: tl.constexpr):
+        """One tile of a delta payload added into the replica ``dst`` (``first_flat``: the flat
+        index of ``dst[0]``); ``FULL``: ``rem == G * GS`` and ``GS == GS_PAD``, so the replica is
+        read and written without bounds masks (16-byte vectors)."""
+        offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
+        ok = tl.abs(scale) < float("inf")
+        if FULL:
+            old = tl.load(dst_ptr + base + offs)
+        else:
+            old = tl.load(dst_ptr + base + offs, mask=valid, other=0)
+        new = tl.where(ok[:, None], _narrow(_widen(old, IS_BF16) + q * scale[:, None], IS_BF16, SOFT), old)
+        if FULL:
+            tl.store(dst_ptr + base + offs, new)
+        else:
+            tl.store(dst_ptr + base + offs, new, mask=valid)
+        start = first_flat + base + g * GS  # flat index of each group's first element
+        first = tl.min(tl.where(ok, tl.full(start.shape, _NOT_REFUSED, tl.int64), start), axis=0)
+        if first < _NOT_REFUSED:
+            tl.atomic_min(refused_ptr, first)
 
     @triton.jit
     def _copy_indexed_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, count, BLOCK: tl.constexpr):

@@ -36,7 +36,7 @@ from qzero.wire.engine import CommContext
 from qzero.layout.gather_planner import plan_gather
 from qzero.quant import REFERENCE_KERNELS, get_format
 from qzero.quant.triton import AVAILABLE, DEFAULT_KERNELS, DEFAULT_TUNING, KernelTuning, Launcher, TritonKernels
-from qzero.vocabulary import PRECISIONS
+from qzero.vocabulary import DELTA_FORMATS, PRECISIONS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (multi-GPU)")
     ap.add_argument("--tune", default="1024x4,2048x4,2048x8", help="block_elems x num_warps to sweep")
     ap.add_argument("--no-reference", action="store_true", help="skip the eager torch reference timings")
+    ap.add_argument("--delta", action="store_true",
+                    help="also time the delta-payload kernels (zero_quantized_weights_delta) of the int4/int8 formats: "
+                         "pack from fp32 masters and the replica, and the all-ranks unpack of a DP2 chunk")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the Markdown of a saved result")
@@ -179,6 +182,51 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
     }
 
 
+def delta_kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl, world: int = 2) -> dict:
+    """Times of one delta pack (this rank's ``n`` elements: its fp32 masters against its
+    replica slice) and of the all-ranks delta unpack of a ``world``-rank chunk (every rank's
+    payload added into the replica in place), as one chunk of a DP-``world`` gather."""
+    from qzero.quant.reference import refusal_flag
+    from qzero.wire.chunks import exact_index, exact_scatter
+
+    ranges = exact_ranges_for(world * n) if exact else []
+    plan = plan_gather(world * n, world, elem_size=2, allgather_bucket_size=world * n,
+                       zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=gs, exact_ranges=ranges,
+                       zero_quantized_weights_delta=True)
+    chunk, dev = plan.chunks[0], torch.device("cuda")
+    idx = exact_index(plan, chunk, 0, dev)
+    scatter = exact_scatter(plan, chunk, dev)
+    layout, runs, all_runs = plan.payload_of(chunk, 0), plan.group_runs(chunk, 0), plan.group_runs(chunk)
+    replica = random_flat(world * n, dtype, 5)
+    target = replica[:n].float() + torch.randn(n, device="cuda") * 1e-4
+    pb = chunk.payload_bytes
+    buf = torch.empty(world * pb, dtype=torch.uint8, device="cuda")
+    reps = 3 if impl is REFERENCE_KERNELS else reps_for(n)
+    t_pack = median_ms(lambda: impl.pack_delta_payload(target, replica[:n], buf[:pb], layout, gs, fmt, idx, runs),
+                       reps=reps, warmup=2)
+    for r in range(1, world):  # every rank's payload: rank 0's (the unpack reads them all the same way)
+        buf[r * pb : (r + 1) * pb].copy_(buf[:pb])
+    refused = refusal_flag(dev)
+    t_unpack = median_ms(lambda: impl.unpack_delta_payloads(buf, replica, n, 0, n, world, chunk.payload, gs, fmt,
+                                                            scatter, refused, all_runs), reps=reps, warmup=2)
+    f = get_format(fmt)
+    coded = n if runs is None else runs.coded_numel()
+    moved = f.value_bytes(coded) + 4 * -(-coded // gs) + (0 if idx is None else idx.numel()) * 2
+    es = replica.element_size()
+    pack_bytes = n * (4 + es) + moved  # read the masters and the replica, write the payload
+    unpack_bytes = world * (moved + 2 * n * es)  # read every payload, read and write the replica
+    del replica, target, buf
+    return {
+        "world": world,
+        "pack_ms": t_pack,
+        "unpack_ms": t_unpack,
+        "pack_GBps": pack_bytes / t_pack / 1e6,
+        "unpack_GBps": unpack_bytes / t_unpack / 1e6,
+        "payload_bytes": pb,
+        "exact_elems": 0 if idx is None else idx.numel(),
+    }
+
+
 def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     """Kernel bytes and elements equal the reference's on fresh random input with exact ranges."""
     ranges = exact_ranges_for(n)
@@ -289,6 +337,15 @@ def single_gpu(args) -> dict:
             r["kernel_exact"] = kernel_case(n, fmt, gs, dtype, True, kernels)
             if not args.no_reference:
                 r["reference"] = kernel_case(n, fmt, gs, dtype, False, REFERENCE_KERNELS)
+            if args.delta and fmt in DELTA_FORMATS:
+                r["delta_kernel"] = delta_kernel_case(n, fmt, gs, dtype, False, kernels)
+                r["delta_kernel_exact"] = delta_kernel_case(n, fmt, gs, dtype, True, kernels)
+                for key in ("delta_kernel", "delta_kernel_exact"):
+                    r[key]["pack_frac_copy"] = r[key]["pack_GBps"] / copy_bw
+                    r[key]["unpack_frac_copy"] = r[key]["unpack_GBps"] / copy_bw
+                d = r["delta_kernel"]
+                print(f"[{size_label(n)}] {fmt} delta: pack {d['pack_ms']:.3f} ms ({d['pack_frac_copy']:.0%} of copy), "
+                      f"unpack of {d['world']} ranks {d['unpack_ms']:.3f} ms ({d['unpack_frac_copy']:.0%})", flush=True)
             r["gather_pipelined"] = gather_case(n, fmt, gs, dtype, args.bucket, True, kernels)
             r["gather_serial"] = gather_case(n, fmt, gs, dtype, args.bucket, False, kernels)
             for key in ("kernel", "kernel_exact"):
@@ -337,6 +394,24 @@ def single_markdown(res: dict) -> str:
                 f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} | "
                 f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / {e['plain_gather'].get('api_ms', float('nan')):.2f} | "
                 f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / {e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
+            )
+    delta_rows = [(e, fmt, r) for e in res["sizes"] for fmt, r in e["formats"].items() if "delta_kernel" in r]
+    if delta_rows:
+        lines += [
+            "",
+            "Delta payloads (`zero_quantized_weights_delta`): the pack reads this rank's fp32 masters and its replica "
+            "slice (bf16/fp16) and writes the payload; the unpack reads every rank's payload of a DP2 chunk and adds "
+            "it into the replica in place (reads and writes it). 'size' is one rank's slice.",
+            "",
+            "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy | pack/unpack ms, exact |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e, fmt, r in delta_rows:
+            k, x = r["delta_kernel"], r["delta_kernel_exact"]
+            lines.append(
+                f"| {size_label(e['numel'])} | {fmt} | {k['pack_ms']:.3f} | {k['pack_GBps']:.0f} | "
+                f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | "
+                f"{k['unpack_frac_copy']:.0%} | {x['pack_ms']:.3f} / {x['unpack_ms']:.3f} |"
             )
     if res.get("tuning"):
         lines += [
