@@ -221,6 +221,50 @@ def test_non_finite_differences_are_refused_on_every_rank(how):
         assert torch.equal(flat[group].view(torch.int16), before[group].view(torch.int16))
 
 
+STEP_PATHS = {  # how step() reaches its update, and so where it reads the refusal flags
+    "sliced AdamW": (ADAMW, torch.bfloat16, {}),
+    "sliced AdamW, check_finite off": (ADAMW, torch.bfloat16, dict(check_finite=False)),
+    "SGD, whole update": (functools.partial(torch.optim.SGD, lr=1e-2), torch.bfloat16, {}),
+    "fp16 loss scaling": (ADAMW, torch.float16, {}),
+}
+
+
+def flagged_step_run(rank, world, path):
+    make_opt, dtype, extra = STEP_PATHS[path]
+    model = make_model(dtype, seed=rank)
+    cfg = qzero.ZeroConfig(**BASE, stage=2, allgather_bucket_size=world * GS * 6, **extra)
+    opt = qzero.ZeroOptimizer(model, make_opt, config=cfg)
+    tokens, targets = batch(0, 0)
+
+    def step():
+        opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)))
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # past the exact resync and the first (whole) update
+        step()
+    opt.wait_for_weights()
+    g = opt.groups[0]
+    g.delta.refused.fill_(g.lo + GS)  # what an unpack that refused that group leaves, on every rank
+    masters, state = g.master.clone(), opt.steps_taken
+    msg = None
+    try:
+        step()
+    except FloatingPointError as e:
+        msg = str(e)
+    return msg, torch.equal(g.master, masters), opt.steps_taken == state
+
+
+@pytest.mark.parametrize("path", list(STEP_PATHS))
+def test_a_refusal_is_raised_by_the_next_step_before_its_update_on_every_rank(path):
+    """step() reads the refusal flags at a synchronisation it makes anyway (the finite check,
+    the loss scaler's exchange) or at its own, and raises on every rank before the update."""
+    for msg, masters_kept, not_counted in run_distributed(flagged_step_run, 2, path, timeout=120):
+        assert msg is not None and "non-finite differences" in msg, msg
+        assert masters_kept, "the update ran before the refusal was raised"
+        assert not_counted
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 

@@ -19,9 +19,11 @@ rounding of the masters):
 
 Refusals: a group whose difference is not finite is left as it was on every rank (every
 rank unpacks the same bytes, so they all decide alike) and the unpack raises a flag on the
-device (the flat index of the first such group); the optimizer reads it when it next
-synchronises anyway (the start of ``step()``, ``wait_for_weights()``) and raises on every
-rank, naming the parameter.
+device (the flat index of the first such group); the optimizer reads it at a host
+synchronisation it makes anyway, before the next update (in ``step()``: with the finite check
+of the gradients and masters, or right after the loss scaler's overflow exchange; with neither,
+at its own synchronisation before the update), and in ``wait_for_weights()``, and raises on
+every rank, naming the parameter.
 """
 
 from __future__ import annotations

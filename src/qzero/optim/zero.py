@@ -212,7 +212,11 @@ class ZeroOptimizer:
             return self._step()
 
     def _step(self) -> bool:
-        self.wait_for_weights()
+        self._finish_gathers()
+        # The refusal flags of the last delta gather are read at the step's first host
+        # synchronisation, before the update ([Note: delta loop]); `refusals_read` says whether
+        # that has happened yet.
+        refusals_read = False
         if not self._backward_ran:
             raise RuntimeError(
                 "qzero: ZeroOptimizer.step() without opt.backward(loss) since the last zero_grad() or step(): "
@@ -229,6 +233,8 @@ class ZeroOptimizer:
             for s in shards:
                 s.mul_(1.0 / self.scaler.scale)
             overflow = self._any_rank(torch.stack([(~torch.isfinite(s)).any() for s in shards]).any())
+            self._check_delta()  # right after a synchronisation: nothing is queued before the read
+            refusals_read = True
             old_scale = self.scaler.scale
             self.scaler.update(overflow)
             for ef in self.error_feedback:
@@ -257,13 +263,22 @@ class ZeroOptimizer:
             # squares overflows: then the check below finds nothing and returns), the masters'
             # check unless a master is not; one sync, on two scalars.
             checks = torch.stack([self.grad_norm, masters_check]) if self.config.check_finite else None
-            if checks is not None and not bool(torch.isfinite(checks).all()):
-                self._check_finite(shards, "gradients", "the update was skipped: the weights are unchanged")
+            if checks is not None:
+                ok = torch.isfinite(checks).all()
+                refused = None if refusals_read else self._delta_refused()
+                if not bool(ok if refused is None else ok & ~refused):  # the one synchronisation
+                    if refused is not None:
+                        self._check_delta()
+                    self._check_finite(shards, "gradients", "the update was skipped: the weights are unchanged")
                 self._check_finite(masters, "weights", "the update was skipped and nothing was gathered, so no "
                                    "replica received them")
+            elif not refusals_read:
+                self._check_delta()
             sliced = sliced_update.SlicedUpdate(self.optimizer, masters)
             updates = [functools.partial(sliced.update, i) for i in range(len(self.groups))]
         else:
+            if not refusals_read:
+                self._check_delta()
             with label(UPDATE):
                 self.optimizer.step()
             if self.config.check_finite:
@@ -292,11 +307,19 @@ class ZeroOptimizer:
         if self.ahead is not None:
             self.ahead.wait_all()
 
+    def _delta_refused(self) -> torch.Tensor | None:
+        """Whether a delta gather refused a group since the flags were last read: a bool on the
+        device (no synchronisation), or None without delta gathers."""
+        flags = [g.delta.refused for g in self.groups if g.delta is not None]
+        return None if not flags else torch.cat(flags).min() != NOT_REFUSED
+
     def _check_delta(self) -> None:
-        """One host synchronisation on the refusal flags of the delta gathers ([Note: delta loop])."""
-        loops = [(gi, g) for gi, g in enumerate(self.groups) if g.delta is not None]
-        if not loops or int(torch.cat([g.delta.refused for _, g in loops]).min()) == NOT_REFUSED:
+        """One host synchronisation on the refusal flags of the delta gathers ([Note: delta loop]):
+        raise on every rank, naming the parameters, if a group was refused."""
+        refused = self._delta_refused()
+        if refused is None or not bool(refused):
             return
+        loops = [(gi, g) for gi, g in enumerate(self.groups) if g.delta is not None]
         culprits = []
         for gi, g in loops:
             at = g.delta.take_refusal()
