@@ -194,7 +194,7 @@ if triton is not None:
         return pid, base, rem, g
 
     @triton.jit
-    def _run_tile(row_ptr, n_runs, steps, pid, G: tl.constexpr, GS: tl.constexpr, ALIGNED: tl.constexpr):
+    def _run_tile(row_ptr, n_runs, steps, pid, G: tl.constexpr, GS: tl.constexpr):
         """With group runs: this program's tile ``(base, rem, vg)``: its first element in the
         slice, its elements, and the payload index of its first coded group (-1: exact
         groups). ``row_ptr`` is one row of :func:`_runs_table`; the run is the last whose
@@ -207,13 +207,11 @@ if triton is not None:
             k = tl.where(ok & (start <= pid), cand, k)
         run = row_ptr + 1 + 4 * k
         t = pid - tl.load(run)
-        lo = tl.load(run + 1)
-        if ALIGNED:
-            # A run starts on a group boundary and group sizes are multiples of 8 (RunsTable
-            # checks it). Telling the compiler lets the packs and the delta unpack load and
-            # store 16-byte vectors (1.3-1.7x faster with exact elements, single H200); the
-            # weight unpack does not take it: with it its masked stores ran 2x slower.
-            lo = tl.multiple_of(lo, RUN_ALIGN)
+        # A run starts on a group boundary and group sizes are multiples of 8 (RunsTable checks
+        # it). Telling the compiler lets the packs and the unpacks load and store 16-byte
+        # vectors (1.2-1.7x faster with exact elements, single H200). The unpacks store their
+        # whole tiles unmasked: with masked stores the hint made the weight unpack 2x slower.
+        lo = tl.multiple_of(tl.load(run + 1), RUN_ALIGN)
         base = lo + t * (G * GS)
         rem = tl.minimum(tl.maximum(tl.load(run + 2) - base, 0), G * GS).to(tl.int32)
         first = tl.load(run + 3)
@@ -222,14 +220,13 @@ if triton is not None:
 
 
     @triton.jit
-    def _tile_of(row_ptr, n, n_runs, run_steps, pid, G: tl.constexpr, GS: tl.constexpr, RUNS: tl.constexpr,
-                 ALIGNED: tl.constexpr):
+    def _tile_of(row_ptr, n, n_runs, run_steps, pid, G: tl.constexpr, GS: tl.constexpr, RUNS: tl.constexpr):
         """``(base, rem, vg)`` of program ``pid``'s tile for an unpack (``rem`` 0 for exact groups)."""
         base = pid * (G * GS)
         rem = tl.minimum(n - base, G * GS).to(tl.int32)
         vg = pid * G
         if RUNS:
-            base, rem, vg = _run_tile(row_ptr, n_runs, run_steps, pid, G, GS, ALIGNED)
+            base, rem, vg = _run_tile(row_ptr, n_runs, run_steps, pid, G, GS)
             rem = tl.where(vg >= 0, rem, 0)
         return base, rem, vg
 

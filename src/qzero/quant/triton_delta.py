@@ -60,7 +60,7 @@ if triton is not None:
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         vg = pid * G
         if RUNS:
-            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS, True)
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
         coded = tl.where(vg >= 0, rem, 0)  # elements whose values are stored
         if GS == GS_PAD:
             if coded == G * GS:

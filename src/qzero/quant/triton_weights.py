@@ -83,7 +83,7 @@ if triton is not None:
         pid, base, rem, g = _tile(n, G, GS, GS_PAD)
         vg = pid * G  # the payload index of the tile's first group
         if RUNS:
-            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS, True)
+            base, rem, vg = _run_tile(runs_ptr, n_runs, run_steps, pid, G, GS)
         # Elements whose values are stored: a tile of exact groups copies its side elements and
         # stores nothing else.
         coded = tl.where(vg >= 0, rem, 0)
@@ -168,12 +168,16 @@ if triton is not None:
 
     @triton.jit
     def _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16: tl.constexpr, SOFT: tl.constexpr,
-                     FMT: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr):
+                     FMT: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr, G: tl.constexpr, FULL: tl.constexpr):
         """Dequantize one tile of one payload into ``dst``: ``rem`` elements from ``base``,
-        coded groups from the payload's ``vg``-th (``rem == 0``: nothing)."""
+        coded groups from the payload's ``vg``-th (``rem == 0``: nothing); ``FULL``: ``rem == G * GS``
+        and ``GS == GS_PAD``, so ``dst`` is written without bounds masks (16-byte vectors)."""
         offs, valid, q, scale, g = _decode_tile(values_ptr, scales_ptr, rem, vg, SOFT, FMT, GS, GS_PAD, G)
         out = _narrow(q * scale[:, None], IS_BF16, SOFT)
-        tl.store(dst_ptr + base + offs, out, mask=valid)
+        if FULL:
+            tl.store(dst_ptr + base + offs, out)
+        else:
+            tl.store(dst_ptr + base + offs, out, mask=valid)
 
 
     @triton.jit
@@ -214,7 +218,7 @@ if triton is not None:
             scales_offset = tl.load(row_ptr)
         scales_ptr = (values_ptr + scales_offset).to(tl.pointer_type(tl.float32), bitcast=True)
         dst_ptr = flat_ptr + (r * partition + offset)
-        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS, DELTA)
+        base, rem, vg = _tile_of(row_ptr, n, n_runs, run_steps, pid, G, GS, RUNS)
         if DELTA:
             if GS == GS_PAD:
                 if rem == G * GS:
@@ -226,8 +230,13 @@ if triton is not None:
             else:
                 _add_delta_tile(values_ptr, scales_ptr, dst_ptr, refused_ptr, r * partition + offset, base, rem, vg,
                                 IS_BF16, SOFT, FMT, GS, GS_PAD, G, False)
+        elif GS == GS_PAD:
+            if rem == G * GS:
+                _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G, True)
+            else:
+                _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G, False)
         else:
-            _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G)
+            _unpack_tile(values_ptr, scales_ptr, dst_ptr, base, rem, vg, IS_BF16, SOFT, FMT, GS, GS_PAD, G, False)
 
     @triton.jit
     def _add_delta_tile(values_ptr, scales_ptr, dst_ptr, refused_ptr, first_flat, base, rem, vg,
