@@ -1,4 +1,4 @@
-"""Load a script of ``bench/`` as a module (the scripts are not a package)."""
+"""Load a script of ``benchmarks/scripts/`` as a module (the scripts are not a package)."""
 
 import importlib.util
 import os
@@ -8,11 +8,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def path(name: str) -> str:
-    return os.path.join(ROOT, "bench", f"{name}.py")
+    return os.path.join(ROOT, "benchmarks", "scripts", f"{name}.py")
 
 
 def load(name: str):
-    """``bench/<name>.py`` as module ``name``, registered in ``sys.modules`` (dataclasses
+    """``benchmarks/scripts/<name>.py`` as module ``name``, registered in ``sys.modules`` (dataclasses
     look their module up there)."""
     spec = importlib.util.spec_from_file_location(name, path(name))
     mod = importlib.util.module_from_spec(spec)
@@ -28,7 +28,7 @@ MINI_QWEN3 = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 128, "in
 
 
 def run_emulated_matrix(tmp_path, *args: str, timeout: float = 600):
-    """``bench/emulated_matrix.py`` on the CPU with :data:`MINI_QWEN3` (at DP2, sequence 16,
+    """``benchmarks/scripts/emulated_matrix.py`` on the CPU with :data:`MINI_QWEN3` (at DP2, sequence 16,
     micro-batch 1, 200k/100k buckets) and ``args``; this checkout's ``src`` imported first."""
     import json
     import subprocess

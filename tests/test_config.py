@@ -10,8 +10,8 @@ from qzero import ZeroConfig
 
 
 def _readme_defaults() -> dict:
-    """The ``| `key` | default | meaning |`` rows of the README's ZeroConfig table, parsed."""
-    path = os.path.join(os.path.dirname(__file__), "..", "README.md")
+    """The ``| `key` | default | meaning |`` rows of docs/settings.md, parsed."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "settings.md")
     rows = {}
     for line in open(path, encoding="utf-8"):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -41,13 +41,13 @@ def _parse(text: str):
         return text
 
 
-def test_the_readme_table_states_every_default():
-    """Every ZeroConfig field is in the README's table, with the default the code has."""
+def test_the_settings_table_states_every_default():
+    """Every ZeroConfig field is in docs/settings.md's table, with the default the code has."""
     documented = _readme_defaults()
     for f in dataclasses.fields(ZeroConfig):
-        assert f.name in documented, f"README's ZeroConfig table lacks {f.name!r}"
+        assert f.name in documented, f"docs/settings.md lacks {f.name!r}"
         want, got = _parse(documented[f.name]), getattr(ZeroConfig(), f.name)
-        assert want == got, f"README says {f.name} defaults to {documented[f.name]!r}, the code to {got!r}"
+        assert want == got, f"docs/settings.md says {f.name} defaults to {documented[f.name]!r}, the code to {got!r}"
     assert ZeroConfig(zero_quantized_weights=True).overlap_param_gather is True
     assert ZeroConfig(zero_quantized_weights=True, overlap_param_gather=False).overlap_param_gather is False
 

@@ -2,7 +2,7 @@
 when a piece is missing, and the refusal at construction where they cannot run (here: CPU,
 gloo). The refusal at world 2 (every rank, nothing modified, one rank alone asking) is in
 the bad-input matrix (tests/test_bad_input.py); the gather on copy engines itself needs two
-GPUs (bench/copy_engine_check.py)."""
+GPUs (benchmarks/scripts/copy_engine_check.py)."""
 
 from __future__ import annotations
 

@@ -407,7 +407,7 @@ def test_reshard_resumes_from_an_exact_resync(tmp_path):
 
 
 def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
-    """bench/emulated_matrix.py wraps the engine's pack_chunk (to clear side channels); a delta
+    """benchmarks/scripts/emulated_matrix.py wraps the engine's pack_chunk (to clear side channels); a delta
     gather calls it with its DeltaInputs, which must reach the real pack."""
     import os
     import sys
@@ -416,7 +416,7 @@ def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
     from qzero.layout import plan_gather
     from qzero.quant import reference
 
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "scripts")
     sys.path.insert(0, bench)
     try:
         import emulated_matrix

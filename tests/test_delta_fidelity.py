@@ -1,4 +1,4 @@
-"""bench/delta_fidelity.py's measures of a replica against its target: the lag along the step's
+"""benchmarks/scripts/delta_fidelity.py's measures of a replica against its target: the lag along the step's
 update and the share of moved elements the replica did not follow."""
 
 import pytest

@@ -1,14 +1,13 @@
-"""bench/emulated_link.py's bookkeeping on the CPU: wire bytes per collective at DP-N, the
+"""benchmarks/scripts/emulated_link.py's bookkeeping on the CPU: wire bytes per collective at DP-N, the
 link's timeline (issue order, one transfer at a time, async waits), finite outputs of every
 collective, the rebinding of collectives imported before the world was made; the hold
-kernel compiled for sm_90; bench/emulated_matrix.py end to end on a tiny model."""
+kernel compiled for sm_90; benchmarks/scripts/emulated_matrix.py end to end on a tiny model."""
 
 import json
 import math
 import os
 import subprocess
 import sys
-import time
 import types
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench")
+BENCH = os.path.join(ROOT, "benchmarks", "scripts")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
@@ -400,7 +399,7 @@ def test_calibration_compares_exposures_and_fits_the_resident_ctas(tmp_path, mon
     import emulated_calibration as cal
     import steps_matrix
 
-    # a two-GPU matrix as bench/steps_matrix.py analyses and writes it, in a results tree of its own
+    # a two-GPU matrix as benchmarks/scripts/steps_matrix.py analyses and writes it, in a results tree of its own
     medians = {"gpu1": 0.390, "plain": 0.590, "int8": 0.505, "plain_ahead": 0.516, "fsdp2": 0.487, "deepspeed": 0.713}
     runs = {arm: [{"step_times": [m * f for f in (0.99, 1.0, 1.01)], "wall_seconds": 3 * m, "wall_steps": 3}]
             for arm, m in medians.items()}
@@ -493,53 +492,3 @@ def test_a_resumed_matrix_runs_only_what_is_missing(tmp_path):
     for r in m["runs"]["int8"]:  # each measured step's host start, to line up with a GPU clock log
         t = r["step_started_unix"]
         assert len(t) == len(r["step_times"]) and t == sorted(t) and t[0] > 1.7e9
-
-
-def test_collective_host_cost_times_every_collective_it_names(world_of):
-    """bench/collective_host_cost.py's loop: one timing per collective, each call made and waited
-    for as qzero's engines make them (here on the emulated world's CPU path)."""
-    chc = bench_scripts.load("collective_host_cost")
-    w, clock = world_of(2, "none")
-    before = {op: t.calls for op, t in w.link.totals.items()}
-    us = chc.measure(2, 256, 3, torch.device("cpu"), warmup=1)
-    assert set(us) == set(chc.OPS) and all(v > 0 for v in us.values())
-    booked = {op: t.calls - before.get(op, 0) for op, t in w.link.totals.items()}
-    assert booked == {"all_gather": 4, "reduce_scatter": 4, "all_to_all": 4, "all_reduce": 4}
-
-
-def test_exchange_host_times_each_piece_of_a_quantized_exchange(world_of):
-    """bench/exchange_host.py: each timed call is one quantized exchange (one all-to-all on the
-    emulated link, the payloads decoded into finite sums copied back into the bucket) and every
-    piece of it gets a host time."""
-    eh = bench_scripts.load("exchange_host")
-    w, clock = world_of(2, "none")
-    bucket, slices, order, parts, exchange = eh.build(4096, "int8", 64, torch.device("cpu"), "reference")
-    before = bucket.clone()
-    acc = {name: [] for name in eh.PIECES}
-    for _ in range(3):
-        eh.one_call(slices, order, parts, exchange, time.perf_counter, acc)
-    assert all(len(v) == 3 and all(t >= 0 for t in v) for v in acc.values())
-    assert w.link.totals["all_to_all"].calls == 3
-    own = slices[order[0]]  # rank 0's slice: replaced by its average, finite and changed
-    assert torch.isfinite(own.float()).all() and not torch.equal(own, before[own.numel():])
-    assert torch.equal(slices[order[1]], before[: slices[order[1]].numel()])  # rank 1's slice left alone
-
-
-def test_exchange_host_stub_launches_go_through_the_launchers_direct_path(world_of, monkeypatch):
-    """--stub-launches: after the first launch of each kernel, every launch is the launcher's
-    direct one (its key and arguments built, a compiled kernel that does nothing called)."""
-    pytest.importorskip("triton")
-    eh = bench_scripts.load("exchange_host")
-    from qzero.quant import gradients_triton
-
-    for name in ("_grad_pack_kernel", "_dequantize_sum_kernel"):  # restored after the test
-        monkeypatch.setattr(gradients_triton, name, getattr(gradients_triton, name))
-    w, clock = world_of(2, "none")
-    kernels = eh.stubbed_gradient_kernels()
-    bucket, slices, order, parts, exchange = eh.build(4096, "int8", 64, torch.device("cpu"), kernels)
-    acc = {name: [] for name in eh.PIECES}
-    for _ in range(3):
-        eh.one_call(slices, order, parts, exchange, time.perf_counter, acc)
-    compiled = [kernels.launcher.compiled(getattr(gradients_triton, n))
-                for n in ("_grad_pack_kernel", "_dequantize_sum_kernel")]
-    assert all(len(c) == 1 for c in compiled) and w.link.totals["all_to_all"].calls == 3

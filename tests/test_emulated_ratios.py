@@ -1,4 +1,4 @@
-"""bench/emulated_ratios.py: speed-ups between arms of emulated matrices, read from their
+"""benchmarks/scripts/emulated_ratios.py: speed-ups between arms of emulated matrices, read from their
 matrix.json files, with the runs' medians and an interval that holds the ratio."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench")
+BENCH = os.path.join(ROOT, "benchmarks", "scripts")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
@@ -103,7 +103,7 @@ def test_host_excess_bounds_a_ratio_by_each_arms_calls(tmp_path, capsys):
 
 
 def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
-    """bench/emulated_calibration.ARMS (what run_emulated.sh's stages run) parse as --arm specs
+    """benchmarks/scripts/emulated_calibration.ARMS (what run_emulated.sh's stages run) parse as --arm specs
     whose settings are ZeroConfig's fields with valid values."""
     import dataclasses
 

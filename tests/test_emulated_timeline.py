@@ -1,6 +1,6 @@
-"""bench/emulated_timeline.py: a step's phases against the link's transfers (clipped at the
+"""benchmarks/scripts/emulated_timeline.py: a step's phases against the link's transfers (clipped at the
 phase borders, overlaps, idle, tail, after), the stamps' join with the link's transfers on the
-CPU, and bench/emulated_matrix.py --timeline end to end on a tiny model with its chart."""
+CPU, and benchmarks/scripts/emulated_matrix.py --timeline end to end on a tiny model with its chart."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench")
+BENCH = os.path.join(ROOT, "benchmarks", "scripts")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 

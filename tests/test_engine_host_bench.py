@@ -1,4 +1,4 @@
-"""bench/engine_host.py's timed loops run on gloo (the inline schedule) and leave the
+"""benchmarks/scripts/engine_host.py's timed loops run on gloo (the inline schedule) and leave the
 weights as the synchronous gather does."""
 
 import torch

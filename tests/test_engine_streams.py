@@ -144,7 +144,7 @@ def test_streams_schedule_host_protocol(world, fmt, lookahead):
 
 
 def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
-    """bench/step_profile.py's ``int8_ahead_nowait`` arm: inside the forward the hooks enqueue
+    """benchmarks/scripts/step_profile.py's ``int8_ahead_nowait`` arm: inside the forward the hooks enqueue
     every chunk but the compute stream waits for none; the wait after the forward waits;
     leaving the arm restores the product's hooks."""
     import bench_scripts

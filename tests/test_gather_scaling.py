@@ -1,4 +1,4 @@
-"""bench/gather_scaling.py: the bandwidth model against world size."""
+"""benchmarks/scripts/gather_scaling.py: the bandwidth model against world size."""
 
 import copy
 import json

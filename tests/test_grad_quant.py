@@ -517,7 +517,7 @@ def test_deepspeed_adapter_parses_the_gradient_keys():
 def test_steps_matrix_arms_take_zero_config_keys():
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "steps_matrix.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "scripts", "steps_matrix.py")
     spec = importlib.util.spec_from_file_location("steps_matrix_for_grad_quant", path)
     sm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sm)

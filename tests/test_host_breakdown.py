@@ -1,4 +1,4 @@
-"""bench/host_breakdown.py: what it counts, per phase, on a CPU gather-ahead run."""
+"""benchmarks/scripts/host_breakdown.py: what it counts, per phase, on a CPU gather-ahead run."""
 
 import contextlib
 import functools

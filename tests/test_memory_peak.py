@@ -1,4 +1,4 @@
-"""bench/memory_peak.py: the peak replay and its reports on synthetic allocator snapshots
+"""benchmarks/scripts/memory_peak.py: the peak replay and its reports on synthetic allocator snapshots
 (no GPU needed)."""
 
 import contextlib
@@ -20,7 +20,7 @@ FSDP = {"filename": f"{SITE}/torch/distributed/fsdp/_fully_shard/_fsdp_collectiv
 MLP = {"filename": f"{SITE}/transformers/models/qwen3/modeling_qwen3.py", "line": 60, "name": "forward"}
 GATHER = {"filename": "/work/main/src/qzero/optim/zero.py", "line": 300, "name": "_gather"}
 TRAIN = {"filename": "/work/main/src/qzero/app/train.py", "line": 146, "name": "train_worker"}
-SELF = {"filename": "/work/main/bench/memory_peak.py", "line": 10, "name": "main"}
+SELF = {"filename": "/work/main/benchmarks/scripts/memory_peak.py", "line": 10, "name": "main"}
 
 # innermost frame first, as the allocator records them
 ACTIVATION = [TORCH_LINEAR, TORCH_CALL, MLP, TORCH_CALL, TRAIN, SELF]
@@ -137,7 +137,7 @@ def test_keys():
     assert mp.site_key([]) == mp.NO_USER_FRAME
     assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: qzero/app/train.py train_worker", "qzero")
     assert mp.coarse_key([TORCH_CALL]) == ("other", "other")
-    checkout = {"filename": "/home/me/qzero/bench/memory_peak.py", "line": 1, "name": "main"}  # a clone named qzero
+    checkout = {"filename": "/home/me/qzero/benchmarks/scripts/memory_peak.py", "line": 1, "name": "main"}  # a clone named qzero
     assert mp.coarse_key([TORCH_CALL, checkout]) == ("other", "other")
     ds = {"filename": f"{SITE}/deepspeed/runtime/zero/stage_1_and_2.py", "line": 9, "name": "step"}
     assert mp.coarse_key([ds, GATHER]) == ("deepspeed: runtime/zero/stage_1_and_2.py step", "deepspeed")

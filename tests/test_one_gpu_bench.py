@@ -1,4 +1,4 @@
-"""bench/one_gpu.py's fake world: one process is rank 0 of a DP2 run (the layout, partition
+"""benchmarks/scripts/one_gpu.py's fake world: one process is rank 0 of a DP2 run (the layout, partition
 and buckets of DP2) and trains through qzero.app.train's loop; the CPU stands in for the GPU."""
 
 import json
@@ -41,7 +41,7 @@ print("RESULT " + json.dumps(seen))
 def test_a_fake_world_runs_rank_0_of_dp_n(world, tmp_path):
     script = tmp_path / "fake_world.py"
     script.write_text(SCRIPT)
-    (code, out), = run_script([str(script), os.path.join(ROOT, "bench"), str(world)], timeout=300)
+    (code, out), = run_script([str(script), os.path.join(ROOT, "benchmarks", "scripts"), str(world)], timeout=300)
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, f"exit code {code}:\n{out[-5000:]}"
     seen = json.loads(line[len("RESULT "):])

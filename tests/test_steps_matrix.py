@@ -1,4 +1,4 @@
-"""bench/steps_matrix.py: the analysis on synthetic runs with known answers, its command
+"""benchmarks/scripts/steps_matrix.py: the analysis on synthetic runs with known answers, its command
 line (refusals before anything runs, failed arms, order balancing) and one real run on the CPU."""
 
 import json

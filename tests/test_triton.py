@@ -270,7 +270,7 @@ def _nvidia_tools() -> bool:
 
 @pytest.mark.skipif(not _nvidia_tools(), reason="Triton's bundled ptxas/nvdisasm are not installed")
 def test_pack_compiles_to_a_plain_multiply(tmp_path):
-    """The pack as compiled for sm_90 (offline, no GPU; bench/kernel_asm.py): no division per
+    """The pack as compiled for sm_90 (offline, no GPU; benchmarks/scripts/kernel_asm.py): no division per
     element any more, and the multiply is not fused into the rounding add (``+ 1.5 * 2**23``,
     ``0f4B400000``), which would round once where the reference rounds twice."""
     import subprocess
@@ -279,7 +279,7 @@ def test_pack_compiles_to_a_plain_multiply(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, os.path.join(root, "bench", "kernel_asm.py"), "--out", str(tmp_path)],
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "scripts", "kernel_asm.py"), "--out", str(tmp_path)],
                    env=env, check=True, capture_output=True, timeout=600)
     per_thread = kernels.tuning.block_elems // (kernels.tuning.num_warps * 32)
     for fmt in FORMATS:

@@ -25,7 +25,7 @@ from .quant.gradients import check_rotation_block
 from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS, KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
 
-#: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``bench/grad_quant.md``).
+#: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``benchmarks/reports/loss-quantized-gradients.md``).
 DEFAULT_ROTATION_BLOCK = 32
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
 MAX_SCALE_POWER = 64
@@ -193,10 +193,11 @@ class ZeroConfig:
     last in backward, so in windows those layers' gradients stay staged (``world x`` its
     size) until the end of backward, when activations are mostly freed. Alone, it needs no
     staging, but the windows then carry zeros in its place and it crosses the link in one
-    direction only: its size again on the link. Off by default: on an Ethernet-class DP2 link
-    it cost 1.16x in whole-step time (Qwen3-1.7B, gather-ahead) and saved no peak memory.
-    Turn it on where memory binds at the end of backward (a Qwen3-4B at DP8 stages ~5.8 GiB
-    there in windows, 446 MiB with it: ``bench/plan_report.py``). Such parameters are reduced
+    direction only: its size again on the link. Off by default: where the link is the
+    bottleneck that extra crossing costs whole-step time, and at DP2 the staging does not reach
+    the peak. Turn it on where memory binds at the end of backward (the staging grows with the
+    world size: ``benchmarks/scripts/plan_report.py`` prints it for a model and world; figures in
+    ``BENCHMARKS.md``, *Memory*). Such parameters are reduced
     after every bucket of the backward (the windows' zeros must land before them)."""
 
     gather_schedule: str = "auto"
@@ -214,15 +215,12 @@ class ZeroConfig:
     when the gather starts, so the next forward carries none of the gather's host work (its
     pre-hooks only make the compute stream wait for events). ``N > 0``: ``step()`` enqueues
     ``N`` chunks and each wait enqueues through ``N`` past the chunk it waits for. Memory is the
-    same either way (two receive buffers, reused in stream order). Why 0: a chunk's launch
-    costs the host ~0.2-0.3 ms, and where the forward is host-bound (a small model, a fast
-    link) that time lands on the step when it is spent inside the forward, while ``step()``
-    spends it as the device runs the update. Measured on one H200, one run each
-    (``bench/results/profiles/gather_ahead_enqueue/``): the same step on emulated PCIe- and
-    Ethernet-class links (Qwen3-4B: 488.0 against 488.7 ms, 1766.6 against 1764.6 ms with
-    ``N = 4``); faster where the forward is host-bound (Qwen3-1.7B with 37 chunks and no
-    link: 212.0 against 249.1 ms; emulated NVLink 4B: 401.1 against 441.6 ms), in a regime
-    where single runs of one setting differ by up to 20%. Set ``N`` where the model runs
+    same either way (two receive buffers, reused in stream order). Why 0: launching a chunk costs the host a
+    few kernel and collective launches, more inside a forward than in ``step()``; where the
+    forward is host-bound (a small model, a fast link) that time lands on the step when it is
+    spent inside the forward, while ``step()`` spends it as the device runs the update; where
+    the link is the bottleneck the two are the same step (``benchmarks/reports/step-breakdown-4b.md``).
+    Set ``N`` where the model runs
     collectives of its own on the data-parallel group inside the forward (SyncBatchNorm, say):
     those queue behind every chunk already enqueued on that group. The inline schedule (off
     CUDA) keeps two chunks in flight either way."""
@@ -276,7 +274,7 @@ class ZeroConfig:
     zero_quantized_gradients_rotation_block: int = DEFAULT_ROTATION_BLOCK
     """Elements of one rotation block: a power of two that divides
     ``zero_quantized_gradients_group_size`` (so a group holds whole blocks). The default 32
-    was measured: ``bench/grad_quant.md``."""
+    was measured: ``benchmarks/reports/loss-quantized-gradients.md``."""
 
     zero_quantized_gradients_error_feedback: bool = False
     """Error feedback: each rank keeps what its quantized payloads failed to carry (its

@@ -59,7 +59,7 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(256, 4, 8, 4, 768, BYTE_VOCAB, 32, False, 4096),
     "qwen3-125m": Preset(768, 12, 12, 4, 2048, 151_936, 64, True, 65_536),
     # ~125M parameters (125,456,640) with the byte vocabulary: the MLP is wider than qwen3-125m's,
-    # whose count comes mostly from its 151,936-token embedding (bench/convergence.py)
+    # whose count comes mostly from its 151,936-token embedding (benchmarks/scripts/convergence.py)
     "qwen3-125m-byte": Preset(768, 12, 12, 4, 3840, BYTE_VOCAB, 64, False, 65_536),
     "qwen3-0.6b": Preset(1024, 28, 16, 8, 3072, 151_936, 128, True, 65_536),
     "qwen3-1.7b": Preset(2048, 28, 16, 8, 6144, 151_936, 128, True, 65_536),

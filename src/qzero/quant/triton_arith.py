@@ -209,8 +209,8 @@ if triton is not None:
         t = pid - tl.load(run)
         # A run starts on a group boundary and group sizes are multiples of 8 (RunsTable checks
         # it). Telling the compiler lets the packs and the unpacks load and store 16-byte
-        # vectors (1.2-1.7x faster with exact elements, single H200). The unpacks store their
-        # whole tiles unmasked: with masked stores the hint made the weight unpack 2x slower.
+        # vectors (benchmarks/reports/kernels-h200.md). The unpacks store their whole tiles
+        # unmasked: with masked stores the hint made the weight unpack slower than without it.
         lo = tl.multiple_of(tl.load(run + 1), RUN_ALIGN)
         base = lo + t * (G * GS)
         rem = tl.minimum(tl.maximum(tl.load(run + 2) - base, 0), G * GS).to(tl.int32)

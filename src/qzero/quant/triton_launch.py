@@ -99,7 +99,7 @@ class KernelTuning:
         return self.block_elems, self.num_warps
 
 
-#: The tuning of the kernels the optimizer picks (``bench/gather_bench.py --tune`` sweeps others).
+#: The tuning of the kernels the optimizer picks (``qzero bench gather --tune`` sweeps others).
 DEFAULT_TUNING = KernelTuning()
 
 

@@ -35,9 +35,8 @@ Two schedules, chosen by :class:`CommContext` (``ZeroConfig.gather_schedule``):
     The host enqueues every chunk when the gather starts (``CommContext.lookahead`` 0,
     ``ZeroConfig.gather_lookahead``'s default), or lazily with a lookahead ``L > 0``: the
     first ``L`` at the start, and each ``wait_until(k)`` enqueues through ``k + L`` before it
-    waits. Launching a chunk costs the host a few kernel and collective launches (0.2 ms a
-    chunk in ``step()``, 0.4-0.5 ms inside a forward: Qwen3-1.7B with 37 chunks put 14-15 ms
-    of host time into its forward enqueuing lazily). Inside a forward that is host-bound (a
+    waits. Launching a chunk costs the host a few kernel and collective launches, more inside a
+    forward than in ``step()`` (``benchmarks/reports/step-breakdown-4b.md``). Inside a forward that is host-bound (a
     small model, a fast link) that time is the step's; in ``step()`` the device is still
     busy with the update. The lazy form is for models that run collectives of their own on the same
     group during the forward: those queue behind every chunk already enqueued.

@@ -1,1 +1,1 @@
-"""Benchmarks that ship with the package (``qzero bench``); the GPU studies live in ``bench/``."""
+"""Benchmarks that ship with the package (``qzero bench``); the other studies and their reports live in ``benchmarks/``."""

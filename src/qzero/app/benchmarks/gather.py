@@ -9,8 +9,8 @@ torch reference for comparison, and the world-size-1 gather end to end
 Several GPUs (``torchrun --nproc_per_node=2 -m qzero.app.benchmarks.gather``): the gather
 itself, plain bf16 against each quantized format, arms interleaved round by round,
 medians of CUDA-event times, plus the payload-only collective. Set the link regime
-with NCCL's environment (``bench/regimes.sh`` has the table) and name it with ``--regime``;
-keep ``NCCL_NVLS_ENABLE=0``. ``bench/run_regimes.sh`` runs it in every regime.
+with NCCL's environment (``benchmarks/scripts/regimes.sh`` has the table) and name it with ``--regime``;
+keep ``NCCL_NVLS_ENABLE=0``. ``benchmarks/scripts/run_regimes.sh`` runs it in every regime.
 
 Results go to ``--out`` as JSON and Markdown; the Markdown table is printed last.
 """
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--delta", action="store_true",
                     help="also time the delta-payload kernels (zero_quantized_weights_delta) of the int4/int8 formats: "
                          "pack from fp32 masters and the replica, and the all-ranks unpack of a DP2 chunk")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="results")
     ap.add_argument("--tag", default=None, help="file name stem (default: derived from mode and date)")
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the Markdown of a saved result")
     return ap.parse_args(argv)
