@@ -26,7 +26,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 from qzero import ZeroConfig

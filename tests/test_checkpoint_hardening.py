@@ -35,8 +35,8 @@ import tracemalloc
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoints import ADAMW, Attempt, assert_same, fresh, save_genuine, small_model, snapshot, train
-from distributed import run_distributed
+from _support.checkpoints import ADAMW, Attempt, assert_same, fresh, save_genuine, small_model, snapshot, train
+from _support.distributed import run_distributed
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 

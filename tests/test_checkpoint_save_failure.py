@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import qzero
-from checkpoints import ADAMW, small_model, train
-from distributed import run_distributed
+from _support.checkpoints import ADAMW, small_model, train
+from _support.distributed import run_distributed
 from qzero.optim import checkpoint_save as ckpt
 
 

@@ -26,8 +26,8 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint.format_utils as format_utils
-from checkpoints import ADAMW, Attempt, Call, assert_same, files_under, fresh, save_genuine, small_model, snapshot, train
-from distributed import run_distributed
+from _support.checkpoints import ADAMW, Attempt, Call, assert_same, files_under, fresh, save_genuine, small_model, snapshot, train
+from _support.distributed import run_distributed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import filesystem as dcp_fs

@@ -224,7 +224,7 @@ def test_train_with_fsdp2(tmp_path):
 def test_bench_gather_ships_with_the_package(tmp_path):
     """``qzero bench gather`` runs from the package: ``--render`` rewrites the Markdown table of a
     saved multi-GPU result (built here by the benchmark's own record code) from its JSON alone."""
-    from gather_results import gather_result
+    from _support.gather_results import gather_result
     from qzero.app.cli import main
 
     times = {"bf16 one NCCL call": [29.0, 30.0, 31.0], "bf16": [39.0, 40.0, 41.0], "int8": [22.0, 20.0, 21.0],

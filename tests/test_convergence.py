@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-import bench_scripts  # noqa: E402
+from _support import bench_scripts  # noqa: E402
 
 SCRIPT = bench_scripts.path("convergence")
 
@@ -266,7 +266,7 @@ def test_world_size_1_quantizes_the_weights(fmt, group):
     """A ZeroOptimizer at world size 1 (no process group) runs the quantized gather on its own
     partition: after a step the weights are the dequantized bf16 masters (small parameters exact),
     not the plain bf16 rounding of the masters that quantized=false gives."""
-    from simulate import side_mask
+    from _support.simulate import side_mask
 
     import qzero
     from qzero.quant.reference import dequantize, quantize

@@ -5,7 +5,7 @@ import math
 import os
 import statistics
 
-import bench_scripts
+from _support import bench_scripts
 import pytest
 
 cs = bench_scripts.load("convergence_seeds")

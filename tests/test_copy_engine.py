@@ -2,7 +2,7 @@
 when a piece is missing, and the refusal at construction where they cannot run (here: CPU,
 gloo). The refusal at world 2 (every rank, nothing modified, one rank alone asking) is in
 the bad-input matrix (tests/test_bad_input.py); the gather on copy engines itself needs two
-GPUs (benchmarks/scripts/copy_engine_check.py)."""
+GPUs (tests/gpu/workers/copy_engine_check.py)."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_gather_and_exchange_use_the_provider_same_bits():
     """World 3 (gloo): with a provider the weight gather and the quantized all-to-all run on its
     group and in its buffers, registered in the first step and reused after (the same sizes on
     every rank: registration is collective), and training gives the same bits as without."""
-    from distributed import run_distributed
+    from _support.distributed import run_distributed
 
     off = run_distributed(_train_with_provider, 3, False, timeout=240.0)
     on = run_distributed(_train_with_provider, 3, True, timeout=240.0)

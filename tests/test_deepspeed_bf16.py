@@ -17,7 +17,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from distributed import run_distributed  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
 from test_deepspeed import SMALL, STEPS, build, ds_config, quantized, train  # noqa: E402
 
 from qzero.integrations import deepspeed as qds  # noqa: E402

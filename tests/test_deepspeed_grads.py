@@ -19,7 +19,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from distributed import run_distributed  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
 from test_deepspeed import SMALL, Net, build, data, ds_config, expect_error, quantized, train  # noqa: E402
 
 from qzero.integrations import deepspeed as qds  # noqa: E402

@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from test_optim import ADAMW, batch, make_model, rank_slice
 
 import qzero

@@ -4,7 +4,7 @@ update and the share of moved elements the replica did not follow."""
 import pytest
 import torch
 
-import bench_scripts
+from _support import bench_scripts
 
 
 def test_lag_is_how_far_behind_along_the_update():

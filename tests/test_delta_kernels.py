@@ -18,8 +18,8 @@ CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != 
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
 
-import fp64_model  # noqa: E402
-from simulate import kernel_inputs, side_mask  # noqa: E402
+from _support import fp64_model  # noqa: E402
+from _support.simulate import kernel_inputs, side_mask  # noqa: E402
 from qzero.layout import plan_gather  # noqa: E402
 from qzero.quant import REFERENCE_KERNELS, reference  # noqa: E402
 
@@ -240,7 +240,7 @@ def test_delta_launchers_pass_constexprs_in_kernel_order():
     """The delta launchers can use the compiled kernel's launch (runtime arguments first, then
     the constexprs in the kernel's order), as every launcher of the module."""
     kernels()  # Triton, or skip
-    from kernel_checks import checking_kernels
+    from _support.kernel_checks import checking_kernels
     from qzero.quant import triton_delta, triton_weights
 
     tk = checking_kernels()

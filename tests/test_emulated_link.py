@@ -19,7 +19,7 @@ BENCH = os.path.join(ROOT, "benchmarks", "scripts")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
-import bench_scripts  # noqa: E402
+from _support import bench_scripts  # noqa: E402
 import emulated_link as el  # noqa: E402
 import emulated_matrix as em  # noqa: E402
 

@@ -3,8 +3,8 @@ weights as the synchronous gather does."""
 
 import torch
 
-import bench_scripts
-from distributed import run_distributed
+from _support import bench_scripts
+from _support.distributed import run_distributed
 
 
 def worker(rank, world):

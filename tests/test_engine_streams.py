@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 
 class _Event:
@@ -147,7 +147,7 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
     """benchmarks/scripts/step_profile.py's ``int8_ahead_nowait`` arm: inside the forward the hooks enqueue
     every chunk but the compute stream waits for none; the wait after the forward waits;
     leaving the arm restores the product's hooks."""
-    import bench_scripts
+    from _support import bench_scripts
     from qzero.wire import engine, overlap
     from qzero.wire.engine import CommContext, start_gather
     from qzero.layout import plan_gather

@@ -14,10 +14,10 @@ import math
 
 import pytest
 import torch
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from simulate import bits, expected_gather, simulate_gather
+from _support.simulate import bits, expected_gather, simulate_gather
 
 import qzero
 from qzero.wire.engine import stats_of

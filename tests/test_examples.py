@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from distributed import run_script
+from _support.distributed import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

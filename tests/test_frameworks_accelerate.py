@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from distributed import run_distributed  # noqa: E402
-from frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
+from _support.frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts, load_example  # noqa: E402
 
 STEPS = 10
 
@@ -27,7 +27,7 @@ STEPS = 10
 def worker(rank, world):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    import accelerate_fsdp2 as example
+    example = load_example("accelerate_fsdp2")
 
     from qzero.fsdp.guards import wrapped_in
     from qzero.app.workload import build_model, load_corpus, model_config

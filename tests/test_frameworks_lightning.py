@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from distributed import run_distributed  # noqa: E402
-from frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
+from _support.frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts, load_example  # noqa: E402
 
 STEPS = 10
 
@@ -21,7 +21,7 @@ def worker(rank, world):
     # what torchrun sets: Lightning then takes the processes (and the process group) as given
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    import lightning_model_parallel as example
+    example = load_example("lightning_model_parallel")
 
     from qzero.app.workload import load_corpus
 

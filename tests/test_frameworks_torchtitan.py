@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("torchtitan.models.llama3")
 
-from distributed import run_distributed  # noqa: E402
-from frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
+from _support.frameworks import assert_report_is_what_travels, assert_trains_like_plain, gather_facts, load_example  # noqa: E402
 
 STEPS = 10
 
 
 def worker(rank, world):
-    import torchtitan_parallelize as example
+    example = load_example("torchtitan_parallelize")
 
     from qzero.app.workload import load_corpus
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from qzero.quant import reference
 
 GS = 64

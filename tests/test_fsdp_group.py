@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
-from simulate import side_mask
+from _support.distributed import run_distributed
+from _support.simulate import side_mask
 from qzero.quant import reference
 from test_fsdp import GS, SMALL, _snapshot, batch, build, shard
 

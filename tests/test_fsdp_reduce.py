@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from qzero.quant import reference
 from test_fsdp import GS, SMALL, _snapshot, batch, build
 from test_fsdp_group import GROUPS

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import WorkerError, run_distributed
-from simulate import side_mask
+from _support.distributed import WorkerError, run_distributed
+from _support.simulate import side_mask
 
 import qzero
 from qzero.quant.reference import FLT_MIN
@@ -274,7 +274,7 @@ class _Started(Exception):
 def test_ranks_are_spawned_whenever_cuda_is_available(monkeypatch, cuda):
     """With CUDA present the ranks are spawned, even when torch has not initialised CUDA here
     (Triton may have initialised the driver: a forked child then fails in CUDA's init)."""
-    import distributed
+    from _support import distributed
 
     methods = []
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-import bench_scripts
-from gather_results import gather_result
+from _support import bench_scripts
+from _support.gather_results import gather_result
 
 gs = bench_scripts.load("gather_scaling")
 

@@ -23,7 +23,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from test_grad_quant import (ADAMW, GS, HAVE_KERNELS, SHAPES, SMALL, Chosen, assert_kernels_match_reference, coeffs,
                              contributions, grad_worker)
 

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 from qzero.layout import aligned_layout
@@ -417,7 +417,7 @@ def test_kernels_match_reference(dtype, fmt, group_size):
 def test_gradient_launchers_pass_constexprs_in_kernel_order():
     """The gradient kernels go through the weight kernels' launcher (cached compiled
     launches on a GPU): runtime arguments first, then the constexprs in the kernel's order."""
-    from kernel_checks import checking_kernels
+    from _support.kernel_checks import checking_kernels
     from qzero.quant import gradients_triton
 
     kernels = checking_kernels()

@@ -28,8 +28,8 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
-import distributed  # noqa: E402
-from frameworks import assert_trains_like_plain  # noqa: E402
+from _support import distributed  # noqa: E402
+from _support.frameworks import assert_trains_like_plain  # noqa: E402
 
 from qzero.integrations import deepspeed as qds  # noqa: E402
 from qzero.integrations.hf import QZeroCallback  # noqa: E402

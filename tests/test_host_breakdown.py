@@ -4,10 +4,10 @@ import contextlib
 import functools
 import warnings
 
-import bench_scripts
+from _support import bench_scripts
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 

@@ -18,7 +18,7 @@ def test_kernels_compile_for_sm90():
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("this Triton has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "kernel_compile.py")
+    script = os.path.join(os.path.dirname(__file__), "_support", "kernel_compile.py")
     done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])

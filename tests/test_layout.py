@@ -4,7 +4,7 @@ import math
 import random
 
 import pytest
-from simulate import exact_group
+from _support.simulate import exact_group
 
 from qzero.layout import PayloadKind, padded_flat_numel, plan_flat_layout, plan_gather
 from qzero.quant.formats import get_format

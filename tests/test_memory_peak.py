@@ -5,7 +5,7 @@ import contextlib
 import io
 import json
 
-import bench_scripts
+from _support import bench_scripts
 import pytest
 
 mp = bench_scripts.load("memory_peak")

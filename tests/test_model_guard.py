@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 from qzero.optim.guard import ModelChangedError

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import bench_scripts
-from distributed import run_script
+from _support import bench_scripts
+from _support.distributed import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

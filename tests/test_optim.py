@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 from qzero.optim.checkpoint import logical_pieces

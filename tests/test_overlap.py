@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 import qzero.wire.overlap as overlap
@@ -177,7 +177,7 @@ def test_streams_are_refused_off_cuda_before_anything_changes():
 
 def test_settings_of_the_engine_keep_the_bits():
     """The reference kernels and a whole (unsliced) update give the bits of the defaults,
-    synchronously and ahead (the side-stream schedule: benchmarks/scripts/gpu_check.py on CUDA)."""
+    synchronously and ahead (the side-stream schedule: tests/gpu/workers/gpu_check.py on CUDA)."""
     cfg = CASES[0]
     base = run_distributed(run, 2, cfg, 3)
     for extra in ({"quant_kernels": "reference", "sliced_update": False},

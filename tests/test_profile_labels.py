@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 
 def _names(prof) -> set[str]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from simulate import bits, expected_gather, poisoned_copy, simulate_gather
+from _support.simulate import bits, expected_gather, poisoned_copy, simulate_gather
 
 from qzero.buckets import owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, scatter_window_numel, solo_slots
 from qzero.layout import PAYLOAD_ALIGN, PayloadKind, plan_flat_layout, plan_gather
@@ -491,7 +491,7 @@ def distributed_batches(draw):
 def test_real_gather_equals_simulation(batch):
     """Each example spawns one gloo group and runs a batch of random gathers on it; every
     rank's result equals the simulation (and hence the numpy model)."""
-    from distributed import run_distributed
+    from _support.distributed import run_distributed
 
     world, cases = batch
     by_rank = run_distributed(gather_worker, world, cases, timeout=60)

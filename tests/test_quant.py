@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import fp64_model
+from _support import fp64_model
 from qzero.quant import check_group_size, dequantize, get_format, quantize
 from qzero.quant.reference import FLT_MIN
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 from test_optim import ADAMW, batch, make_model, rank_slice

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 import qzero.wire.chunks as chunks

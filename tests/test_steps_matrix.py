@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 
 import qzero  # noqa: E402
 
-import bench_scripts  # noqa: E402
+from _support import bench_scripts  # noqa: E402
 
 SCRIPT = bench_scripts.path("steps_matrix")
 sm = bench_scripts.load("steps_matrix")

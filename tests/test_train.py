@@ -3,7 +3,7 @@
 import math
 
 import qzero.app.train as train
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from qzero.app.train import TrainSettings
 
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 import qzero.app.train as train  # noqa: E402
-from distributed import run_distributed  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
 from qzero.app import cli  # noqa: E402
 from qzero.app.heldout import heldout_loss  # noqa: E402
 from qzero.app.train import TrainSettings, validate  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import qzero.app.train as train  # noqa: E402
-from distributed import run_distributed  # noqa: E402
+from _support.distributed import run_distributed  # noqa: E402
 from qzero.app.train import TrainSettings, lr_at, validate  # noqa: E402
 from qzero.app.workload import WorkloadError  # noqa: E402
 

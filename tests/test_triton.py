@@ -23,10 +23,10 @@ if not CUDA:
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
-import fp64_model  # noqa: E402
+from _support import fp64_model  # noqa: E402
 from qzero.wire.comm import all_gather, quantized_all_gather, run_gather  # noqa: E402
 from qzero.layout import PayloadKind, plan_gather  # noqa: E402
-from simulate import kernel_inputs  # noqa: E402
+from _support.simulate import kernel_inputs  # noqa: E402
 from qzero.quant import REFERENCE_KERNELS, reference  # noqa: E402
 from qzero.quant import triton_launch, triton_weights  # noqa: E402
 from qzero.quant.triton import DEFAULT_KERNELS, TritonKernels  # noqa: E402
@@ -666,7 +666,7 @@ def test_fast_launch_is_not_used_when_constexprs_are_out_of_order():
 def test_launchers_pass_constexprs_in_kernel_order():
     """Every weight launcher can use the compiled kernel's launch: its runtime arguments come
     first and its constexprs follow in the kernel's order."""
-    from kernel_checks import checking_kernels
+    from _support.kernel_checks import checking_kernels
     from qzero.wire.chunks import exact_scatter
 
     kernels = checking_kernels()

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-import warm_python
+from _support import warm_python
 
 #: Prints what a script can see of how it was started.
 PROBE = textwrap.dedent("""\

@@ -111,7 +111,7 @@ def _counting_worker(rank, world):
 
 
 def test_the_collective_is_the_contexts_argument():
-    from distributed import run_distributed
+    from _support.distributed import run_distributed
     from qzero.wire.chunks import all_gather_into
     from qzero.wire.engine import CommContext
 

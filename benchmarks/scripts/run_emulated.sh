@@ -10,7 +10,7 @@
 #   ethernet50 the two arms of the committed 4B Ethernet-class result at its 50M/50M buckets
 #   lowbit     the 4-bit payloads (INT4 delta weights, INT4 gradients, both) beside INT8 + gather-ahead,
 #              INT8 gradients and FSDP2, Ethernet-class, PCIe-class and NVLink
-#   kernels    the CUDA kernel tests, and benchmarks/scripts/gpu_check.py with both ranks on this GPU (--share-gpu)
+#   kernels    the CUDA kernel tests, and tests/gpu/workers/gpu_check.py with both ranks on this GPU (--share-gpu)
 #   sweep      gather-ahead against the synchronous gather at the gather buckets SWEEP_AG (2e7 5e8),
 #              and INT8 + gather-ahead against FSDP2 at 5e8/5e7; three links
 #   deepspeed  plain DeepSpeed and the DeepSpeed adapter with gather-ahead, alone and with quantized gradients,
@@ -115,7 +115,7 @@ if has kernels; then  # the CUDA kernels and the gather engine's streams on this
     echo "kernel tests: rc=$? in $((SECONDS - t0)) s: $(tail -n 1 "$out/kernel_tests.log")"
     if [ -z "${SKIP_GPU_CHECK:-}" ]; then
         t0=$SECONDS
-        timeout "$(left 10)" python3 -m torch.distributed.run --nproc_per_node=2 "$here/gpu_check.py" --share-gpu ${CHECK_ARGS:---delays} \
+        timeout "$(left 10)" python3 -m torch.distributed.run --nproc_per_node=2 "$here/../../tests/gpu/workers/gpu_check.py" --share-gpu ${CHECK_ARGS:---delays} \
             > "$out/gpu_check.log" 2>&1
         echo "gpu_check --share-gpu: rc=$? in $((SECONDS - t0)) s, $(grep -c '^PASS' "$out/gpu_check.log") PASS, $(grep -c '^FAIL' "$out/gpu_check.log") FAIL"
     fi

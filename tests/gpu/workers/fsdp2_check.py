@@ -1,6 +1,6 @@
 """GPU check of qzero.fsdp: FSDP2's quantized weight gathers on NCCL, against the reference.
 
-    torchrun --nproc_per_node=2 benchmarks/scripts/fsdp2_check.py [--out DIR]
+    torchrun --nproc_per_node=2 tests/gpu/workers/fsdp2_check.py [--out DIR]
 
 For both modes (``parameter``: :func:`qzero.fsdp.quantize_weight_gathers`; ``group``:
 :func:`qzero.fsdp.quantize_group_gathers`), both reshard modes and both compute dtypes

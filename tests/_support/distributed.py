@@ -132,9 +132,9 @@ def run_script(argv: list[str], ranks: int = 1, *, timeout: float = 600.0, cwd=N
     killing them all) when they do not all finish within ``timeout`` seconds. The processes
     are forked from an interpreter that has imported torch (:mod:`warm_python`), as
     ``python argv...`` would run otherwise."""
-    import warm_python
+    from _support import warm_python
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -1,7 +1,7 @@
 """The DeepSpeed ZeRO-1/2 adapter on 2 GPUs (NCCL), or on CPU with gloo (``--cpu``).
 
-    python3 -m torch.distributed.run --nproc_per_node=2 benchmarks/scripts/deepspeed_gpu_check.py [--out result.json]
-    torchrun --nproc_per_node=2 benchmarks/scripts/deepspeed_gpu_check.py --cpu          # the same checks on CPU
+    python3 -m torch.distributed.run --nproc_per_node=2 tests/gpu/workers/deepspeed_gpu_check.py [--out result.json]
+    torchrun --nproc_per_node=2 tests/gpu/workers/deepspeed_gpu_check.py --cpu          # the same checks on CPU
 
 The GPU counterpart of ``tests/test_deepspeed.py`` on a small Qwen3-shaped model built from
 a ``transformers`` config (bf16; torch AdamW as the client optimizer, fused on GPU, so

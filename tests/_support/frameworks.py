@@ -4,11 +4,21 @@ parameters that travel quantized."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
-sys.path.insert(0, EXAMPLES)  # the examples are imported as modules
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "examples")
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as module ``name`` (registered in ``sys.modules``, loaded once)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def assert_trains_like_plain(run: list[float], plain: list[float], steps: int, what: str) -> None:

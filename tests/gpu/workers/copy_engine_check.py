@@ -1,13 +1,13 @@
 """GPU check of copy-engine collectives (``ZeroConfig.copy_engine_collectives``).
 
-One GPU (``python benchmarks/scripts/copy_engine_check.py``): detection on this host's PyTorch and NCCL
+One GPU (``python tests/gpu/workers/copy_engine_check.py``): detection on this host's PyTorch and NCCL
 (prints what is missing, or that nothing is), the refusal on a gloo group naming the
 backend, and an optimizer built with the setting at world 1 (the zero-CTA group and the
 symmetric-memory backend are created; a world of one moves nothing) stepping to the same
 bits as one without it.
 
-Two or more GPUs (``torchrun --nproc_per_node=2 benchmarks/scripts/copy_engine_check.py``): the training
-run of ``benchmarks/scripts/gpu_check.py`` (INT8 gather, with and without gather-ahead, plain and INT8
+Two or more GPUs (``torchrun --nproc_per_node=2 tests/gpu/workers/copy_engine_check.py``): the training
+run of ``tests/gpu/workers/gpu_check.py`` (INT8 gather, with and without gather-ahead, plain and INT8
 gradients, stages 1 and 2) with and without the setting must give bitwise the same losses
 and weights, and the replicas must stay bit-identical. To see which path NCCL chose, run
 with ``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL`` and look for ``[Copy Engine]`` in the
@@ -79,8 +79,7 @@ def one_gpu(failures: list) -> None:
 
 
 def multi_gpu(failures: list) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_check import run  # the training run the other GPU checks compare
+    from gpu_check import run  # the training run the other GPU checks compare (this script's folder)
 
     missing = _detect(torch.device("cuda", dist.get_rank()))
     if missing is not None:

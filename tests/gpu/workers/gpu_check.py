@@ -6,9 +6,9 @@ plain path must match too; the same for delta gathers (int4 and int8), whose fus
 kernels must give the torch reference's bits over a whole run. Prints one line per
 check and exits non-zero on failure.
 
-    torchrun --nproc_per_node=2 benchmarks/scripts/gpu_check.py [--delays]
+    torchrun --nproc_per_node=2 tests/gpu/workers/gpu_check.py [--delays]
 
-``--share-gpu`` runs both ranks on one GPU (``torchrun --nproc_per_node=2 benchmarks/scripts/gpu_check.py
+``--share-gpu`` runs both ranks on one GPU (``torchrun --nproc_per_node=2 tests/gpu/workers/gpu_check.py
 --share-gpu``): gloo for the process group, every collective on a CUDA tensor through the other
 rank's device memory (``benchmarks/scripts/one_gpu.py``); the side streams, events and kernels are the real ones.
 
@@ -26,9 +26,15 @@ import torch.distributed as dist
 
 #: Both ranks on one GPU: the collectives are routed before qzero keeps references to them.
 SHARE_GPU = "--share-gpu" in sys.argv
-if SHARE_GPU:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from one_gpu import route_collectives, share_one_gpu
+if SHARE_GPU:  # benchmarks/scripts/one_gpu.py, loaded by its path (the scripts are not a package)
+    import importlib.util
+
+    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 3, "benchmarks", "scripts", "one_gpu.py")
+    _spec = importlib.util.spec_from_file_location("one_gpu", _path)
+    _one_gpu = importlib.util.module_from_spec(_spec)
+    sys.modules["one_gpu"] = _one_gpu
+    _spec.loader.exec_module(_one_gpu)
+    route_collectives, share_one_gpu = _one_gpu.route_collectives, _one_gpu.share_one_gpu
 
     route_collectives()
 
