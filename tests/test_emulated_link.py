@@ -397,9 +397,9 @@ def test_the_matrix_runs_arms_in_fresh_processes_on_the_cpu(tmp_path):
 
 def test_calibration_compares_exposures_and_fits_the_resident_ctas(tmp_path, monkeypatch):
     import emulated_calibration as cal
-    import steps_matrix
+    from qzero.app.benchmarks import steps as steps_matrix
 
-    # a two-GPU matrix as benchmarks/scripts/steps_matrix.py analyses and writes it, in a results tree of its own
+    # a two-GPU matrix as qzero bench steps analyses and writes it, in a results tree of its own
     medians = {"gpu1": 0.390, "plain": 0.590, "int8": 0.505, "plain_ahead": 0.516, "fsdp2": 0.487, "deepspeed": 0.713}
     runs = {arm: [{"step_times": [m * f for f in (0.99, 1.0, 1.01)], "wall_seconds": 3 * m, "wall_steps": 3}]
             for arm, m in medians.items()}

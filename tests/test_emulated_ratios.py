@@ -108,7 +108,7 @@ def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
     import dataclasses
 
     import emulated_calibration as ec
-    import steps_matrix as sm
+    from qzero.app.benchmarks import steps as sm
     from qzero.config import ZeroConfig
 
     fields = {f.name for f in dataclasses.fields(ZeroConfig)}

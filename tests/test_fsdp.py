@@ -312,7 +312,7 @@ def arm_worker(rank, world):
 
 def test_fsdp2_arm_of_qzero_train():
     """``backend=fsdp2, quantized=true`` (what ``qzero qualify --backend fsdp2`` and
-    benchmarks/scripts/steps_matrix.py A/B) runs the tiny Qwen3 model and sends about half the bytes."""
+    qzero bench steps A/B) runs the tiny Qwen3 model and sends about half the bytes."""
     plain, quant = run_distributed(arm_worker, 2)[0].values()
     assert quant["losses"] != plain["losses"]
     assert max(abs(a - b) for a, b in zip(plain["losses"], quant["losses"])) < 0.01 * plain["losses"][0]

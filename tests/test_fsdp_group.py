@@ -286,7 +286,7 @@ def arm_worker(rank, world):
 
 
 def test_fsdp2_group_arm_of_qzero_train():
-    """``backend=fsdp2,quantized=true,fsdp_quantize=group`` (an arm of benchmarks/scripts/steps_matrix.py)
+    """``backend=fsdp2,quantized=true,fsdp_quantize=group`` (an arm of qzero bench steps)
     trains the tiny Qwen3 model as plain FSDP2 does, within the quantization's reach, sending
     about half the bytes, counted as the plain arm counts them."""
     plain, group = run_distributed(arm_worker, 2)[0].values()

@@ -515,12 +515,8 @@ def test_deepspeed_adapter_parses_the_gradient_keys():
 
 
 def test_steps_matrix_arms_take_zero_config_keys():
-    import importlib.util
+    from qzero.app.benchmarks import steps as sm
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "scripts", "steps_matrix.py")
-    spec = importlib.util.spec_from_file_location("steps_matrix_for_grad_quant", path)
-    sm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sm)
     name, o = sm.parse_arm("qg:quantized=true,zero_quantized_gradients=true,zero_quantized_gradients_format=fp8")
     assert o == {"zero_quantized_weights": True, "zero_quantized_gradients": True,
                  "zero_quantized_gradients_format": "fp8"}

@@ -1,14 +1,14 @@
-"""benchmarks/scripts/memory_peak.py: the peak replay and its reports on synthetic allocator snapshots
+"""``qzero bench memory`` (qzero.app.benchmarks.memory): the peak replay and its reports on synthetic allocator snapshots
 (no GPU needed)."""
 
 import contextlib
 import io
 import json
 
-from _support import bench_scripts
 import pytest
 
-mp = bench_scripts.load("memory_peak")
+from qzero.app.benchmarks import memory as mp
+
 
 MB = 2**20
 SITE = "/usr/lib/python3.11/site-packages"
@@ -20,7 +20,7 @@ FSDP = {"filename": f"{SITE}/torch/distributed/fsdp/_fully_shard/_fsdp_collectiv
 MLP = {"filename": f"{SITE}/transformers/models/qwen3/modeling_qwen3.py", "line": 60, "name": "forward"}
 GATHER = {"filename": "/work/main/src/qzero/optim/zero.py", "line": 300, "name": "_gather"}
 TRAIN = {"filename": "/work/main/src/qzero/app/train.py", "line": 146, "name": "train_worker"}
-SELF = {"filename": "/work/main/benchmarks/scripts/memory_peak.py", "line": 10, "name": "main"}
+SELF = {"filename": "/work/main/src/qzero/app/benchmarks/memory.py", "line": 10, "name": "main"}
 
 # innermost frame first, as the allocator records them
 ACTIVATION = [TORCH_LINEAR, TORCH_CALL, MLP, TORCH_CALL, TRAIN, SELF]
@@ -137,7 +137,7 @@ def test_keys():
     assert mp.site_key([]) == mp.NO_USER_FRAME
     assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: qzero/app/train.py train_worker", "qzero")
     assert mp.coarse_key([TORCH_CALL]) == ("other", "other")
-    checkout = {"filename": "/home/me/qzero/benchmarks/scripts/memory_peak.py", "line": 1, "name": "main"}  # a clone named qzero
+    checkout = {"filename": "/home/me/qzero/src/qzero/app/cli.py", "line": 1, "name": "main"}  # the command line around it
     assert mp.coarse_key([TORCH_CALL, checkout]) == ("other", "other")
     ds = {"filename": f"{SITE}/deepspeed/runtime/zero/stage_1_and_2.py", "line": 9, "name": "step"}
     assert mp.coarse_key([ds, GATHER]) == ("deepspeed: runtime/zero/stage_1_and_2.py step", "deepspeed")
@@ -198,13 +198,14 @@ def test_compare(tmp_path):
     assert coarse[0] == "| qzero: qzero/optim/zero.py _gather | 3.00 | 0.00 | +3.00 |"  # largest difference first
     assert coarse[-1].endswith("| 1.00 | 1.00 | +0.00 |")
 
-    # the command line reads the JSON records that main() writes
+    # the command line (qzero bench memory --compare) reads the JSON records that main() writes
+    from qzero.app.cli import main
     pa, pb = tmp_path / "memory_qzero.json", tmp_path / "fsdp.json"
     pa.write_text(json.dumps({"tag": "qzero", "max_memory_allocated": 5 * 2**30, "breakdown": a}))
     pb.write_text(json.dumps(b))  # a bare breakdown works too, named after its file
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        mp.main(["--compare", str(pa), str(pb)])
+        assert main(["bench", "memory", "--compare", str(pa), str(pb)]) == 0
     out = buf.getvalue()
     assert "## Peak memory: qzero vs fsdp" in out
     assert "| max_memory_allocated | 5.00 | n/a | n/a |" in out

@@ -1,4 +1,4 @@
-"""benchmarks/scripts/steps_matrix.py: the analysis on synthetic runs with known answers, its command
+"""``qzero bench steps`` (qzero.app.benchmarks.steps): the analysis on synthetic runs with known answers, its command
 line (refusals before anything runs, failed arms, order balancing) and one real run on the CPU."""
 
 import json
@@ -14,10 +14,7 @@ pytest.importorskip("matplotlib")
 
 import qzero  # noqa: E402
 
-from _support import bench_scripts  # noqa: E402
-
-SCRIPT = bench_scripts.path("steps_matrix")
-sm = bench_scripts.load("steps_matrix")
+from qzero.app.benchmarks import steps as sm  # noqa: E402
 
 
 def run(times, losses=(5.0, 4.0, 3.0), sample=(1.0, 2.0, 3.0), *, replicas=True, round=0, **extra):
@@ -257,7 +254,7 @@ def _cli(*args, env=None, timeout=600):
     # the children (run_arm's fresh processes) import the same qzero as this test
     src = os.path.dirname(os.path.dirname(os.path.abspath(qzero.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "qzero", "bench", "steps", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 TINY = ["--device", "cpu", "--world-size", "2", "--preset", "tiny", "--seq-len", "32", "--micro-batch", "2",

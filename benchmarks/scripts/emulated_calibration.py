@@ -92,7 +92,7 @@ REAL = (
             _SAME("int8_ahead", "int8_ahead_qgrad"), "1 round"),
 )
 
-#: The emulated arms the real ones correspond to, in ``benchmarks/scripts/steps_matrix.py``'s arm syntax
+#: The emulated arms the real ones correspond to, in ``qzero bench steps`` (``qzero.app.benchmarks.steps``)'s arm syntax
 #: (today's defaults: ``quantized=true`` alone is gather-ahead, hence ``overlap=false`` for ``int8``).
 ARMS = {
     "gpu1": "world_size=1",

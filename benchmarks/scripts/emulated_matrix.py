@@ -7,7 +7,7 @@ world (``--world-size``) whose collectives hold an emulated link. Every arm of e
 (odd rounds reversed); inside one arm's process the links run one after another, each for
 ``--steps`` steps back to back (the first ``--warmup`` warm up; then ``wall ms/step`` is the
 measured steps between two device-wide synchronizations, and the per-step medians are
-timed on the compute stream as in ``benchmarks/scripts/steps_matrix.py``), the link order reversed in odd
+timed on the compute stream as in ``qzero bench steps`` (``qzero.app.benchmarks.steps``)), the link order reversed in odd
 rounds too. ``--budget`` seconds: no run starts that would not end inside it (a cut run
 leaves what it measured).
 
@@ -16,7 +16,7 @@ leaves what it measured).
         --arm gpu1:world_size=1 --arm plain: --arm int8_ahead:quantized=true,overlap=true \\
         --arm fsdp2:backend=fsdp2 --reference plain --peers fsdp2 --out OUT
 
-Writes ``OUT/PRESET_agAG_rsRS/LINK/matrix.{json,md}`` and ``steps.png`` (``benchmarks/scripts/steps_matrix.py``'s
+Writes ``OUT/PRESET_agAG_rsRS/LINK/matrix.{json,md}`` and ``steps.png`` (``qzero bench steps`` (``qzero.app.benchmarks.steps``)'s
 tables and plot, titled "emulated link"), and ``OUT/summary.{json,md}``: per cell, link and arm
 the median and wall step, the exposed communication against the ``world_size=1`` arm when
 there is one, and the link's modelled and measured busy time per step. Every figure is of an
@@ -419,7 +419,7 @@ def summary_markdown(summ: dict, header: list[str]) -> str:
 
 
 def build_parser():
-    import steps_matrix
+    from qzero.app.benchmarks import steps as steps_matrix
 
     p = steps_matrix.build_parser()
     p.description = __doc__.split("\n\n")[0]
@@ -478,7 +478,7 @@ def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import steps_matrix
+    from qzero.app.benchmarks import steps as steps_matrix
     from qzero.app.qualify.env import describe
     from qzero.app.qualify.run import ArmFailed
     from qzero.app.train import validate
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_all(args, plans, links, done, env, reference, peers, floor_arm, runs_done, runs_total, complete,
                plots=False) -> str:
-    import steps_matrix
+    from qzero.app.benchmarks import steps as steps_matrix
 
     for (c, link), arm_runs in done.items():
         base, arms, diffs, _, _ = plans[c]

@@ -12,7 +12,7 @@ every visible GPU (NCCL) with and without ``zero_quantized_gradients``.
    (int8, fp8, int4 with and without the rotation, int4 with error feedback) against the
    plain reduction: final loss, gradient bytes per rank and step, replicas identical, median
    step time. The link is whatever the host has (NVLink here: the step
-   times say nothing about slow links; ``benchmarks/scripts/steps_matrix.py`` with ``NCCL_P2P_DISABLE=1``
+   times say nothing about slow links; ``qzero bench steps`` (``qzero.app.benchmarks.steps``) with ``NCCL_P2P_DISABLE=1``
    / ``NCCL_SHM_DISABLE=1`` arms does).
 
 Prints a table and writes ``OUTDIR/grad_quant_check.json``.

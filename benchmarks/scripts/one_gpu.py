@@ -29,19 +29,8 @@ import torch
 import torch.distributed as dist
 
 
-def launcher_environment(world: int) -> dict[str, str]:
-    """What a launcher sets for rank 0 of ``world`` (DeepSpeed asks for it; the process group
-    itself is made by :func:`init_fake_world` or the emulated world)."""
-    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-
-
-def init_fake_world(world: int) -> None:
-    """Make this process rank 0 of ``world`` under the ``fake`` process group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if world < 1:
-        raise SystemExit(f"a fake world needs at least 1 rank, got {world}")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+# the fake world lives in the package (``qzero bench memory --fake-world`` uses it too)
+from qzero.app.benchmarks.fake_world import init_fake_world, launcher_environment  # noqa: E402,F401
 
 
 class _Done:

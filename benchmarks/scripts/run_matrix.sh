@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Step time per link regime (whole training steps) on a 2-GPU host: for each link regime, benchmarks/scripts/steps_matrix.py
+# Step time per link regime (whole training steps) on a 2-GPU host: for each link regime, qzero bench steps
 # runs every arm in fresh processes, rounds order-balanced (ABCD, DCBA, ...), for a
 # Qwen3-1.7B-shaped model, and tabulates each arm against the first arm and against the peers.
 # Installs this checkout first (benchmarks/scripts/regimes.sh; DeepSpeed must be installed for its arm: a missing peer shows as failed).
@@ -37,7 +37,7 @@ for regime in "${regimes[@]}"; do
     regime_env "$regime"
     dir="$out/matrix_dp${world}_$regime"
     echo "=== $regime: ${REGIME_ENV[*]} -> $dir"
-    env "${REGIME_ENV[@]}" timeout "${MATRIX_TIMEOUT:-560}" python3 "$here/steps_matrix.py" "${common[@]}" \
+    env "${REGIME_ENV[@]}" timeout "${MATRIX_TIMEOUT:-560}" python3 -m qzero bench steps "${common[@]}" \
         "${arm_args[@]}" "${extra[@]}" --regime-label "dp$world $regime" --out "$dir"
     rc=$?
     if [ $rc -ne 0 ]; then

@@ -20,6 +20,6 @@ for regime in "${regimes[@]}"; do
     regime_env "$regime"
     echo "=== $regime: ${REGIME_ENV[*]}"
     env "${REGIME_ENV[@]}" timeout "${REGIME_TIMEOUT:-200}" python3 -m torch.distributed.run --nproc_per_node=2 \
-        -m qzero bench gather --out "$out" --tag "gather_dp2_$regime" "$@" || status=1
+        -m qzero.app.benchmarks.gather --out "$out" --tag "gather_dp2_$regime" "$@" || status=1
 done
 exit $status

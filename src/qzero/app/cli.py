@@ -286,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-loss-diff", type=float, default=0.05)
     q.add_argument("--tolerance", type=float, default=0.02, help="atol = rtol for sampled weights")
 
-    b = sub.add_parser("bench", help="the gather and its kernels on this machine's GPUs (qzero bench gather --help)")
-    b.add_argument("what", choices=("gather",))
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the gather benchmark")
+    b = sub.add_parser("bench", help="benchmarks on this machine's GPUs: gather (the gather and its kernels), steps "
+                                     "(whole steps, arms side by side), memory (what is live at the peak); "
+                                     "qzero bench WHAT --help")
+    b.add_argument("what", choices=("gather", "steps", "memory"))
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
 
     a = sub.add_parser("_arm")  # one arm of qualify, in its own process; not listed in --help
     sub._choices_actions = [c for c in sub._choices_actions if c.dest != "_arm"]
@@ -432,9 +434,13 @@ def _qualify(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks import gather
-
-    return gather.main(args.rest)
+    if args.what == "gather":
+        from .benchmarks import gather as module
+    elif args.what == "steps":
+        from .benchmarks import steps as module
+    else:
+        from .benchmarks import memory as module
+    return module.main(args.rest) or 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ in the order given, odd rounds in reverse (ABCD, DCBA, ABCD, ...), so slow drift
 machine falls on every arm alike. An arm that fails (a peer that is not installed, an
 out-of-memory) is recorded with the tail of its output and the other arms go on.
 
-    python benchmarks/scripts/steps_matrix.py --device cuda --world-size 2 --preset qwen3-1.7b \\
+    qzero bench steps --device cuda --world-size 2 --preset qwen3-1.7b \\
         --seq-len 2048 --micro-batch 2 --steps 8 --warmup 2 --allgather-bucket-size 5e8 \\
         --reduce-bucket-size 5e7 --lr 1e-4 --rounds 2 --peers deepspeed,fsdp2 \\
         --arm plain: --arm int8:quantized=true,overlap=false --arm int8_ahead:quantized=true,overlap=true \\
@@ -27,7 +27,9 @@ weight sample, the statistics), ``matrix.md`` (the table), ``steps.png`` (step t
 arm) and ``logs/`` (each run's output). The JSON and Markdown are rewritten after every
 run, so a run cut short by a time limit leaves what it measured. The Markdown table is
 printed last. Exit status: 0 when the reference arm ran at least once, 1 otherwise, 2 for
-bad arguments (refused before anything runs).
+bad arguments (refused before anything runs). ``qzero bench steps --compare DIR/matrix.json
+BASE:ARM`` sets two arms of a saved matrix side by side. Link regimes on one host:
+``benchmarks/scripts/run_matrix.sh`` runs this command in each (``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -448,7 +450,7 @@ def write(m: dict, out_dir: str, with_plot: bool) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainSettings()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="qzero bench steps", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("common settings (every arm)")
     w.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     w.add_argument("--world-size", type=int, default=d.world_size)
@@ -558,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     env = describe(resolve_device(base))
-    env["command"] = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0]) or "steps_matrix.py", *(sys.argv[1:] if argv is None else argv)])
+    env["command"] = " ".join(shlex.quote(a) for a in ["qzero", "bench", "steps", *(sys.argv[1:] if argv is None else argv)])
     order = schedule(list(arms), args.rounds)
     runs: dict[str, list[dict]] = {n: [] for n in arms}
     matrix = {

@@ -15,18 +15,18 @@ then by the code that allocated them:
 
 Run on a 2-GPU host, from the repository root:
 
-    python3 -m torch.distributed.run --nproc_per_node=2 benchmarks/scripts/memory_peak.py --backend qzero \
+    python3 -m torch.distributed.run --nproc_per_node=2 -m qzero bench memory --backend qzero \
         [--quantized] [--overlap] [--preset qwen3-1.7b] [--seq-len 2048] [--micro-batch 2] \
         [--steps 4] [--allgather-bucket-size 5e8] [--reduce-bucket-size 5e7] [--set KEY=VALUE] [--out DIR] [--tag NAME]
 
-On one GPU, ``python3 benchmarks/scripts/memory_peak.py --fake-world 2 ...`` is rank 0 of a DP2 run under
+On one GPU, ``qzero bench memory --fake-world 2 ...`` is rank 0 of a DP2 run under
 torch's fake process group: the same allocations (they do not depend on the values the
 collectives would deliver), no traffic.
 
 Rank 0 writes ``DIR/memory_<tag>.md`` and ``DIR/memory_<tag>.json`` and prints the report.
 Two such JSON files side by side (no GPU needed):
 
-    python3 benchmarks/scripts/memory_peak.py --compare DIR/memory_qzero.json DIR/memory_fsdp2.json
+    qzero bench memory --compare DIR/memory_qzero.json DIR/memory_fsdp2.json
 """
 
 from __future__ import annotations
@@ -67,13 +67,17 @@ def frame_text(frame: dict) -> str:
     return f"{short_path(_file(frame))}:{frame.get('line', '?')} {frame.get('name', '?')}"
 
 
+#: This command's own frames (and the command line's around it): not who asked for the memory.
+SELF_FILES = ("qzero/app/benchmarks/memory.py", "qzero/app/cli.py", "qzero/__main__.py")
+
+
 def _is_self(filename: str) -> bool:
-    return os.path.basename(filename) == "memory_peak.py"
+    return filename.endswith(SELF_FILES)
 
 
 def _skipped(filename: str) -> bool:
     """Frames that say nothing about who asked for the memory: torch itself, the Python
-    standard library (contextlib, functools, runpy, ...), frozen modules and this script."""
+    standard library (contextlib, functools, runpy, ...), frozen modules and this command."""
     if "/torch/" in filename or filename.startswith("torch/"):
         return True
     if filename.startswith("<") or _is_self(filename):
@@ -327,7 +331,7 @@ def _load(path: str) -> tuple[dict, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="qzero bench memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results side by side")
     ap.add_argument("--backend", choices=BACKENDS, default="qzero")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # the flag's name in earlier releases: refused
@@ -343,9 +347,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="one more ZeroConfig field (repeatable; VALUE as JSON where it parses, else a string)")
     ap.add_argument("--fake-world", type=int, default=0, metavar="N",
                     help="one process as rank 0 of N under torch's fake process group (one GPU; no traffic): "
-                         "rank 0's allocations as at DP-N, values meaningless (see one_gpu.py)")
+                         "rank 0's allocations as at DP-N, values meaningless (qzero.app.benchmarks.fake_world)")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--out", default="OUT/memory")
+    ap.add_argument("--out", default="memory-report")
     ap.add_argument("--tag", default=None)
     a = ap.parse_args(argv)
     if a.engine is not None:
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if a.fake_world:
-        from one_gpu import init_fake_world, launcher_environment
+        from .fake_world import init_fake_world, launcher_environment
 
         init_fake_world(a.fake_world)
         os.environ.update(launcher_environment(a.fake_world))  # one rank of a launched world
