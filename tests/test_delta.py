@@ -409,19 +409,13 @@ def test_reshard_resumes_from_an_exact_resync(tmp_path):
 def test_the_emulated_matrix_passes_delta_inputs_through_its_pack_wrapper():
     """benchmarks/scripts/emulated_matrix.py wraps the engine's pack_chunk (to clear side channels); a delta
     gather calls it with its DeltaInputs, which must reach the real pack."""
-    import os
-    import sys
-
     from qzero.wire.chunks import DeltaInputs
     from qzero.layout import plan_gather
     from qzero.quant import reference
 
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "scripts")
-    sys.path.insert(0, bench)
-    try:
-        import emulated_matrix
-    finally:
-        sys.path.remove(bench)
+    from _support import bench_scripts
+
+    emulated_matrix = bench_scripts.load("emulated_matrix")
     seen = []
     pack = emulated_matrix._clearing_side_channel(lambda *args: seen.append(args) or "slot")
     plan = plan_gather(64, 1, zero_quantized_weights_format="int4", zero_quantized_weights_group_size=8,

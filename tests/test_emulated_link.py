@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "scripts")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
 from _support import bench_scripts  # noqa: E402
-import emulated_link as el  # noqa: E402
-import emulated_matrix as em  # noqa: E402
+
+el = bench_scripts.load("emulated_link")
+em = bench_scripts.load("emulated_matrix")
 
 
 class FakeClock:
@@ -396,7 +395,7 @@ def test_the_matrix_runs_arms_in_fresh_processes_on_the_cpu(tmp_path):
 
 
 def test_calibration_compares_exposures_and_fits_the_resident_ctas(tmp_path, monkeypatch):
-    import emulated_calibration as cal
+    cal = bench_scripts.load("emulated_calibration")
     from qzero.app.benchmarks import steps as steps_matrix
 
     # a two-GPU matrix as qzero bench steps analyses and writes it, in a results tree of its own
@@ -432,8 +431,7 @@ def test_a_delivery_backdates_a_transfer_by_a_device_copy_not_by_milliseconds():
     in milliseconds would start transfers at the previous one's end although they were issued
     later, and hide the gaps between a gather's chunks."""
     pytest.importorskip("triton")
-    sys.path.insert(0, BENCH)
-    import link_kernels as lk
+    lk = bench_scripts.load("link_kernels")
 
     ns = lk.delivery_ns(64 << 20)
     assert 10_000 < ns < 100_000, ns

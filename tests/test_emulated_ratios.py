@@ -4,16 +4,15 @@ matrix.json files, with the runs' medians and an interval that holds the ratio."
 import json
 import os
 import statistics
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "scripts")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
-import emulated_ratios as er  # noqa: E402
+from _support import bench_scripts  # noqa: E402
+
+er = bench_scripts.load("emulated_ratios")
 
 
 def matrix(arms: dict[str, list[list[float]]]) -> dict:
@@ -107,7 +106,7 @@ def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
     whose settings are ZeroConfig's fields with valid values."""
     import dataclasses
 
-    import emulated_calibration as ec
+    ec = bench_scripts.load("emulated_calibration")
     from qzero.app.benchmarks import steps as sm
     from qzero.config import ZeroConfig
 

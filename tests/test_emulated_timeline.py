@@ -12,13 +12,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "scripts")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
 from _support import bench_scripts  # noqa: E402
-import emulated_link as el  # noqa: E402
-import emulated_matrix as em  # noqa: E402
-import emulated_timeline as et  # noqa: E402
+
+el = bench_scripts.load("emulated_link")
+em = bench_scripts.load("emulated_matrix")
+et = bench_scripts.load("emulated_timeline")
 
 PHASES = {"forward": (0.0, 10.0), "backward": (10.0, 25.0), "step": (25.0, 30.0)}
 

@@ -13,7 +13,11 @@ def path(name: str) -> str:
 
 def load(name: str):
     """``benchmarks/scripts/<name>.py`` as module ``name``, registered in ``sys.modules`` (dataclasses
-    look their module up there)."""
+    look their module up there), loaded once: a script that imports a sibling by name (``import
+    emulated_link``) gets this same module."""
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == path(name):
+        return loaded
     spec = importlib.util.spec_from_file_location(name, path(name))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
