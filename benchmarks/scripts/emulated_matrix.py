@@ -422,7 +422,7 @@ def build_parser():
     from qzero.app.benchmarks import steps as steps_matrix
 
     p = steps_matrix.build_parser()
-    p.description = __doc__.split("\n\n")[0]
+    p.prog, p.description = "emulated_matrix.py", __doc__.split("\n\n")[0]
     e = p.add_argument_group("emulated link")
     e.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
     e.add_argument("--allgather-bucket-sizes", default=None, help="comma-separated gather buckets (default: --allgather-bucket-size)")
