@@ -19,7 +19,7 @@ Grouped by what is protected:
    flipped) is refused at load, and a local error inside ``step()`` is not reported
    as a dead peer.
 
-Distributed cases run on forked gloo ranks (``tests/distributed.py``) under a timeout.
+Distributed cases run on forked gloo ranks (``tests/_support/distributed.py``) under a timeout.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each ```python block is one test: it runs as a script in a Python process of its own, as
 ``python snippet.py`` runs it (this checkout's ``src`` first on the path; the process forked
-from one that has imported torch: tests/warm_python.py), under a timeout, and fails if it
+from one that has imported torch: tests/_support/warm_python.py), under a timeout, and fails if it
 raises, exits non-zero or hangs.
 A block is self-contained unless the line(s) just above its fence carry a marker::
 

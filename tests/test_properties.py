@@ -4,7 +4,7 @@
   world sizes 1..1024, group sizes 8..8192, thresholds and buckets; every invariant of
   :func:`plan_flat_layout`, :func:`plan_gather`, :func:`plan_reduce_buckets` and
   :func:`owners` is checked against an independent computation.
-* Gather, without processes: ``tests/simulate.py`` runs pack/all-gather/unpack for all
+* Gather, without processes: ``tests/_support/simulate.py`` runs pack/all-gather/unpack for all
   ranks in one process; the result must be the same on every simulated rank, equal
   bit for bit to an independent numpy model, and independent of the bucket size.
 * Gather, with processes: a few examples on real gloo groups (world 2-3).

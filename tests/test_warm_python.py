@@ -1,4 +1,4 @@
-"""tests/warm_python.py runs a script as ``python script.py`` does: what the script sees, its
+"""tests/_support/warm_python.py runs a script as ``python script.py`` does: what the script sees, its
 output, its exit code, and a deadline that kills it."""
 
 from __future__ import annotations
