@@ -184,7 +184,7 @@ def test_shards_within_half_a_step_of_fp64(world, order, stage):
         assert torch.equal(res["flat"].view(torch.int16), results[0]["flat"].view(torch.int16)), "replicas differ"
     units = results[0]["units"]
     for res in results:
-        (sent, plain, collectives, quantized), = res["stats"]
+        (sent, plain, collectives, quantized, _), = res["stats"]
         assert quantized and collectives == units * (1 if stage == 1 else micro)  # stage 1: once per step
         assert 0 < sent < 0.8 * plain  # 1 + 4/16 bytes per element instead of 2, plus exact elements
 
@@ -196,7 +196,7 @@ def test_fp8_fp32_reduce_dtype_and_overlap_off():
                   zero_quantized_gradients_group_size=GS, zero_quantized_gradients_format="fp8")
     results = run_distributed(grad_worker, world, kwargs, micro)
     check_shards(results, world, micro, 2, fmt="fp8")
-    (sent, plain, _, _), = results[0]["stats"]
+    (sent, plain, _, _, _), = results[0]["stats"]
     assert sent < 0.4 * plain  # fp32 elements: 4 bytes each
 
 

@@ -22,7 +22,8 @@ from .layout.flat_layout import DEFAULT_SMALL_PARAM_NUMEL
 from .layout.gather_planner import DEFAULT_BUCKET_NUMEL
 from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, check_group_size, get_format
 from .quant.gradients import check_rotation_block
-from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS, KERNELS,
+from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS,
+                         HIERARCHICAL_CHOICES, KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
 
 #: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``benchmarks/reports/loss-quantized-gradients.md``).
@@ -298,6 +299,28 @@ class ZeroConfig:
     all-to-all's payload buffers stay allocated between steps. A plain gradient reduce-scatter
     needs arithmetic and keeps its SMs. See ``docs/copy-engine.md``."""
 
+    ranks_per_node: int = 0
+    """Ranks of the data-parallel group on one node (``L``). ``0`` (the default): detected, from
+    every rank's host name, cross-checked against ``LOCAL_WORLD_SIZE`` where torchrun sets it.
+    Ranks ``i L .. i L + L - 1`` form node ``i`` (torchrun's placement). A value that does not
+    divide the world size, differs between ranks, or contradicts the detected hosts is refused on
+    every rank; a detected placement that is not node-contiguous (uneven nodes, cyclic placement)
+    falls back to the flat collectives with one warning on every rank. On one host, setting it
+    declares pseudo-nodes (how the tests build a cluster of gloo ranks). ``docs/multi-node.md``."""
+
+    hierarchical_collectives: bool | str = "auto"
+    """Two-level collectives on clusters of several multi-GPU nodes: gradients are
+    reduce-scattered inside the node first (in the reduce dtype), then exchanged across nodes
+    among the ranks of one *rail* (the ranks with the same local index) on ``1/L`` of the data;
+    the weight gather's payload crosses the network once per node (gathered over the rail, then
+    inside the node). Each node then sends about ``(n - 1) / n`` of the model's quantized bytes a
+    step instead of ``L (n - 1) / n`` of them. Partitions are numbered rail-major (rank
+    ``i L + j`` owns partition ``j n + i``) so that each rank's shard is what the two stages leave
+    it. ``auto`` (the default): two-level when there is more than one node and more than one rank
+    per node; ``true``: two-level wherever the topology has both (refused where it cannot run);
+    ``false``: the flat collectives over the whole group, bit for bit as before.
+    ``docs/multi-node.md``."""
+
     def __post_init__(self) -> None:
         if self.overlap_param_gather is None:
             object.__setattr__(self, "overlap_param_gather", self.zero_quantized_weights is True)
@@ -345,6 +368,7 @@ class ZeroConfig:
                 f"{self.zero_quantized_gradients_format!r}"
             )
         self._check_gradient_rotation()
+        self._check_topology()
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ValueError(
                 "zero_quantized_gradients_error_feedback=true needs zero_quantized_gradients=true: error feedback "
@@ -379,6 +403,25 @@ class ZeroConfig:
                 f"initial_scale_power must be in [0, {MAX_SCALE_POWER}] (the scale must fit fp16 gradients' fp32 "
                 f"arithmetic), got {self.initial_scale_power!r}"
             )
+
+    def _check_topology(self) -> None:
+        rpn = self.ranks_per_node
+        if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 0:
+            raise ValueError(f"ranks_per_node must be an int >= 0 (0: detect from the hosts), got {rpn!r}")
+        h = self.hierarchical_collectives
+        if isinstance(h, str) and h.lower() in ("true", "false"):
+            h = h.lower() == "true"
+            object.__setattr__(self, "hierarchical_collectives", h)
+        if not isinstance(h, bool) and h not in HIERARCHICAL_CHOICES:
+            raise ValueError(f"hierarchical_collectives must be 'auto', true or false, got {h!r}")
+        if h is True and self.solo_reduce:
+            raise ValueError(
+                "solo_reduce=true with hierarchical_collectives=true: a solo parameter is reduced to one owner, "
+                "which two-level collectives cannot spread over the nodes; set solo_reduce=false")
+        if h is True and self.copy_engine_collectives:
+            raise ValueError(
+                "copy_engine_collectives=true with hierarchical_collectives=true is not supported: the zero-CTA "
+                "group spans the whole world; set hierarchical_collectives=false or copy_engine_collectives=false")
 
     def _check_gradient_rotation(self) -> None:
         rotation, block = self.zero_quantized_gradients_rotation, self.zero_quantized_gradients_rotation_block

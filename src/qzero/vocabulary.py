@@ -103,6 +103,8 @@ KERNELS = ("auto", "triton", "reference")
 GATHER_SCHEDULES = ("auto", "streams", "inline")
 #: Orders of parameters in the flat buffer (``ZeroConfig.flat_order``).
 FLAT_ORDERS = ("auto", "contiguous", "interleaved")
+#: ``ZeroConfig.hierarchical_collectives``: two-level collectives on several multi-rank nodes.
+HIERARCHICAL_CHOICES = ("auto", True, False)
 #: The training backends qzero runs and compares: its own optimizer, DeepSpeed with qzero's
 #: adapter, and PyTorch FSDP2 with ``qzero.fsdp`` (what ``qzero train`` and ``qzero qualify`` run).
 BACKENDS = ("qzero", "deepspeed", "fsdp2")

@@ -58,7 +58,12 @@ class ErrorFeedback:
 
     def __init__(self, group: FlatGroup):
         self.layout = group.layout
-        self.rank, self.world = group.rank, group.world_size
+        self.rank, self.world = group.rank, group.world_size  # rank: the partition it owns
+        t = group.topology
+        #: Partitions in one block of ranks that send to each other: with two-level collectives a
+        #: rank quantizes only its rail's partitions (``nodes`` consecutive ones), else all.
+        self.block = t.nodes if t.two_level else self.world
+        self.two_level = (t.nodes, t.ranks_per_node) if t.two_level else None
         self.partition = group.layout.partition_numel
         self.residual = torch.zeros((self.world - 1) * self.partition, dtype=RESIDUAL_DTYPE, device=group.device)
 
@@ -98,9 +103,11 @@ def _partition_pieces(layout, q: int) -> list[tuple[int, int, int]]:
     return logical_pieces_between(layout, q * p, (q + 1) * p)
 
 
-def partitions_digest(layout) -> int:
-    """A fingerprint of where every rank's partition lies in the logical buffer."""
-    text = repr([layout.world_size] + [_partition_pieces(layout, q) for q in range(layout.world_size)])
+def partitions_digest(layout, two_level=None) -> int:
+    """A fingerprint of where every rank's partition lies in the logical buffer (and, with
+    two-level collectives, of the nodes: a rank's residuals are then of its rail's partitions)."""
+    head = [layout.world_size] if two_level is None else [layout.world_size, ("two-level", *two_level)]
+    text = repr(head + [_partition_pieces(layout, q) for q in range(layout.world_size)])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
@@ -136,7 +143,8 @@ def metadata(opt: ZeroOptimizer) -> dict | None:
     if not any(ef is not None for ef in opt.error_feedback):
         return None
     return {"world_size": opt.world_size, "dtype": RESIDUAL_DTYPE_NAME,
-            "partitions": [None if ef is None else partitions_digest(ef.layout) for ef in opt.error_feedback]}
+            "partitions": [None if ef is None else partitions_digest(ef.layout, ef.two_level)
+                           for ef in opt.error_feedback]}
 
 
 def check_metadata(meta: dict, path: str) -> None:
@@ -188,10 +196,11 @@ class ResidualLoad:
             saved = _saved(meta, i)
             if saved is None:
                 self._zeroed.append(ef)
-            elif saved[0] == ef.world and saved[1] == partitions_digest(ef.layout):
+            elif saved[0] == ef.world and saved[1] == partitions_digest(ef.layout, ef.two_level):
                 self._direct.append((i, ef, torch.zeros(ef.partition, dtype=RESIDUAL_DTYPE, device=ef.residual.device)))
-            else:  # resharded: this rank carries the residuals of the partition before its own, every saved row
-                q = (ef.rank - 1) % ef.world
+            else:  # resharded: this rank carries the residuals of the partition before its own (in its
+                # block of ranks that send to each other: one it sends to), every saved row
+                q = ef.rank // ef.block * ef.block + (ef.rank % ef.block - 1) % ef.block
                 pieces = [(local, torch.zeros(saved[0], length, dtype=RESIDUAL_DTYPE, device=ef.residual.device), at)
                           for local, length, at in _partition_pieces(ef.layout, q)]
                 self._summed.append((i, ef, q, pieces, saved[0]))

@@ -21,7 +21,17 @@ from ..wire.engine import CommContext, GatherHandle, finish_gather, start_gather
 from ..layout.flat_layout import FlatLayout, plan_flat_layout
 from ..layout.gather_plan import GatherPlan
 from ..layout.gather_planner import plan_gather
+from ..layout.topology import Topology
 from .delta import DeltaLoop
+
+
+def flat_order_for(config: ZeroConfig, topology: Topology) -> str:
+    """The flat order to plan with: ``auto`` is ``interleaved`` where two-level collectives
+    quantize gradients (in the contiguous order a bucket belongs to one or two partitions, and
+    its exchange could not be spread over the nodes: :class:`qzero.optim.grads.OwnerReducer`)."""
+    if topology.two_level and config.zero_quantized_gradients and config.flat_order == "auto":
+        return "interleaved"
+    return config.flat_order
 
 
 class FlatGroup:
@@ -36,11 +46,19 @@ class FlatGroup:
         rank: int,
         process_group: dist.ProcessGroup | None,
         context: CommContext,
+        topology: Topology | None = None,
     ):
         self.params = params
         self.context = context
         self.names = names
-        self.rank = rank
+        #: Nodes and ranks per node of the group, and whether the collectives are two-level.
+        self.topology = Topology.flat(world_size) if topology is None else topology
+        #: This rank in ``process_group``.
+        self.pg_rank = rank
+        #: The partition this rank owns: its rank, or with two-level collectives its rail-major
+        #: number ([Note: rail-major partitions] in qzero/layout/topology.py). What the layout,
+        #: the reducers and the residuals call a rank is this.
+        self.rank = self.topology.partition_of(rank)
         self.world_size = world_size
         self.process_group = process_group
         first = params[0]
@@ -58,7 +76,7 @@ class FlatGroup:
             small_param_numel=config.small_param_numel,
             allgather_bucket_size=bucket,
             zero_quantized_weights_format=config.zero_quantized_weights_format if quantized else None,
-            flat_order=config.flat_order,
+            flat_order=flat_order_for(config, self.topology),
             zero_quantized_weights_delta=delta,
         )
         self.gather_plan: GatherPlan = self.layout.gather
@@ -77,7 +95,7 @@ class FlatGroup:
         self.delta: DeltaLoop | None = (
             DeltaLoop(config.zero_quantized_weights_delta_resync_steps, self.device) if delta else None
         )
-        self.lo, self.hi = self.layout.partition(rank)
+        self.lo, self.hi = self.layout.partition(self.rank)
         # The fp32 master shard exists from the start (the inner optimizer is built on it before
         # anything is modified) and gets its values in sync_from(). The fp32 gradient shard
         # exists from a backward's first reduction (stage 2 with a 16-bit plain reduction:
@@ -153,7 +171,7 @@ class FlatGroup:
                 inputs = self.delta.inputs(self.master)
         self._copy = inputs is None
         return start_gather(self.flat, plan, self.process_group, self.context, prepare=self.prepare,
-                            ahead=ahead, delta=inputs)
+                            ahead=ahead, delta=inputs, partition=self.rank)
 
     def prepare(self, stop: int) -> bool:
         """Make the partition's local ``[0, stop)`` hold the updated master shard: update
@@ -186,14 +204,16 @@ class FlatGroup:
         its padding, gather the partitions as they are (plainly) and take up the saved loop."""
         for a, b in self.layout.padding_ranges(self.lo, self.hi):
             self.own[a:b].zero_()
-        finish_gather(start_gather(self.flat, self.exact_plan, self.process_group, self.context))
+        finish_gather(start_gather(self.flat, self.exact_plan, self.process_group, self.context,
+                                   partition=self.rank))
         self.delta.load_state_dict(loop_state)
 
     def gather_exact(self) -> GatherStats:
         """Gather the exact bf16/fp16 of every rank's masters (no quantization): with delta
         gathers, an exact resync."""
         self.own.copy_(self.master)
-        stats = finish_gather(start_gather(self.flat, self.exact_plan, self.process_group, self.context))
+        stats = finish_gather(start_gather(self.flat, self.exact_plan, self.process_group, self.context,
+                                   partition=self.rank))
         if self.delta is not None:
             self.delta.gathered(exact=True)
         return stats

@@ -60,6 +60,8 @@ from ..wire.labels import REDUCE_GRADIENTS, label
 from ..buckets import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
 from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
+from ..wire.two_level import TwoLevelReduce
+from ..quant import gradient_kernels_for
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Elements of the landing shard added into the fp32 shard at a time (a 16 MiB fp32 temporary).
@@ -82,40 +84,63 @@ class ReduceStats(NamedTuple):
     collectives: int
     """Collectives issued (buckets and solo parameters, over all micro-batches)."""
     quantized: bool
+    bytes_across_nodes: int = 0
+    """Of :attr:`bytes_sent`, what crosses the network between nodes (a ring collective's share
+    counted as NCCL's node-contiguous ring moves it: one edge of ``L`` per node crosses)."""
 
 
 def make_reducer(
     group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant: GradientQuantization | None = None,
-    dtype: torch.dtype | None = None, error_feedback=None, *, reduce_buckets_in_flight: int,
+    dtype: torch.dtype | None = None, error_feedback=None, *, reduce_buckets_in_flight: int, two_level=None,
 ):
     """The reducer that fits the group's flat order (``solo``: :attr:`ZeroConfig.solo_reduce`;
     ``quant``: quantized pieces in the reduce dtype ``dtype`` instead of plain collectives;
     ``error_feedback``: this rank's :class:`qzero.optim.error_feedback.ErrorFeedback` of the group;
-    ``reduce_buckets_in_flight``: the most collectives its user keeps pending)."""
+    ``reduce_buckets_in_flight``: the most collectives its user keeps pending; ``two_level``: the
+    :class:`qzero.wire.two_level.TwoLevelGroups` of two-level collectives, or None)."""
     if group.layout.order == "interleaved":
         return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback,
-                              reduce_buckets_in_flight=reduce_buckets_in_flight)
+                              reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
+    if two_level is not None and quant is not None:
+        raise ValueError("quantized gradients with two-level collectives need the interleaved flat order")
     return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback,
-                        reduce_buckets_in_flight=reduce_buckets_in_flight)
+                        reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
 
 
 class _Reducer:
     def __init__(self, group: FlatGroup, quant: GradientQuantization | None, dtype: torch.dtype | None,
-                 error_feedback=None, *, reduce_buckets_in_flight: int):
+                 error_feedback=None, *, reduce_buckets_in_flight: int, two_level=None):
         self.group = group
         self.pg = group.process_group
         self.world = group.world_size
         self.p = group.layout.partition_numel
+        # the global rank that owns each partition (with two-level collectives, rail-major)
+        owner = group.topology.rank_of
         self._ranks = (
-            [dist.get_global_rank(self.pg, r) for r in range(self.world)]
+            [dist.get_global_rank(self.pg, owner(q)) for q in range(self.world)]
             if self.pg is not None and self.world > 1
-            else list(range(self.world))
+            else [owner(q) for q in range(self.world)]
         )
+        self.two_level = None
         # One rank has nothing to send: the plain path is already exact there.
-        self.quant = (QuantizedExchange(group, quant, dtype, error_feedback,
-                                        reduce_buckets_in_flight=reduce_buckets_in_flight)
-                      if quant is not None and self.world > 1 else None)
+        if two_level is not None and self.world > 1:
+            inner = None
+            if quant is not None:
+                t = two_level.topology
+                inner = QuantizedExchange.over(
+                    quant, dtype, two_level.rail_group, t.nodes, two_level.node, group.device,
+                    gradient_kernels_for(group.device, group.context.kernels_choice),
+                    [(s.start, s.stop) for s in group.layout.slots if s.exact])
+                inner.error_feedback = error_feedback
+            self.two_level = TwoLevelReduce(two_level, self.p, inner)
+            self.quant = None
+        else:
+            self.quant = (QuantizedExchange(group, quant, dtype, error_feedback,
+                                            reduce_buckets_in_flight=reduce_buckets_in_flight)
+                          if quant is not None and self.world > 1 else None)
+        self._quantized = quant is not None and self.world > 1
         self._sent = self._plain = self._collectives = 0
+        self._inter = 0
         #: Plain sums land in the landing shard (see [Note: landing shard]); set by Stage2Grads.
         self.use_landing = False
         self.landing_dtype = dtype if dtype is not None else group.dtype
@@ -123,25 +148,52 @@ class _Reducer:
 
     def take_stats(self) -> ReduceStats:
         """What was sent since the previous call, and start counting afresh."""
-        stats = ReduceStats(self._sent, self._plain, self._collectives, self.quant is not None)
-        self._sent = self._plain = self._collectives = 0
+        stats = ReduceStats(self._sent, self._plain, self._collectives, self._quantized, self._inter)
+        self._sent = self._plain = self._collectives = self._inter = 0
         return stats
 
-    def _count(self, sent: int, plain: int) -> None:
+    @property
+    def quantized(self) -> bool:
+        """Whether the sums arrive quantized (fp32), not in the reduce dtype."""
+        return self._quantized
+
+    def _count(self, sent: int, plain: int, inter: int = 0) -> None:
         self._sent += sent
         self._plain += plain
+        self._inter += inter
         self._collectives += 1
+
+    def _ring_inter(self, sent: int) -> int:
+        """A flat ring collective's bytes that cross nodes, per rank on average."""
+        t = self.group.topology
+        return sent // t.ranks_per_node if t.nodes > 1 else 0
 
     def _plain_count(self, pieces, elem_size: int) -> None:
         """Count a plain collective over ``(rank, numel)`` pieces."""
         mine = self.group.rank
         n = sum(numel for r, numel in pieces if r != mine) * elem_size
-        self._count(n, n)
+        self._count(n, n, self._ring_inter(n))
 
     def _launch_quantized(self, buf: torch.Tensor, key, parts):
         pending, sent = self.quant.launch(buf, key, parts)
-        self._count(sent, self.quant.plain_bytes(self.quant.pieces(key, parts)))
+        pieces = self.quant.pieces(key, parts)
+        t, me = self.group.topology, self.group.topology.node_of(self.group.pg_rank)
+        inter = sum(p.layout.nbytes for p in pieces if p.dest != self.group.rank and t.node_of(t.rank_of(p.dest)) != me)
+        self._count(sent, self.quant.plain_bytes(pieces), inter)
         return pending
+
+    def _launch_two_level(self, buf: torch.Tensor, bucket):
+        tl = self.two_level
+        b = tl.launch(buf, bucket.index, bucket.width, bucket.lo)
+        rail = tl.rail_bytes(b)
+        plain = (self.world - 1) * bucket.width * buf.element_size()
+        self._count(tl.node_bytes(b) + rail, plain, rail)
+        return b
+
+    def _finish_two_level(self, b, bucket) -> None:
+        out = self.two_level.finish(b)
+        lo = self.group.rank * self.p + bucket.lo
+        self._add_to_shard(out, lo, lo + bucket.width)
 
     def _finish_quantized(self, pending, key) -> None:
         res = self.quant.finish(pending, key)
@@ -194,7 +246,9 @@ class OwnerReducer(_Reducer):
     solo: tuple[int, ...] = ()
 
     def __init__(self, group: FlatGroup, reduce_bucket_size: int, quant=None, dtype=None, error_feedback=None, *,
-                 reduce_buckets_in_flight: int):
+                 reduce_buckets_in_flight: int, two_level=None):
+        # two-level: the plain reduces go to each partition's owner (NCCL's reduce is node-aware);
+        # quantized gradients need the interleaved order (make_reducer refuses them here)
         super().__init__(group, quant, dtype, error_feedback, reduce_buckets_in_flight=reduce_buckets_in_flight)
         self.buckets = plan_reduce_buckets(group.layout, reduce_bucket_size)
 
@@ -237,8 +291,11 @@ class ScatterReducer(_Reducer):
     with ``solo``, reduced to their owner on their own, straight from their gradient."""
 
     def __init__(self, group: FlatGroup, reduce_bucket_size: int, solo: bool = False, quant=None, dtype=None,
-                 error_feedback=None, *, reduce_buckets_in_flight: int):
-        super().__init__(group, quant, dtype, error_feedback, reduce_buckets_in_flight=reduce_buckets_in_flight)
+                 error_feedback=None, *, reduce_buckets_in_flight: int, two_level=None):
+        super().__init__(group, quant, dtype, error_feedback, reduce_buckets_in_flight=reduce_buckets_in_flight,
+                         two_level=two_level)
+        if self.two_level is not None and solo:
+            raise ValueError("solo_reduce is not supported with two-level collectives")
         self.solo = solo_slots(group.layout, reduce_bucket_size) if solo else ()
         self.buckets = plan_scatter_buckets(group.layout, reduce_bucket_size, exclude=self.solo)
         # where solo parameters fall inside windows copied from a full gradient (stage 1)
@@ -284,6 +341,8 @@ class ScatterReducer(_Reducer):
         return buf
 
     def launch(self, buf: torch.Tensor, bucket) -> tuple:
+        if self.two_level is not None:
+            return self._launch_two_level(buf, bucket)
         if self.quant is not None:
             w = bucket.width
             parts = [(r, r * w, w, r * self.p + bucket.lo) for r in range(self.world)]
@@ -300,6 +359,8 @@ class ScatterReducer(_Reducer):
         return work, out
 
     def finish(self, works: tuple, buf: torch.Tensor, bucket) -> None:
+        if self.two_level is not None:
+            return self._finish_two_level(works, bucket)
         if self.quant is not None:
             return self._finish_quantized(works, bucket.index)
         work, out = works
@@ -317,12 +378,13 @@ class Stage1Grads:
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, solo: bool = False,
         quant: GradientQuantization | None = None, error_feedback=None, *, reduce_buckets_in_flight: int,
+        two_level=None,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.reduce_buckets_in_flight = reduce_buckets_in_flight
         self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback,
-                                    reduce_buckets_in_flight=reduce_buckets_in_flight)
+                                    reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
 
@@ -382,14 +444,15 @@ class Stage2Grads:
     def __init__(
         self, group: FlatGroup, reduce_dtype: str | None, reduce_bucket_size: int, overlap: bool, solo: bool = False,
         quant: GradientQuantization | None = None, error_feedback=None, *, reduce_buckets_in_flight: int,
+        two_level=None,
     ):
         self.group = group
         self.dtype = reduce_dtype_of(reduce_dtype, group.dtype)
         self.reduce_buckets_in_flight = reduce_buckets_in_flight
         self.reducer = make_reducer(group, reduce_bucket_size, solo, quant, self.dtype, error_feedback,
-                                    reduce_buckets_in_flight=reduce_buckets_in_flight)
+                                    reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
         # [Note: landing shard]: plain 16-bit sums wait in the reduce dtype until backward ends
-        self.reducer.use_landing = self.reducer.quant is None and self.dtype.itemsize < 4
+        self.reducer.use_landing = not self.reducer.quantized and self.dtype.itemsize < 4
         self.overlap = overlap
         self.buckets = self.reducer.buckets
         self._solo = set(self.reducer.solo)

@@ -17,6 +17,7 @@ the update of the rest. The bits are those of one whole update.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -38,6 +39,8 @@ from .grads import ReduceStats, Stage1Grads, Stage2Grads
 from ..wire.quantized_reduce import GradientQuantization
 from . import update as sliced_update
 from .guard import ModelGuard
+from ..layout.topology import Topology, topology_from_hosts
+from ..wire.two_level import TwoLevelGroups, exchange_hosts
 from .scaler import LossScaler
 from ..vocabulary import WEIGHT_FORMATS
 
@@ -66,7 +69,10 @@ class ZeroOptimizer:
     ):
         config = ZeroConfig() if config is None else config
         world, rank, agree_group, error = world_or_default(process_group)
-        groups = names = inner = flat_groups = context = fields = details = None
+        groups = names = inner = flat_groups = context = fields = details = topology = None
+        # Every rank's host, before anything else can fail: the topology is decided from it alike on
+        # every rank (qzero/wire/two_level.py).
+        hosts = _exchange_hosts(model, agree_group, world, error)
         try:
             if error is not None:
                 raise error
@@ -78,6 +84,7 @@ class ZeroOptimizer:
                 raise TypeError(f"optimizer must be a callable that builds a torch.optim.Optimizer, got {optimizer!r}")
             groups, names = _split_groups(model, param_groups)
             _check_flattenable(groups, names, config, world)
+            topology = _topology(hosts, config)
             # The streams and kernels of every gather this optimizer runs.
             context = CommContext(groups[0][0][0].device, schedule=config.gather_schedule, kernels=config.quant_kernels,
                                   lookahead=config.gather_lookahead)
@@ -86,7 +93,7 @@ class ZeroOptimizer:
             # Plan (pure) and build the inner optimizer on the empty master shards *before*
             # touching the model, so that its errors, too, leave everything as it was.
             flat_groups = [
-                FlatGroup(params, [names[p] for p in params], config, world, rank, process_group, context)
+                FlatGroup(params, [names[p] for p in params], config, world, rank, process_group, context, topology)
                 for params, _ in groups
             ]
             inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
@@ -100,7 +107,8 @@ class ZeroOptimizer:
             # a config that differs is reported by the fields that differ
             details = {**(details or {}), "config": {k: repr(v) for k, v in config.to_dict().items()}}
             fields = {**_delta_fields(config), "config": config.digest(),
-                      "model (parameter and buffer shapes)": _model_digest(model, groups), **inner_fields}
+                      "model (parameter and buffer shapes)": _model_digest(model, groups),
+                      "topology (nodes, ranks per node, two-level)": digest(repr(topology)), **inner_fields}
         except Exception as e:  # noqa: BLE001 - any local failure is agreed on, so no peer waits for this rank
             error, fields, details = e, None, None
         device = groups[0][0][0].device if groups else None
@@ -112,6 +120,12 @@ class ZeroOptimizer:
         self.model = model
         if config.copy_engine_collectives:  # every rank passed the check: create the group together
             context.copy_engine = CopyEngineComm(process_group, context.device)
+        #: Nodes x ranks per node of the group, and whether the collectives are two-level.
+        self.topology = topology
+        #: This rank's node and rail groups (two-level collectives), else None.
+        self.two_level = TwoLevelGroups(topology, process_group, rank, context.device) if topology.two_level else None
+        if self.two_level is not None:
+            context.all_gather = self.two_level.all_gather
         self.context = context
         self.groups = flat_groups
         self.optimizer = inner
@@ -129,11 +143,11 @@ class ZeroOptimizer:
         ]
         self.grads = [
             Stage1Grads(g, config.reduce_dtype, config.reduce_bucket_size, config.solo_reduce, quant, ef,
-                        reduce_buckets_in_flight=config.reduce_buckets_in_flight)
+                        reduce_buckets_in_flight=config.reduce_buckets_in_flight, two_level=self.two_level)
             if config.stage == 1
             else Stage2Grads(
                 g, config.reduce_dtype, config.reduce_bucket_size, config.overlap_comm, config.solo_reduce, quant, ef,
-                reduce_buckets_in_flight=config.reduce_buckets_in_flight,
+                reduce_buckets_in_flight=config.reduce_buckets_in_flight, two_level=self.two_level,
             )
             for g, ef in zip(self.groups, self.error_feedback)
         ]
@@ -533,3 +547,38 @@ def _model_digest(model: torch.nn.Module, groups) -> int:
     frozen = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters() if not p.requires_grad]
     buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
     return digest(repr((trainable, frozen, buffers)))
+
+
+def _exchange_hosts(model, group, world: int, error) -> list[tuple[int, int]] | None:
+    """Every rank's host signature (None when this rank's group is unusable: the agreement then
+    reports that error on every rank)."""
+    if world == 1:
+        return None
+    try:
+        first = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+        device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+    except Exception:  # noqa: BLE001 - a broken model is reported by the checks that follow
+        device = torch.device("cpu")
+    return exchange_hosts(group, world, agreement_device(group, device))
+
+
+def _topology(hosts, config: ZeroConfig) -> Topology:
+    """The group's topology from the exchanged hosts and the settings (the same on every rank);
+    refuses what two-level collectives cannot run, naming the setting to change."""
+    if hosts is None:
+        return Topology.flat(1)
+    topology, warning = topology_from_hosts(hosts, config.ranks_per_node, config.hierarchical_collectives)
+    if warning:
+        warnings.warn(f"qzero: {warning}", stacklevel=4)
+    if topology.two_level:
+        where = f"two-level collectives ({topology.describe()}; hierarchical_collectives=false runs the flat ones)"
+        if config.solo_reduce:
+            raise ValueError(f"solo_reduce=true is not supported with {where}: set solo_reduce=false")
+        if config.copy_engine_collectives:
+            raise ValueError(f"copy_engine_collectives=true is not supported with {where}")
+        if config.zero_quantized_gradients and config.flat_order == "contiguous":
+            raise ValueError(
+                f"flat_order='contiguous' with zero_quantized_gradients=true is not supported with {where}: in that "
+                "order a gradient bucket belongs to one or two partitions and every rank would send it to them "
+                "(an incast); set flat_order='interleaved' (or 'auto')")
+    return topology

@@ -286,6 +286,7 @@ def start_gather(
     prepare=None,
     ahead: bool = False,
     delta: DeltaInputs | None = None,
+    partition: int | None = None,
 ) -> GatherHandle:
     """Start gathering ``flat`` by ``plan`` (validated when it was built; no checks here).
 
@@ -293,12 +294,17 @@ def start_gather(
     schedule then keeps ``DEPTH`` chunks in flight instead of one. ``delta``: what a delta
     plan's payloads are made from besides ``flat`` (the replica): the target and the
     refusal flag (:class:`qzero.wire.chunks.DeltaInputs`); required by a delta plan, and only by one.
+    ``partition``: the partition this rank owns, where it is not its rank in ``group`` (two-level
+    collectives number partitions rail-major: [Note: rail-major partitions] in
+    :mod:`qzero.layout.topology`; the context's collective then delivers them in partition order).
     End it with :func:`finish_gather` (or, chunk by chunk, ``handle.wait_until``)."""
     if plan.delta != (delta is not None):
         raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), and only a delta plan")
     if context.copy_engine is not None:
         group = context.copy_engine.group  # the same ranks, in the same order
     world, rank = world_and_rank(group)
+    if partition is not None:
+        rank = partition
     with label(GATHER), peer_failure("the weight gather"):
         if not plan.quantized and not ahead and prepare is None:
             # A plain gather that nothing overlaps: one in-place collective over the whole buffer
