@@ -296,8 +296,8 @@ def test_plain_bytes_are_what_the_plain_reduction_sends():
     plain = run_distributed(stats_worker, 2, False)
     quant = run_distributed(stats_worker, 2, True)
     for p, q in zip(plain, quant):
-        (p_sent, p_plain, p_n, p_q), = p
-        (q_sent, q_plain, q_n, q_q) = q[0]
+        (p_sent, p_plain, p_n, p_q, _), = p
+        (q_sent, q_plain, q_n, q_q, _) = q[0]
         assert p_sent == p_plain == q_plain and p_n == q_n and not p_q and q_q
         assert q_sent < 0.6 * q_plain  # group 64: 1.0625 bytes instead of 2, plus exact elements
 

@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_distributed
+from _support.distributed import run_distributed
 
 import qzero
 from qzero.layout.topology import Topology, resolve_topology, topology_from_hosts
