@@ -281,3 +281,33 @@ def test_bad_topologies_are_refused_on_every_rank():
         assert status == "ok" and not topo.two_level and any("cyclic" in s for s in said)
         assert out["two hosts"][:2] == ("ok", Topology(2, 2, True)) and not out["two hosts"][2]
         assert out["declared across hosts"][0] == "refused" and "spans 2 hosts" in out["declared across hosts"][1]
+
+
+# ------------------------------------------------------------------ bits per parameter across the network
+
+
+def bits_worker(rank, world, kw):
+    out = []
+    for flat in (False, True):
+        torch.manual_seed(0)
+        # 12 equal parameters: whole partitions at world 6, so the flat buffer has no padding
+        model = torch.nn.Sequential(*[torch.nn.Linear(96, 96, bias=False) for _ in range(12)]).to(torch.bfloat16)
+        opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(**kw, hierarchical_collectives=not flat))
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):  # the first gather of a delta run is its exact resync: read the second step
+            opt.backward(model(torch.randn(4, 96, generator=g).to(torch.bfloat16)).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        out.append(opt.network_bits_per_param())
+    return out
+
+
+def test_bits_per_parameter_per_node_across_the_network():
+    """3 nodes of 2: INT4 delta weights (4.5 bits an element) and INT4 gradients (4.125). Two-level,
+    a node sends ``(n - 1) / n`` of both; flat, ``L (n - 1) / n`` of the gradients (an all-to-all)
+    and ``(P - 1) / P`` of the weights (a ring)."""
+    kw = dict(ranks_per_node=2, zero_quantized_weights=True, zero_quantized_weights_delta=True,
+              zero_quantized_gradients=True, zero_quantized_gradients_format="int4", small_param_numel=0)
+    for two, flat in run_distributed(bits_worker, 6, kw):
+        assert two == pytest.approx(2 / 3 * (4.5 + 4.125), rel=0.1)
+        assert flat == pytest.approx(2 / 3 * 2 * 4.125 + 5 / 6 * 4.5, rel=0.1)

@@ -17,6 +17,7 @@ the update of the rest. The bits are those of one whole update.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -43,6 +44,8 @@ from ..layout.topology import Topology, topology_from_hosts
 from ..wire.two_level import TwoLevelGroups, exchange_hosts
 from .scaler import LossScaler
 from ..vocabulary import WEIGHT_FORMATS
+
+_log = logging.getLogger("qzero")
 
 FLAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -122,6 +125,8 @@ class ZeroOptimizer:
             context.copy_engine = CopyEngineComm(process_group, context.device)
         #: Nodes x ranks per node of the group, and whether the collectives are two-level.
         self.topology = topology
+        if rank == 0 and world > 1:
+            _log.info("qzero: ZeroOptimizer over %s", topology.describe())
         #: This rank's node and rail groups (two-level collectives), else None.
         self.two_level = TwoLevelGroups(topology, process_group, rank, context.device) if topology.two_level else None
         if self.two_level is not None:
@@ -309,7 +314,25 @@ class ZeroOptimizer:
             self.last_gather = [p.stats for p in self.ahead.pending if p is not None]
         if sliced is not None:
             sliced.finish()
+        if self.steps_taken == 1 and self.rank == 0 and self.topology.nodes > 1:
+            _log.info("qzero: %s; %.2f bits per parameter per step cross the network per node (the first step's "
+                      "reduce and gather)", self.topology.describe(), self.network_bits_per_param())
         return True
+
+    def network_bits_per_param(self) -> float:
+        """Bits per parameter that one node sent across the network in the last step (its
+        gradient reduction and weight gather; 0 on one node). Gradients: what this rank counted
+        (``ReduceStats.bytes_across_nodes``) times the ranks of a node. Weights: a payload of
+        ``c`` bytes per rank crosses ``(n - 1) c`` per rank over a rail (two-level), or
+        ``(P - 1) c`` through the one node-crossing edge of a flat ring."""
+        t = self.topology
+        if t.nodes == 1:
+            return 0.0
+        params = sum(g.layout.used_numel for g in self.groups)
+        grads = sum(s.bytes_across_nodes for s in self.last_reduce) * t.ranks_per_node
+        own = sum(s.bytes_sent for s in self.last_gather)
+        weights = own * t.ranks_per_node * (t.nodes - 1) if t.two_level else own * (t.world - 1)
+        return 8.0 * (grads + weights) / max(params, 1)
 
     def wait_for_weights(self) -> None:
         """Finish a gather still running under gather-ahead (a no-op otherwise). With delta
