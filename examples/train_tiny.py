@@ -2,6 +2,12 @@
 
     torchrun --nproc_per_node=2 examples/train_tiny.py            # CPU, gloo
     torchrun --nproc_per_node=2 examples/train_tiny.py --no-quant # the plain gather
+    torchrun --nproc_per_node=4 examples/train_tiny.py --int4 --ranks-per-node 2  # 2 pseudo-nodes of 2
+
+``--int4``: INT4 weight differences and INT4 gradients, the lowest-bit mode. On several nodes
+the collectives are two-level by default; ``--ranks-per-node`` declares nodes on one host
+(docs/multi-node.md). Rank 0 prints the topology and, at the end, the bits per parameter one
+node sent across the network in the last step.
 
 The text is this Python's own standard library sources (offline, the same on every
 machine); each rank reads its slice of every global batch.
@@ -43,6 +49,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--no-quant", action="store_true")
+    ap.add_argument("--int4", action="store_true", help="INT4 weight differences and INT4 gradients")
+    ap.add_argument("--ranks-per-node", type=int, default=0, help="0: detect the nodes from the hosts")
     args = ap.parse_args()
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -50,8 +58,13 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = TinyLM(seq=args.seq).to(device=device, dtype=torch.bfloat16)
-    config = qzero.ZeroConfig(stage=2, zero_quantized_weights=not args.no_quant, small_param_numel=4096)
+    lowbit = dict(zero_quantized_weights_delta=True, zero_quantized_gradients=True,
+                  zero_quantized_gradients_format="int4") if args.int4 else {}
+    config = qzero.ZeroConfig(stage=2, zero_quantized_weights=not args.no_quant, small_param_numel=4096,
+                              ranks_per_node=args.ranks_per_node, **lowbit)
     opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=config)
+    if rank == 0:
+        print(f"topology: {opt.topology.describe()}", flush=True)
 
     data = load_corpus(limit=2_000_000)  # the stdlib sources, byte tokens (qzero.app.workload)
     g = torch.Generator().manual_seed(1)
@@ -69,6 +82,9 @@ def main():
             s = opt.last_gather[0]
             print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t0):6.1f} ms  "
                   f"gather {s.bytes_sent / 1e6:.2f} MB/rank ({s.ratio:.2f} of plain)", flush=True)
+    if rank == 0 and opt.topology.nodes > 1:
+        print(f"across the network: {opt.network_bits_per_param():.2f} bits per parameter per node in the last step",
+              flush=True)
     dist.barrier()  # every rank done before any leaves: a rank that exits first can abort another's exit
     dist.destroy_process_group()
 
