@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..layout.gather_planner import DEFAULT_BUCKET_NUMEL
 from .cluster import Cluster
-from .payloads import Payload, gradient_payload, plain, weight_payload
+from .payloads import Payload, gradient_payload, weight_payload
 
 #: DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements).
 DEEPSPEED_BUCKET = 500_000_000
@@ -58,6 +58,13 @@ class Workload:
     order: str = "interleaved"
     weight_bytes: int = 2
     reduce_bytes: int = 2
+    flat_numel: int = 0
+    """Elements of qzero's padded flat buffer (0: ``params``, no padding): what qzero's arms move."""
+    gather_slots: tuple = ()
+    """``((fmt, group_size, bytes per element), ...)``: what the weight gather's planner sends per
+    element of the flat buffer for a payload format (every rank sends its chunk's slot, the
+    largest rank's payload: where small parameters crowd into a few partitions this is more
+    than the average); a format not listed is costed by :meth:`Payload.bytes_per_element`."""
 
     def __post_init__(self):
         if self.params < 1 or not 0 <= self.exact_params <= self.params:
@@ -66,12 +73,28 @@ class Workload:
         for name in ("units", "allgather_bucket", "reduce_bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.flat_numel and self.flat_numel < self.params:
+            raise ValueError(f"flat_numel {self.flat_numel} is below params {self.params}")
         if self.order not in ("interleaved", "contiguous"):
             raise ValueError(f"order must be interleaved or contiguous, got {self.order!r}")
 
     @property
     def exact_share(self) -> float:
-        return self.exact_params / self.params
+        return self.exact_params / self.moved
+
+    def gather_bytes_per_element(self, payload: Payload | None) -> float:
+        """Bytes the weight gather sends per flat element with ``payload`` (None: plain)."""
+        if payload is None:
+            return float(self.weight_bytes)
+        for fmt, group, per in self.gather_slots:
+            if (fmt, group) == (payload.fmt, payload.group_size):
+                return per
+        return payload.bytes_per_element(self.exact_share)
+
+    @property
+    def moved(self) -> int:
+        """Elements qzero's collectives carry: the flat buffer, padding included."""
+        return self.flat_numel or self.params
 
 
 @dataclass(frozen=True)
@@ -142,25 +165,25 @@ def _fsdp2(w: Workload, cluster: Cluster, hybrid: bool) -> list[Call]:
                  stage=1)]
 
 
-def _owner_reduces(w: Workload, cluster: Cluster, bucket: int, label: str) -> Call:
+def _owner_reduces(numel: int, w: Workload, cluster: Cluster, bucket: int, label: str) -> Call:
     """Buckets reduced to owner-contiguous partitions: one chain reduce per owner's range."""
-    count = max(cluster.world, math.ceil(w.params / bucket)) if cluster.world > 1 else 1
-    return Call(label, "reduce", "world", w.params / count * w.reduce_bytes, count, "backward")
+    count = max(cluster.world, math.ceil(numel / bucket)) if cluster.world > 1 else 1
+    return Call(label, "reduce", "world", numel / count * w.reduce_bytes, count, "backward")
 
 
 def _deepspeed(w: Workload, cluster: Cluster) -> list[Call]:
     chunks = math.ceil(w.params / DEEPSPEED_BUCKET)
-    return [_owner_reduces(w, cluster, DEEPSPEED_BUCKET, "gradient reduces to owners"),
+    return [_owner_reduces(w.params, w, cluster, DEEPSPEED_BUCKET, "gradient reduces to owners"),
             Call("weight all-gather", "all_gather", "world", w.params / chunks / cluster.world * w.weight_bytes,
                  chunks, "sync")]
 
 
 def _qzero_weights(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     P, L = cluster.world, cluster.gpus_per_node
-    chunks = math.ceil(w.params / w.allgather_bucket)
-    per = (arm.weights or plain(w.weight_bytes)).bytes_per_element(w.exact_share if arm.weights else 0.0)
+    chunks = math.ceil(w.moved / w.allgather_bucket)
+    per = w.gather_bytes_per_element(arm.weights)
     phase = "forward" if arm.gather_ahead else "sync"
-    chunk = w.params / chunks
+    chunk = w.moved / chunks
     if not arm.two_level:
         return [Call("weight all-gather", "all_gather", "world", chunk / P * per, chunks, phase)]
     return [Call("weight all-gather (rail)", "all_gather", "rail", chunk / P * per, chunks, phase),
@@ -169,8 +192,8 @@ def _qzero_weights(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
 
 def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     P, L = cluster.world, cluster.gpus_per_node
-    buckets = math.ceil(w.params / w.reduce_bucket)
-    bucket = w.params / buckets
+    buckets = math.ceil(w.moved / w.reduce_bucket)
+    bucket = w.moved / buckets
     q = arm.gradients.bytes_per_element(w.exact_share) if arm.gradients else None
     if arm.two_level:
         first = Call("gradient reduce-scatter (node)", "reduce_scatter", "node", bucket * w.reduce_bytes, buckets,
@@ -182,7 +205,7 @@ def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
                             "backward", stage=1)]
     if q is None:
         if w.order == "contiguous":
-            return [_owner_reduces(w, cluster, w.reduce_bucket, "gradient reduces to owners")]
+            return [_owner_reduces(w.moved, w, cluster, w.reduce_bucket, "gradient reduces to owners")]
         return [Call("gradient reduce-scatter", "reduce_scatter", "world", bucket * w.reduce_bytes, buckets,
                      "backward")]
     if w.order == "contiguous":  # every rank sends the whole bucket to its one owner

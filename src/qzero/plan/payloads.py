@@ -1,8 +1,10 @@
 """Bytes per element of what each arm sends, from qzero's own formats and defaults.
 
 A quantized payload of ``x`` elements is ``x·bits/8`` value bytes and one fp32 scale per
-group (:meth:`qzero.quant.formats.QuantFormat.bytes_per_param`); elements of small parameters
-travel exactly in the side channel, in the source dtype. Formats and group sizes are the ones
+group (:meth:`qzero.quant.formats.QuantFormat.bytes_per_param`) over every element, and the
+elements of small parameters once more, exactly, in the side channel in the source dtype (their
+coded values are zeros: the layout of :func:`qzero.layout.gather_planner.aligned_layout`).
+Sections are aligned to a few bytes each: not modelled. Formats and group sizes are the ones
 :class:`qzero.ZeroConfig` resolves for each mode (its defaults, not constants of this model):
 INT8 weights in groups of 64 (8.5 bits an element), INT4 weight differences in groups of 64
 (4.5), INT8 gradients in groups of 64 (8.5), INT4 gradients in groups of 256 (4.125).
@@ -27,11 +29,10 @@ class Payload:
 
     def bytes_per_element(self, exact_share: float = 0.0) -> float:
         """Average bytes an element of the flat buffer takes; ``exact_share`` of the elements
-        (small parameters) travel exactly, ``plain_bytes`` each."""
+        (small parameters) travel exactly too, ``plain_bytes`` each."""
         if self.fmt is None:
             return float(self.plain_bytes)
-        q = get_format(self.fmt).bytes_per_param(self.group_size)
-        return (1 - exact_share) * q + exact_share * self.plain_bytes
+        return get_format(self.fmt).bytes_per_param(self.group_size) + exact_share * self.plain_bytes
 
     @property
     def bits(self) -> float:

@@ -10,7 +10,8 @@
   ``k-1`` of them across nodes (``2(k-1)``). NCCL runs several rings at once (channels), each
   entering and leaving a node at another GPU: a ring's node-crossing bytes are spread over the
   NICs of the group's ranks on that node (:mod:`qzero.plan.cost`).
-* **Chains** (reduce, broadcast): the ring without its closing edge, from the root; every
+* **Chains** (reduce, broadcast): the ring without its closing edge, from the root
+  (broadcast) or the same path back to it (reduce); every
   edge carries the whole ``B`` bytes (pipelined), ``m-1`` steps, ``k-1`` across nodes.
 * **All-to-all**: every rank sends each other rank exactly its split; one step. Nothing is
   relayed: a split to another node crosses the network once, from the sender's NIC to the
@@ -101,10 +102,12 @@ def ring_traffic(cluster: Cluster, op: str, groups: list[list[int]], nbytes: flo
         t.steps, t.inter_steps = (max(a, b) for a, b in zip((t.steps, t.inter_steps), ring_steps(op, m, k)))
         if m <= 1:
             continue
-        if op in CHAIN_OPS:  # from the root around the ring, without the closing edge
+        if op in CHAIN_OPS:  # around the ring without the closing edge: from the root, or back to it
             start = order.index(group[root])
             chain = order[start:] + order[:start]
             edges = list(zip(chain, chain[1:]))
+            if op == "reduce":
+                edges = [(b, a) for a, b in reversed(edges)]
         else:
             edges = list(zip(order, order[1:] + order[:1]))
         t.flows += [Flow(a, b, e, ring=True) for a, b in edges]
