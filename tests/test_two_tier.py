@@ -56,3 +56,14 @@ def test_two_stages_on_different_links_overlap_on_the_timeline():
     assert c.start == pytest.approx(a.end)  # the node link is one FIFO
     w = t.place("world ring", charge.ring("all_gather", list(range(16)), 1e6), 0.0)
     assert w.start == pytest.approx(max(c.end, b.end))  # a world ring needs both
+
+
+def test_the_emulators_collectives_by_name():
+    charge = TwoTierCharge(C)
+    world = list(range(16))
+    assert charge.collective("all_gather", world, 1e6) == collective_cost(C, "all_gather", "world", 1e6)
+    assert charge.collective("barrier", world).seconds == pytest.approx(50e-6)
+    with pytest.raises(ValueError, match="splits"):
+        charge.collective("all_to_all", world, 1e6)
+    with pytest.raises(ValueError, match="not a ring"):
+        charge.collective("gather", world, 1e6)

@@ -85,6 +85,23 @@ class TwoTierCharge:
         return cost_of(self.cluster, inter_steps_of_all_to_all(self.cluster, t))
 
 
+    def collective(self, op: str, ranks: list[int], nbytes: float = 0.0, send: list[float] | None = None,
+                   recv: list[float] | None = None) -> Cost:
+        """The charge of one collective as the one-GPU emulator names them (``all_gather`` with
+        the shard's bytes, ``reduce_scatter`` with the input's, ``all_reduce``, ``broadcast``,
+        ``reduce`` with the tensor's, ``all_to_all`` with rank 0's ``send``/``recv`` splits,
+        ``barrier``): what the emulator holds its links for, in place of its one-link charge."""
+        if op == "all_to_all":
+            if send is None or recv is None:
+                raise ValueError("an all-to-all is charged from rank 0's send and receive splits")
+            return self.all_to_all(ranks, send, recv)
+        if op == "barrier":
+            steps, inter = (1, int(self.cluster.nodes > 1)) if len(ranks) > 1 else (0, 0)
+            lat = inter * self.cluster.inter_latency + (steps - inter) * self.cluster.intra_latency
+            return Cost(lat, 0.0, lat, 0.0, 0.0)
+        return self.ring(op, ranks, nbytes)
+
+
 @dataclass
 class Placed:
     op: str
