@@ -303,7 +303,7 @@ def test_the_help_lists_only_the_public_commands():
     import qzero.app.cli as cli
 
     text = cli.build_parser().format_help()
-    assert "{train,qualify,bench}" in text and "_arm" not in text and "SUPPRESS" not in text
+    assert "{train,qualify,bench,plan}" in text and "_arm" not in text and "SUPPRESS" not in text
 
 
 def test_the_parameter_count_is_a_real_builds_and_the_memory_bound_is_its_formula(tmp_path, monkeypatch):

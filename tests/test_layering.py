@@ -35,7 +35,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("quant",),                   # formats, the reference quantizer (the specification), kernels
     ("layout",),                  # the pure planner of the weight gather: flat layouts, chunks, payloads
     ("buckets", "config"),        # the gradient reduction's plan; ZeroConfig: the settings and their names
-    ("wire",),                    # chunks, the gather engine, the gradient exchange, agreement
+    ("wire", "plan"),             # chunks, the gather engine, the gradient exchange, agreement; the cost model
     ("optim",),                   # ZeroOptimizer: flat groups, gradients, update, checkpoints
     ("fsdp", "integrations"),     # FSDP2 extensions; the DeepSpeed adapter and HF callback
     ("",),                        # qzero/__init__.py: the public names, imported lazily

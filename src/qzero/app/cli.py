@@ -1,4 +1,4 @@
-"""The ``qzero`` command: ``train``, ``qualify`` and ``bench``.
+"""The ``qzero`` command: ``train``, ``qualify``, ``bench`` and ``plan``.
 
 Everything a command needs (its optional packages, its inputs, where it writes) is checked
 before any work starts. A user error gets a one-line message and exit code 2, never a
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 done, 1 a qualification gate failed, 2 bad arguments or a missing extra, "
         "3 a run crashed (its log is named)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,qualify,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,qualify,bench,plan}")
 
     t = sub.add_parser("train", help="train the embedded workload (or a config/text of yours)")
     _add_workload(t, steps=50)
@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "qzero bench WHAT --help")
     b.add_argument("what", choices=("gather", "steps", "memory"))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+
+    from .plan_command import add_parser as add_plan
+
+    add_plan(sub)
 
     a = sub.add_parser("_arm")  # one arm of qualify, in its own process; not listed in --help
     sub._choices_actions = [c for c in sub._choices_actions if c.dest != "_arm"]
@@ -382,6 +386,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _qualify(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "plan":
+        from .plan_command import run as run_plan
+
+        return run_plan(args)
     raise ValueError(f"unknown command {args.command!r}")
 
 
