@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..wire.agreement import digest
+from ..wire.comm import peer_failure
 from . import error_feedback
 from .checkpoint import logical_pieces, logical_shards, module_state, replica_key, restores_replica
 from .checkpoint_checks import (
@@ -80,10 +81,11 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                                              f"({type(e).__name__}: {show(str(e))})"), None, None
     agree_or_raise(opt.process_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
     try:
-        try:
-            dcp.load(load.targets(), storage_reader=IndexedReader(path, index), process_group=opt.process_group)
-        except CheckpointException as e:
-            raise ValueError(_read_failure(e, path)) from e
+        with peer_failure(f"load_checkpoint({path!r}): reading the tensors"):
+            try:
+                dcp.load(load.targets(), storage_reader=IndexedReader(path, index), process_group=opt.process_group)
+            except CheckpointException as e:
+                raise ValueError(_read_failure(e, path)) from e
         load.agree_after_read(path)
     except BaseException:
         load.undo()
