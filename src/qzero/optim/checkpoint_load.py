@@ -143,8 +143,9 @@ class _PendingLoad:
                 t.copy_(saved)
 
     def agree_after_read(self, path: str) -> None:
-        """Finite masters and state; the same replicated tensors on every rank (one exchange,
-        [Note: agreement] in qzero/wire/agreement.py: a differing tensor is named by its details)."""
+        """Finite masters, state and error-feedback residuals; the same replicated tensors on
+        every rank (one exchange, [Note: agreement] in qzero/wire/agreement.py: a differing
+        tensor is named by its details)."""
         from ..wire.comm import agree_or_raise
 
         replicated = dict(module_state(self.opt))
@@ -181,6 +182,7 @@ class _PendingLoad:
                 slot = next(s for s in g.layout.slots if s.start <= g.lo + bad < s.stop)
                 raise ValueError(f"{path!r}: {what} of {g.names[slot.index]!r} (group {i}) holds non-finite values "
                                  f"(first at element {g.lo + bad - slot.start}); loading refused")
+        self.residuals.check_finite(path)
 
     def commit(self) -> None:
         """Put the read state in place (nothing here can refuse) and gather the weights."""
