@@ -7,8 +7,9 @@ residuals of quantized gradients and the replica of delta weight gathers.
 2. The residuals' world size, the one size a checkpoint claims that the model does not bound, is
    refused before anything is allocated when the index does not hold a row per claimed rank or
    it is not the checkpoint's own world size.
-3. A saved replica farther from its rounded masters than the delta loop left it at save is not
-   restored: every rank warns and the load ends with an exact resync.
+3. A saved replica farther from its rounded masters than the delta loop left it at save (0.25 on
+   every element, or 1.0 on one element of one rank's partition) is not restored: every rank
+   warns and the load ends with an exact resync; a genuine copy is restored.
 
 One checkpoint is saved (world 2, both features on); the tampered copies are loaded by one
 spawn of 2 ranks and one of 3 (``tests/distributed.py``).
@@ -163,6 +164,10 @@ TAMPER = {
     "16384 ranks claimed": _claim_ranks(16384, also_world_size=False),
     "16384 ranks claimed, world_size too": _claim_ranks(16384, also_world_size=True),
     "16384 ranks claimed, in 4 KiB": _claim_ranks(16384, also_world_size=True, stored_bytes=4096),
+    "replica 0.25 away": lambda path: _rewrite(path, "group0.replica", lambda c, o: c + 0.25),
+    "replica 1.0 away in one element": lambda path: _rewrite(
+        path, "group0.replica", lambda c, o: (c.index_add_(0, torch.tensor([AT - o]), torch.ones(1, dtype=c.dtype))
+                                              if o <= AT < o + c.numel() else c)),
 }
 
 
@@ -211,7 +216,7 @@ def test_non_finite_residuals_are_refused_at_load_on_every_rank(at_2, at_3, name
 CLAIM_REFUSED = {
     "16384 ranks claimed": "error_feedback.world_size is 16384, but the checkpoint was saved by 2 ranks",
     "16384 ranks claimed, world_size too": "spans the rows of several ranks",
-    "16384 ranks claimed, in 4 KiB": "is 4096 bytes, too short for its chunk",
+    "16384 ranks claimed, in 4 KiB": "is 4096 bytes, too short for its chunk of",
 }
 
 
@@ -221,3 +226,13 @@ def test_a_claim_of_many_ranks_is_refused_before_anything_is_allocated(at_2, nam
         assert msg is not None and CLAIM_REFUSED[name] in msg, msg
         assert unchanged
         assert seconds < 1.0, f"took {seconds:.1f} s to refuse"
+
+
+@pytest.mark.parametrize("name", [n for n in TAMPER if n.startswith("replica")])
+def test_a_replica_far_from_its_masters_is_resynced_with_a_warning_on_every_rank(at_2, name):
+    for msg, _, _, said, exact in (r[name] for r in at_2):
+        assert msg is None, msg
+        assert len(said) == 1 and "replica of group 0 is farther from its rounded masters" in said[0], said
+        assert "not restored" in said[0] and "exact resync" in said[0], said
+        assert exact, "the replica is bf16(master) after the load"
+    assert at_2[0]["genuine"][4] is False, "a genuine replica is restored as saved (not bf16(master))"

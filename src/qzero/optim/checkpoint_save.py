@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..wire.comm import peer_failure
 from . import error_feedback
-from .checkpoint import OLD_SUFFIX, TMP_SUFFIX, layout_key, module_state, sharded_state_dict
+from .checkpoint import OLD_SUFFIX, TMP_SUFFIX, layout_key, module_state, saved_deviations, sharded_state_dict
 from .checkpoint_meta import FORMAT_VERSION, write_metadata
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ def _state_keys(opt: ZeroOptimizer, group: FlatGroup) -> dict[str, dict]:
 
 def _metadata(opt: ZeroOptimizer) -> dict:
     groups = []
-    for g, pg in zip(opt.groups, opt.optimizer.param_groups):
+    deviations = saved_deviations(opt)  # [Note: the replica in a checkpoint]
+    for g, pg, deviation in zip(opt.groups, opt.optimizer.param_groups, deviations):
         hyper = {k: v for k, v in pg.items() if k != "params"}
         groups.append(
             {
@@ -44,7 +45,8 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 "used_numel": g.layout.used_numel,
                 "state": _state_keys(opt, g),
                 "hyperparameters": json.loads(json.dumps(hyper, default=_json_default)),
-                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g)}} if g.delta is not None else {}),
+                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g), "deviation": deviation}}
+                   if g.delta is not None else {}),
             }
         )
     meta = {
