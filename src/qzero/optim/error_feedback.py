@@ -25,7 +25,9 @@ for bit the uninterrupted one. Any other load (another world size, another flat 
 every element's residuals over the saved rows (fp32, in row order), rounds the sum to bf16
 and gives it to one rank, the one after the element's new owner (``(owner + 1) mod world``):
 what the ranks together still owe the reduction is kept, up to that rounding. A checkpoint
-without residuals loads as zero residuals; a run without error feedback ignores them.
+without residuals loads as zero residuals; a run without error feedback ignores them. Residuals
+that are not finite are refused at load, and the entry's size claim (``world_size`` rows) is
+checked before anything is allocated ([Note: the residuals' size claim]).
 """
 
 from __future__ import annotations
