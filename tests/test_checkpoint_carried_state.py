@@ -12,7 +12,7 @@ residuals of quantized gradients and the replica of delta weight gathers.
    warns and the load ends with an exact resync; a genuine copy is restored.
 
 One checkpoint is saved (world 2, both features on); the tampered copies are loaded by one
-spawn of 2 ranks and one of 3 (``tests/distributed.py``).
+spawn of 2 ranks and one of 3 (``tests/_support/distributed.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import warnings
 
 import pytest
 import torch
-from checkpoints import assert_same, snapshot
-from distributed import run_distributed
+from _support.checkpoints import assert_same, snapshot
+from _support.distributed import run_distributed
 from test_optim import make_model, train_steps
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
