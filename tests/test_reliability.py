@@ -235,7 +235,8 @@ def test_a_rank_dying_outside_the_gathers_and_reductions_makes_the_others_fail_c
         assert seconds < 60, where
     assert "model guard's exchange before optimizer step 2" in got["before backward"][1]
     assert "model guard's exchange before optimizer step 1" in got["before step"][1]
-    assert "ZeroOptimizer" in got["construction"][1] and "gradient norm" in got["step's norm"][1]
+    assert any(w in got["construction"][1] for w in ("ZeroOptimizer", "topology exchange"))  # its first exchange
+    assert "gradient norm" in got["step's norm"][1]
     assert "save_checkpoint" in got["save"][1] and "load_checkpoint" in got["load"][1]
 
 
