@@ -143,6 +143,18 @@ def _two_groups(model, rank, world, wd_last):
             {"params": [model.lin.bias, model.norm], "weight_decay": wd_last if rank == world - 1 else 0.0}]
 
 
+def _opt_config(config_of):
+    """A ZeroOptimizer whose ZeroConfig is ``config_of(rank, world)``."""
+
+    def make(rank, world):
+        return _opt(lambda r, w: _adamw(r, w), config=config_of(rank, world))(rank, world)
+
+    return make
+
+
+case("quant_kernels: reference on the last rank, auto on the others (the whole config is agreed)", "optimizer",
+     _opt_config(lambda r, w: ZeroConfig(quant_kernels="reference" if r == w - 1 else "auto")),
+     r"quant_kernels")
 case("AdamW on rank 0, SGD on the others", "optimizer",
      _opt(lambda r, w: _adamw(r, w) if r == 0 else functools.partial(torch.optim.SGD, lr=1e-2)),
      r"inner optimizer class differs between ranks: torch\.optim\.adamw\.AdamW \(rank 0\), "

@@ -149,6 +149,97 @@ def test_a_dead_rank_makes_the_others_fail_clearly(where):
         assert seconds < 60
 
 
+def _die():
+    os._exit(17)  # without a word, as a killed or crashed rank does
+
+
+def _outside_worker(rank, world, store, results, where, tmp):
+    """A pair of ranks; the last dies at ``where``, outside the gathers and reductions."""
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20)
+        )
+        torch.set_num_threads(1)
+        dist.barrier()  # connected: a death is then seen at once (a first connection to a dead rank waits)
+        dying = rank == world - 1
+        t0 = time.monotonic()
+        try:
+            if where == "construction" and dying:
+                _die()
+            model = small_model()
+            cfg = qzero.ZeroConfig(stage=1 if where == "before step" else 2)
+            opt = qzero.ZeroOptimizer(model, ADAMW, config=cfg)
+            x = torch.randn(4, 16).bfloat16()
+            if where in ("save", "load"):
+                path = os.path.join(tmp, "ckpt")
+                if where == "load":
+                    opt.save_checkpoint(path)
+                if dying:
+                    _die()
+                t0 = time.monotonic()
+                (opt.save_checkpoint if where == "save" else opt.load_checkpoint)(path)
+            else:
+                if where == "step's norm" and dying:  # the others are in the step's gradient-norm all-reduce
+                    opt._global_norm = lambda *args: _die()
+                for step in range(2):
+                    if where == "before backward" and dying and step == 1:
+                        _die()  # right after step() and zero_grad(): the others are in the next backward
+                    t0 = time.monotonic()
+                    opt.backward((model(x).float() ** 2).mean())
+                    if where == "before step" and dying:
+                        _die()  # stage 1: backward sends nothing, the others are in step()
+                    opt.step()
+                    opt.zero_grad()
+        except comm.PeerFailure as e:
+            results.put((where, rank, str(e), time.monotonic() - t0))
+            return
+        results.put((where, rank, None, 0.0))
+    except BaseException as e:  # noqa: BLE001
+        results.put((where, rank, f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 0.0))
+
+
+OUTSIDE = ["construction", "before backward", "before step", "step's norm", "save", "load"]
+
+
+def test_a_rank_dying_outside_the_gathers_and_reductions_makes_the_others_fail_clearly(tmp_path):
+    """A peer that dies while the others are in an exchange of their own (the agreement at
+    construction, the model guard's before backward and before step, the step's gradient norm,
+    a checkpoint's collectives) raises PeerFailure naming that exchange, as a death mid-gather or
+    mid-reduce does, not the backend's raw error. One pair of ranks per place, all at once."""
+    qzero.ZeroOptimizer(small_model(), ADAMW)  # imports what a construction needs once, before the forks
+    world, ctx, results = 2, mp.get_context("fork"), mp.get_context("fork").Queue()
+    procs = []
+    for k, where in enumerate(OUTSIDE):
+        os.makedirs(tmp_path / str(k))
+        store = str(tmp_path / str(k) / "store")
+        procs += [ctx.Process(target=_outside_worker, args=(r, world, store, results, where, str(tmp_path / str(k))),
+                              daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + 90
+    try:
+        while len(got) < len(OUTSIDE) and time.monotonic() < deadline:
+            where, rank, msg, seconds = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            got[where] = (rank, msg, seconds)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs[1::2]] == [17] * len(OUTSIDE)
+    assert sorted(got) == sorted(OUTSIDE), f"survivors did not all report: {got}"
+    for where, (rank, msg, seconds) in got.items():
+        assert rank == 0 and msg is not None and msg.startswith("qzero:") and "peer rank died" in msg, (where, msg)
+        assert seconds < 60, where
+    assert "model guard's exchange before optimizer step 2" in got["before backward"][1]
+    assert "model guard's exchange before optimizer step 1" in got["before step"][1]
+    assert any(w in got["construction"][1] for w in ("ZeroOptimizer", "topology exchange"))  # its first exchange
+    assert "gradient norm" in got["step's norm"][1]
+    assert "save_checkpoint" in got["save"][1] and "load_checkpoint" in got["load"][1]
+
+
 # ------------------------------------------------------------------ checkpoints
 
 

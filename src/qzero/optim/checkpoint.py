@@ -36,6 +36,7 @@ The files, one role each:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,6 +129,18 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
 # replica back (each rank its partition, then the plain gather of the partitions) and the
 # loop's state with it, so the run continues bit for bit; any other load (another world
 # size, a checkpoint without a replica) ends with an exact resync instead.
+#
+# The loop keeps every replica element within one quantization step of the last update of the
+# rounded master, t = RN(master). That step is not saved, but how far the loop had left the
+# replica is: per rank, the largest |fp32(replica) - fp32(t)| over its partition
+# (``groups[i].delta.deviation``, one number per saving rank, measured at save). A load that
+# would restore the replica measures it again on what it read; a rank whose replica is farther
+# from t than at save (a replica saved with other masters, masters edited after the save, a
+# damaged replica) makes every rank warn and resync exactly instead (the ranks exchange one
+# flag and the distance per group). A genuine copy reads the same bits, so the same distance:
+# it is always restored. What this does not catch: a replica changed by no more than the
+# deviation recorded beside it (the loop would carry such a change into its next difference
+# anyway), and checkpoints saved before the deviation was recorded (restored unchecked).
 
 
 def replica_key(i: int) -> str:
@@ -142,11 +155,52 @@ def layout_key(group: FlatGroup) -> list:
             digest(repr([(s.start, s.numel) for s in group.layout.slots]))]
 
 
-def check_loop_state(d: dict, where: str) -> None:
+def check_loop_state(d: dict, where: str, world: int) -> None:
+    """``groups[i].delta`` of a checkpoint whose replica a load restores, saved by ``world`` ranks."""
     from .delta import LoopState
 
     if d.get("state") not in [s.value for s in LoopState] or type(d.get("deltas")) is not int or d["deltas"] < 0:
         raise ValueError(f"{where} is {show(d)}; expected a loop state ({[s.value for s in LoopState]}) and a count >= 0")
+    dev = d.get("deviation")
+    if dev is not None and (type(dev) is not list or len(dev) != world or not all(
+            x is None or (type(x) in (int, float) and 0 <= x < float("inf")) for x in dev)):
+        raise ValueError(f"{where}.deviation is {show(dev)}; expected one non-negative number (or null) per saving "
+                         f"rank ({world})")
+
+
+def replica_deviation(group: FlatGroup, chunk: int = 1 << 22) -> torch.Tensor:
+    """The largest ``|fp32(replica) - fp32(RN(master))|`` over this rank's parameter elements (an
+    fp32 scalar on the group's device, no host sync; NaN when one is not finite)."""
+    own, master = group.own, group.master
+    out = torch.zeros((), dtype=torch.float32, device=master.device)
+    for a, n, _ in logical_pieces(group):
+        for s in range(a, a + n, chunk):
+            e = min(s + chunk, a + n)
+            diff = (own[s:e].float() - master[s:e].to(group.dtype).float()).abs()
+            out = torch.maximum(out, diff.max())  # maximum propagates NaN
+    return out
+
+
+def saved_deviations(opt: ZeroOptimizer) -> list[list[float | None] | None]:
+    """Per group, every rank's :func:`replica_deviation` (None where it is not finite), for
+    ``qzero.json``; None for a group without delta gathers. Collective (one all-gather) at world
+    size > 1 when a group has delta gathers."""
+    from ..wire.comm import all_gather_into, peer_failure
+
+    with_delta = [g for g in opt.groups if g.delta is not None]
+    if not with_delta:
+        return [None] * len(opt.groups)
+    mine = torch.stack([replica_deviation(g) for g in with_delta]).to(torch.float64)
+    table = mine.reshape(1, -1)
+    if opt.world_size > 1:
+        table = torch.empty(opt.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        with peer_failure("save_checkpoint: the exchange of the replicas' deviations"):
+            all_gather_into(table, mine, group=opt.process_group)
+        table = table.view(opt.world_size, -1)
+    rows = table.cpu().tolist()
+    per_group = iter(zip(*rows))
+    return [[x if math.isfinite(x) else None for x in next(per_group)] if g.delta is not None else None
+            for g in opt.groups]
 
 
 def restores_replica(group: FlatGroup, saved: dict) -> bool:

@@ -74,9 +74,10 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                     )
                 expected[f"group{i}.state.{key}"] = (spec["shape"], dtype)
         if restores_replica(g, saved):  # [Note: the replica in a checkpoint] in checkpoint.py
-            check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta")
+            check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta", g.world_size)
             expected[replica_key(i)] = ([g.layout.used_numel], g.dtype)
     expected.update(error_feedback.expected_entries(opt, meta))
+    error_feedback.check_index(opt, meta, index, path)  # before the sizes: a chunk per saved row
     for fqn, (shape, dtype) in expected.items():
         entry = index.state_dict_metadata.get(fqn)
         if entry is None:

@@ -20,7 +20,10 @@ from someone else, so the index is read in three steps:
    no stream transforms.
    Each storage entry is at most as long as its chunk needs (its elements plus the
    archive around them: :data:`ARCHIVE_SLACK`), and no two share a byte, so a read is
-   bounded by its chunk and every byte of a tensor file is read once at most.
+   bounded by its chunk and every byte of a tensor file is read once at most. Nor is it
+   shorter than a byte per element of its chunk (``torch.save`` stores them uncompressed),
+   so the size an entry claims is backed by its tensor files (their lengths are checked
+   before reading).
 3. :class:`qzero.optim.checkpoint_reader.IndexedReader` gives DCP that rebuilt index (the
    file is not read again) and reads each tensor with ``torch.load(weights_only=True)`` from
    the byte range the index names, checking it before it is copied.
@@ -423,6 +426,9 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
         if length > most:
             raise c.fail(f"{at}.length is {length} bytes, longer than its chunk needs ({numel} elements of "
                          f"{dtype_of[fqn]}: at most {most} bytes with the archive around them)")
+        if length < numel:  # whatever dtype the file holds (the reader checks it), a byte per element at least
+            raise c.fail(f"{at}.length is {length} bytes, too short for its chunk of {numel} elements (a byte "
+                         f"per element at least)")
         new_storage[mi] = _dcp_fs._StorageInfo(relative_path=rel, offset=c.integer(sf["offset"], f"{at}.offset"),
                                                length=length)
     for fqn, chunks in chunks_of.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,8 +15,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..wire.agreement import digest
+from ..wire.comm import peer_failure
 from . import error_feedback
-from .checkpoint import logical_pieces, logical_shards, module_state, replica_key, restores_replica
+from .checkpoint import logical_pieces, logical_shards, module_state, replica_deviation, replica_key, restores_replica
 from .checkpoint_checks import (
     check_compatible,
     check_index_matches,
@@ -80,10 +82,11 @@ def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                                              f"({type(e).__name__}: {show(str(e))})"), None, None
     agree_or_raise(opt.process_group, opt.world_size, opt.groups[0].master.device, error, fields, "load_checkpoint")
     try:
-        try:
-            dcp.load(load.targets(), storage_reader=IndexedReader(path, index), process_group=opt.process_group)
-        except CheckpointException as e:
-            raise ValueError(_read_failure(e, path)) from e
+        with peer_failure(f"load_checkpoint({path!r}): reading the tensors"):
+            try:
+                dcp.load(load.targets(), storage_reader=IndexedReader(path, index), process_group=opt.process_group)
+            except CheckpointException as e:
+                raise ValueError(_read_failure(e, path)) from e
         load.agree_after_read(path)
     except BaseException:
         load.undo()
@@ -141,8 +144,9 @@ class _PendingLoad:
                 t.copy_(saved)
 
     def agree_after_read(self, path: str) -> None:
-        """Finite masters and state; the same replicated tensors on every rank (one exchange,
-        [Note: agreement] in qzero/wire/agreement.py: a differing tensor is named by its details)."""
+        """Finite masters, state and error-feedback residuals; the same replicated tensors on
+        every rank (one exchange, [Note: agreement] in qzero/wire/agreement.py: a differing
+        tensor is named by its details)."""
         from ..wire.comm import agree_or_raise
 
         replicated = dict(module_state(self.opt))
@@ -153,6 +157,7 @@ class _PendingLoad:
         error, fields, details = None, None, None
         try:
             self._check_finite(path)
+            distances = self._replica_distances()
             digests = {name: f"bytes digest {_tensor_digest(t):016x}" for name, t in sorted(replicated.items())}
             name = "a replicated tensor (frozen parameter, buffer or scalar optimizer state)"
             fields, details = {name: digest(json.dumps(digests))}, {name: digests}
@@ -162,6 +167,46 @@ class _PendingLoad:
             error = ValueError(f"{path!r}: checking the tensors read failed ({type(e).__name__}: {show(str(e))})")
         agree_or_raise(self.opt.process_group, self.opt.world_size, self.opt.groups[0].master.device, error, fields,
                        f"load_checkpoint({path!r}), after reading", details)
+        self._settle_replicas(distances, path)
+
+    def _replica_distances(self) -> dict[int, tuple[float, float | None]]:
+        """Per group whose replica is to be restored with a recorded deviation: this rank's
+        deviation as read, and as saved ([Note: the replica in a checkpoint] in checkpoint.py)."""
+        out = {}
+        for i, (g, saved, restore) in enumerate(zip(self.opt.groups, self.meta["groups"], self.replicas)):
+            if restore and saved["delta"].get("deviation") is not None:
+                out[i] = (float(replica_deviation(g)), saved["delta"]["deviation"][g.rank])
+        return out
+
+    def _settle_replicas(self, distances: dict[int, tuple[float, float | None]], path: str) -> None:
+        """Every rank learns which ranks read a replica farther from its rounded masters than at
+        save (one all-gather; the same groups on every rank: the metadata is agreed); those groups'
+        replicas are not restored but resynced exactly, and every rank warns."""
+        from ..wire.comm import all_gather_into, peer_failure
+
+        if not distances:
+            return
+        groups = sorted(distances)
+        mine = torch.tensor([x for i in groups for x in (distances[i][0], _too_far(*distances[i]))],
+                            dtype=torch.float64, device=self.opt.groups[0].master.device)
+        table = mine.reshape(1, -1)
+        if self.opt.world_size > 1:
+            table = torch.empty(self.opt.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+            with peer_failure(f"load_checkpoint({path!r}): the exchange of the replicas' deviations"):
+                all_gather_into(table, mine, group=self.opt.process_group)
+        rows = table.view(self.opt.world_size, -1).cpu().tolist()
+        for k, i in enumerate(groups):
+            far = [r for r, row in enumerate(rows) if row[2 * k + 1]]
+            if not far:
+                continue
+            self.replicas[i] = False
+            saved = self.meta["groups"][i]["delta"]["deviation"]
+            said = ", ".join(f"rank {r}: {rows[r][2 * k]:.3g} against {saved[r]}" for r in far[:4])
+            warnings.warn(
+                f"qzero: load_checkpoint({path!r}): the saved delta-gather replica of group {i} is farther from its "
+                f"rounded masters than the delta loop had left it at save ({said}): it was saved with other "
+                f"masters, or one of them changed since. It is not restored: the weights are gathered exactly "
+                f"from the masters instead (an exact resync), so this resume is not bit-exact", stacklevel=5)
 
     def _check_finite(self, path: str) -> None:
         for i, (g, state) in enumerate(zip(self.opt.groups, self.states)):
@@ -179,6 +224,7 @@ class _PendingLoad:
                 slot = next(s for s in g.layout.slots if s.start <= g.lo + bad < s.stop)
                 raise ValueError(f"{path!r}: {what} of {g.names[slot.index]!r} (group {i}) holds non-finite values "
                                  f"(first at element {g.lo + bad - slot.start}); loading refused")
+        self.residuals.check_finite(path)
 
     def commit(self) -> None:
         """Put the read state in place (nothing here can refuse) and gather the weights."""
@@ -246,3 +292,9 @@ def _read_failure(e: CheckpointException, path: str) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
+
+
+def _too_far(now: float, saved: float | None) -> bool:
+    """Whether a replica read is farther from its rounded masters than at save (an unknown or
+    non-finite distance counts as too far)."""
+    return saved is None or not now <= saved

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ..wire.comm import peer_failure
 from . import error_feedback
-from .checkpoint import OLD_SUFFIX, TMP_SUFFIX, layout_key, module_state, sharded_state_dict
+from .checkpoint import OLD_SUFFIX, TMP_SUFFIX, layout_key, module_state, saved_deviations, sharded_state_dict
 from .checkpoint_meta import FORMAT_VERSION, write_metadata
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def _state_keys(opt: ZeroOptimizer, group: FlatGroup) -> dict[str, dict]:
 
 def _metadata(opt: ZeroOptimizer) -> dict:
     groups = []
-    for g, pg in zip(opt.groups, opt.optimizer.param_groups):
+    deviations = saved_deviations(opt)  # [Note: the replica in a checkpoint]
+    for g, pg, deviation in zip(opt.groups, opt.optimizer.param_groups, deviations):
         hyper = {k: v for k, v in pg.items() if k != "params"}
         groups.append(
             {
@@ -43,7 +45,8 @@ def _metadata(opt: ZeroOptimizer) -> dict:
                 "used_numel": g.layout.used_numel,
                 "state": _state_keys(opt, g),
                 "hyperparameters": json.loads(json.dumps(hyper, default=_json_default)),
-                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g)}} if g.delta is not None else {}),
+                **({"delta": {**g.delta.state_dict(), "layout": layout_key(g), "deviation": deviation}}
+                   if g.delta is not None else {}),
             }
         )
     meta = {
@@ -96,13 +99,16 @@ def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
         if os.path.exists(old):
             shutil.rmtree(old)
 
-    _on_rank_0(opt, clear, f"save_checkpoint({path!r}): rank 0 could not clear {tmp!r}; nothing was written")
-    dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
+    _on_rank_0(opt, clear, f"save_checkpoint({path!r}): rank 0 could not clear {tmp!r}; nothing was written",
+               f"clearing {tmp!r}")
+    with peer_failure(f"save_checkpoint({path!r}): writing the tensors"):
+        dcp.save(sharded_state_dict(opt), storage_writer=dcp.FileSystemWriter(tmp), process_group=opt.process_group)
     _on_rank_0(opt, publish, f"save_checkpoint({path!r}): rank 0 could not put the checkpoint in place (its "
-                             f"error says why); {path!r} holds the previous checkpoint, if there was one")
+                             f"error says why); {path!r} holds the previous checkpoint, if there was one",
+               f"putting {path!r} in place")
 
 
-def _on_rank_0(opt: ZeroOptimizer, work, failed: str) -> None:
+def _on_rank_0(opt: ZeroOptimizer, work, failed: str, what: str) -> None:
     """Run ``work`` on rank 0 alone, then let every rank learn whether it succeeded (one
     1-element all-reduce, in place of a barrier): rank 0 raises its own error, every other
     rank a ``RuntimeError`` saying ``failed``."""
@@ -115,8 +121,9 @@ def _on_rank_0(opt: ZeroOptimizer, work, failed: str) -> None:
     failure = error is not None
     if opt.world_size > 1:
         flag = torch.tensor([int(failure)], dtype=torch.int64, device=opt.groups[0].master.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group)
-        failure = bool(flag.item())
+        with peer_failure(f"save_checkpoint: rank 0's report on {what}"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group)
+            failure = bool(flag.item())
     if error is not None:
         raise error
     if failure:

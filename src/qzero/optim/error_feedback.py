@@ -25,7 +25,9 @@ for bit the uninterrupted one. Any other load (another world size, another flat 
 every element's residuals over the saved rows (fp32, in row order), rounds the sum to bf16
 and gives it to one rank, the one after the element's new owner (``(owner + 1) mod world``):
 what the ranks together still owe the reduction is kept, up to that rounding. A checkpoint
-without residuals loads as zero residuals; a run without error feedback ignores them.
+without residuals loads as zero residuals; a run without error feedback ignores them. Residuals
+that are not finite are refused at load, and the entry's size claim (``world_size`` rows) is
+checked before anything is allocated ([Note: the residuals' size claim]).
 """
 
 from __future__ import annotations
@@ -148,7 +150,11 @@ def metadata(opt: ZeroOptimizer) -> dict | None:
 
 
 def check_metadata(meta: dict, path: str) -> None:
-    """The residuals' entry of a checkpoint's ``qzero.json``, if any, field by field."""
+    """The residuals' entry of a checkpoint's ``qzero.json``, if any, field by field; its world
+    size must be the checkpoint's (``world_size``, which every rank saved at), the one
+    size claim of the entry ([Note: the residuals' size claim])."""
+    from .checkpoint_index import show
+
     entry = meta.get(META_KEY)
     if entry is None:
         return
@@ -157,8 +163,44 @@ def check_metadata(meta: dict, path: str) -> None:
     if (type(world) is not int or world < 2 or entry.get("dtype") != RESIDUAL_DTYPE_NAME
             or not isinstance(parts, list) or len(parts) != len(meta["groups"])
             or not all(p is None or type(p) is int for p in parts)):
-        raise ValueError(f"{path!r}: qzero.json's {META_KEY!r} entry is {entry!r}; expected world_size (>= 2), "
+        raise ValueError(f"{path!r}: qzero.json's {META_KEY!r} entry is {show(entry)}; expected world_size (>= 2), "
                          f"dtype {RESIDUAL_DTYPE_NAME!r} and one partition digest (or null) per group")
+    if world != meta["world_size"]:
+        raise ValueError(f"{path!r}: qzero.json's {META_KEY}.world_size is {world}, but the checkpoint was saved by "
+                         f"{show(meta['world_size'])} ranks (world_size); loading refused")
+
+
+# [Note: the residuals' size claim]
+# The residuals' entry of a checkpoint holds a row per saving rank: ``world_size x parameters``
+# elements, the only size in a checkpoint that the loading model does not bound. A load at another
+# world size reads, per rank, every saved row of one partition (``world_size x partition``
+# elements, one shard per row), so a claim of many ranks costs memory and time before a tensor is
+# read. It is checked before anything is allocated: ``world_size`` must be the checkpoint's own,
+# and the index must hold the rows it claims: every rank writes its own row, so in a genuine index
+# each chunk of the entry lies inside one row and (the chunks tile the entry) there are at least
+# ``world_size`` of them. A claim of N ranks then needs an index of N chunk records and tensor
+# files of N rows (the index's storage entries may not be shorter than their chunks: see
+# :mod:`qzero.optim.checkpoint_index`), as a checkpoint genuinely saved by N ranks has.
+
+
+def check_index(opt: ZeroOptimizer, meta: dict, index, path: str) -> None:
+    """Every chunk of a residual entry the load reads lies inside one saved rank's row
+    ([Note: the residuals' size claim])."""
+    from .checkpoint_index import INDEX_FILE, show
+
+    for i, ef in enumerate(opt.error_feedback):
+        saved = _saved(meta, i)
+        entry = index.state_dict_metadata.get(state_key(i))
+        if ef is None or saved is None or entry is None or len(entry.size) != 1:
+            continue  # a missing or misshapen entry is refused by its size
+        n = ef.layout.used_numel
+        for chunk in entry.chunks:
+            (o,), (size,) = chunk.offsets, chunk.sizes
+            if size and o // n != (o + size - 1) // n:
+                raise ValueError(
+                    f"{path!r}: the checkpoint index {INDEX_FILE} gives {state_key(i)} a chunk of {show(size)} elements "
+                    f"at {show(o)} that spans the rows of several ranks (each rank writes its own row of {n}); "
+                    f"it cannot hold the residuals of the {saved[0]} ranks qzero.json claims")
 
 
 def _saved(meta: dict, i: int):
@@ -183,8 +225,9 @@ class ResidualLoad:
     put in place. A load at the same world size and partitions reads every rank's row straight
     into its residual buffer (``in_place``: the loader keeps a copy to put back on a refusal);
     a resharded one reads the saved rows of the partition this rank now carries into buffers
-    of their own and sums them at :meth:`commit`; without saved residuals :meth:`commit` zeroes
-    them."""
+    of their own and sums them (at :meth:`check_finite`, put in place at :meth:`commit`);
+    without saved residuals :meth:`commit` zeroes them. Residuals that are not finite are
+    refused by :meth:`check_finite` before anything is put in place."""
 
     def __init__(self, opt: ZeroOptimizer, meta: dict):
         """Local only (no collective): it runs before the ranks agree."""
@@ -204,6 +247,7 @@ class ResidualLoad:
                 pieces = [(local, torch.zeros(saved[0], length, dtype=RESIDUAL_DTYPE, device=ef.residual.device), at)
                           for local, length, at in _partition_pieces(ef.layout, q)]
                 self._summed.append((i, ef, q, pieces, saved[0]))
+        self._sums: list[list[torch.Tensor]] = []
 
     @property
     def in_place(self) -> list[torch.Tensor]:
@@ -223,14 +267,58 @@ class ResidualLoad:
             out[state_key(i)] = init_from_local_shards(shards, world * n, process_group=pg)
         return out
 
-    def commit(self) -> None:
-        for ef in self._zeroed:
-            ef.reset()
-        for _, ef, q, pieces, _ in self._summed:
-            ef.reset()
-            dst = ef.partition_view(q)
+    def check_finite(self, path: str) -> None:
+        """Refuse residuals read that are not finite (NaN, Inf, or a value beyond bf16's range,
+        which the copy into bf16 made Inf), naming the entry, the saved rank's row and the
+        parameter: the next step would take them for non-finite gradients. A resharded load's
+        sums are taken here (and refused likewise when they overflow bf16)."""
+        for i, ef, scratch in self._direct:
+            for buf, own in ((ef.residual, False), (scratch, True)):
+                bad = _first_non_finite(buf)
+                if bad is not None:
+                    q = ef.rank if own else bad // ef.partition + (bad // ef.partition >= ef.rank)
+                    flat = q * ef.partition + (bad if own else bad % ef.partition)
+                    raise _non_finite(path, i, self.opt.groups[i], flat, f"rank {ef.rank}'s row")
+        self._sums = []
+        for i, ef, q, pieces, _ in self._summed:
+            sums = []
             for local, rows, _ in pieces:
+                flat = q * ef.partition + local
+                for r, row in enumerate(rows):
+                    bad = _first_non_finite(row)
+                    if bad is not None:
+                        raise _non_finite(path, i, self.opt.groups[i], flat + bad, f"rank {r}'s row")
                 total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
                 for row in rows:  # fp32, in the saved ranks' order
                     total += row.to(torch.float32)
+                total = total.to(RESIDUAL_DTYPE)
+                bad = _first_non_finite(total)
+                if bad is not None:
+                    raise _non_finite(path, i, self.opt.groups[i], flat + bad, "the sum of the saved ranks' rows")
+                sums.append(total)
+            self._sums.append(sums)
+
+    def commit(self) -> None:
+        """Put the residuals in place (after :meth:`check_finite`; nothing here can refuse)."""
+        for ef in self._zeroed:
+            ef.reset()
+        for (_, ef, q, pieces, _), sums in zip(self._summed, self._sums, strict=True):
+            ef.reset()
+            dst = ef.partition_view(q)
+            for (local, rows, _), total in zip(pieces, sums):
                 dst[local : local + rows.shape[1]].copy_(total)
+
+
+def _first_non_finite(t: torch.Tensor) -> int | None:
+    """The index of ``t``'s first non-finite element (one host sync when there is none)."""
+    if bool(torch.isfinite(t).all()):
+        return None
+    return int((~torch.isfinite(t)).nonzero()[0, 0])
+
+
+def _non_finite(path: str, i: int, group: FlatGroup, flat: int, row: str) -> ValueError:
+    slot = next((s for s in group.layout.slots if s.start <= flat < s.stop), None)
+    where = f"{group.names[slot.index]!r}" if slot is not None else f"padding at flat index {flat}"
+    return ValueError(f"{path!r}: the error-feedback residuals {state_key(i)} ({row}) hold a non-finite value (NaN, "
+                      f"Inf, or beyond bfloat16's range) for {where}; the next step would take it for a non-finite "
+                      f"gradient; loading refused")

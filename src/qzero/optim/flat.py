@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..wire.comm import GatherStats
+from ..wire.comm import GatherStats, peer_failure
 from ..config import ZeroConfig
 from ..wire.engine import CommContext, GatherHandle, finish_gather, start_gather
 from ..layout.flat_layout import FlatLayout, plan_flat_layout
@@ -122,7 +122,8 @@ class FlatGroup:
         """Make every replica start from ``src_rank``'s weights (as DDP does), then fill the
         fp32 master shard from this rank's partition."""
         if self.world_size > 1:
-            dist.broadcast(self.flat, src=src_rank, group=self.process_group)
+            with peer_failure("ZeroOptimizer: the broadcast of the initial weights"):
+                dist.broadcast(self.flat, src=src_rank, group=self.process_group)
         self.master.copy_(self.flat[self.lo : self.hi])
 
     def grad_shard(self) -> torch.Tensor:

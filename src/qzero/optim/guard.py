@@ -42,7 +42,7 @@ import contextlib
 
 import torch
 
-from ..wire.comm import all_gather_into, exchange_texts
+from ..wire.comm import all_gather_into, exchange_texts, peer_failure
 
 #: What to do instead, said by every error of this module.
 _INSTEAD = ("load weights before constructing the ZeroOptimizer, or through opt.load_checkpoint(); "
@@ -78,11 +78,12 @@ class ModelGuard:
             if error is not None:
                 raise error
             return
-        flags = self._gather_flags(0 if error is None else 1)
+        what = f"the model guard's exchange before optimizer step {step + 1}"
+        flags = self._gather_flags(0 if error is None else 1, what)
         changed = [r for r, f in enumerate(flags) if f]
         if not changed:
             return
-        said = exchange_texts(str(error) if error is not None else "", self.group, self.world, self.device)
+        said = exchange_texts(str(error) if error is not None else "", self.group, self.world, self.device, what)
         if error is not None:
             raise error
         first = changed[0]
@@ -91,17 +92,19 @@ class ModelGuard:
             f"before optimizer step {step + 1} (this rank did not, so the replicas would part); rank {first} "
             f"reports: {said[first]}")
 
-    def _gather_flags(self, flag: int) -> list[int]:
+    def _gather_flags(self, flag: int, what: str) -> list[int]:
         """Every rank's flag, through one all-gather of one integer each. On CUDA it runs on a
-        side stream: the host waits for the exchange, not for the kernels already queued."""
+        side stream: the host waits for the exchange, not for the kernels already queued. A peer
+        that dies meanwhile raises :class:`qzero.wire.comm.PeerFailure` naming ``what``."""
         on_cuda = self.device.type == "cuda"
         if on_cuda and self._side is None:
             self._side = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._side) if on_cuda else contextlib.nullcontext():
             mine = torch.tensor([flag], dtype=torch.int64, device=self.device)
             table = torch.empty(self.world, dtype=torch.int64, device=self.device)
-            all_gather_into(table, mine, group=self.group)
-            return table.tolist()
+            with peer_failure(what):
+                all_gather_into(table, mine, group=self.group)
+                return table.tolist()
 
     def find(self, step: int) -> ModelChangedError | None:
         """This rank's first change since the snapshot, as an error (None: none)."""

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire.agreement import digest, optimizer_fields
-from ..wire.comm import GatherStats, agree_or_raise, agreement_device, world_or_default
+from ..wire.comm import GatherStats, agree_or_raise, agreement_device, peer_failure, world_or_default
 from ..config import ZeroConfig
 from ..wire.copy_engine import CopyEngineComm, check_copy_engine_support
 from ..wire.engine import DEPTH as OVERLAP_DEPTH
@@ -424,7 +424,8 @@ class ZeroOptimizer:
     def _any_rank(self, flag: torch.Tensor) -> bool:
         flag = flag.to(torch.float32).reshape(1)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            with peer_failure("the optimizer step's exchange of a flag"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
 
     def _check_finite(self, shards: list[torch.Tensor], what: str, consequence: str) -> None:
@@ -442,7 +443,8 @@ class ZeroOptimizer:
         mine = torch.stack([torch.as_tensor(b, device=shards[0].device) for b in first_bad])
         rows = [mine.clone() for _ in range(self.world_size)]
         if self.world_size > 1:
-            dist.all_gather(rows, mine, group=self.process_group)
+            with peer_failure("the optimizer step's exchange of non-finite values"):
+                dist.all_gather(rows, mine, group=self.process_group)
         culprits = []
         for r, row in enumerate(rows):
             for gi, idx in enumerate(row.tolist()):
@@ -464,7 +466,8 @@ class ZeroOptimizer:
         if also is not None:
             sq = torch.cat([sq, also.reshape(1).to(sq.dtype)])
         if self.world_size > 1:
-            dist.all_reduce(sq, group=self.process_group)
+            with peer_failure("the optimizer step's gradient norm"):
+                dist.all_reduce(sq, group=self.process_group)
         return sq[0].sqrt(), (sq[1] if also is not None else None)
 
     def __repr__(self) -> str:
@@ -556,7 +559,7 @@ def _broadcast_module_state(model: torch.nn.Module, src: int, group, world: int)
     """Frozen parameters and buffers start equal everywhere too (as DDP does)."""
     if world == 1:
         return
-    with torch.no_grad():
+    with torch.no_grad(), peer_failure("ZeroOptimizer: the broadcast of frozen parameters and buffers"):
         for p in model.parameters():
             if not p.requires_grad:
                 dist.broadcast(p.data, src=src, group=group)

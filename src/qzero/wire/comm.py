@@ -266,8 +266,9 @@ def agree_or_raise(group, world: int, device, error: Exception | None, fields: d
         device = agreement_device(group, device)
         sig = torch.tensor(row, dtype=torch.int64, device=device)
         table = torch.empty(world * sig.numel(), dtype=torch.int64, device=device)
-        all_gather_into(table, sig, group=group)
-        rows = table.view(world, -1).tolist()
+        with peer_failure(f"{what}: the agreement between ranks"):
+            all_gather_into(table, sig, group=group)
+            rows = table.view(world, -1).tolist()
         bad = [r for r, row in enumerate(rows) if row[0] == 0]
         if error is None and bad:
             raise ValueError(f"{what}: rank(s) {bad} rejected their arguments; nothing was done")
@@ -279,7 +280,7 @@ def agree_or_raise(group, world: int, device, error: Exception | None, fields: d
                 values = [row[2 + i] for row in rows]
                 if len(set(values)) > 1:
                     if details is not None and name in details:
-                        said = describe_mismatch(name, _exchange_details(details[name], group, world, device))
+                        said = describe_mismatch(name, _exchange_details(details[name], group, world, device, what))
                     else:
                         said = f"{name} differs between ranks: {values} (by rank)"
                     raise ValueError(f"{what}: {said}; nothing was done")
@@ -287,26 +288,30 @@ def agree_or_raise(group, world: int, device, error: Exception | None, fields: d
         raise error
 
 
-def exchange_texts(mine: str, group, world: int, device) -> list[str]:
-    """Every rank's text (at most 1 MiB each), by rank; collective: every rank calls it."""
-    return [d.get("text", "") for d in _exchange_details({"text": mine}, group, world, agreement_device(group, device))]
+def exchange_texts(mine: str, group, world: int, device, what: str = "an exchange between ranks") -> list[str]:
+    """Every rank's text (at most 1 MiB each), by rank; collective: every rank calls it. A peer
+    that dies during it raises :class:`PeerFailure` naming ``what``."""
+    return [d.get("text", "") for d in _exchange_details({"text": mine}, group, world,
+                                                         agreement_device(group, device), what)]
 
 
-def _exchange_details(mine: dict[str, str], group, world: int, device) -> list[dict[str, str]]:
+def _exchange_details(mine: dict[str, str], group, world: int, device, what: str) -> list[dict[str, str]]:
     """Every rank's details of one field (JSON, through two all-gathers: lengths, then bytes).
     Only called when every rank found the same field differing, so every rank calls it."""
     text, _ = local_outcome(lambda: json.dumps(mine))
     data = (text or "{}").encode()[:_DETAILS_BYTES]
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = torch.empty(world, dtype=torch.int64, device=device)
-    all_gather_into(sizes, size, group=group)
-    longest = max(max(sizes.tolist()), 1)
+    with peer_failure(f"{what}: the exchange of details between ranks"):
+        all_gather_into(sizes, size, group=group)
+        longest = max(max(sizes.tolist()), 1)
     buf = torch.zeros(longest, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     table = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    all_gather_into(table, buf.to(device), group=group)
-    table = table.cpu()
+    with peer_failure(f"{what}: the exchange of details between ranks"):
+        all_gather_into(table, buf.to(device), group=group)
+        table = table.cpu()
     out = []
     for r, n in enumerate(sizes.tolist()):
         raw = table[r * longest : r * longest + n].numpy().tobytes()
