@@ -515,6 +515,7 @@ class Stage2Grads:
             return
         grad = param.grad.detach().reshape(-1)
         self._fired[slot_index] += 1
+        counted = self._fired[slot_index] <= self._need(slot_index)  # a firing a bucket waits for
         if slot_index in self._solo:
             if ("solo", slot_index) in self._sent:
                 self._late_arrival(slot_index)
@@ -529,7 +530,8 @@ class Stage2Grads:
             buf = self._staging_for(bucket)
             for a, b, off in pieces:
                 buf[off : off + b - a].add_(grad[a:b])
-            self._missing[bucket.index] -= 1
+            if counted:
+                self._missing[bucket.index] -= 1
             self._last[bucket.index] = self._firings
         self._firings += 1
         param.grad = None
