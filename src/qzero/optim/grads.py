@@ -45,6 +45,28 @@ pending: a launch that leaves one more finishes the oldest (reductions finish
 in launch order; the new one is issued first), and the compute stream waits for it there.
 
 Every reducer counts what it sent since the last :meth:`take_stats` (:class:`ReduceStats`).
+
+[Note: counted hooks] A stage-2 bucket is sent once every parameter in it has its gradient,
+and a parameter's gradient hook (``register_post_accumulate_grad_hook``) can fire more than
+once in one backward: a parameter shared by two blocks under reentrant activation
+checkpointing (each block's backward is a backward of its own), and the like. So a bucket
+does not wait for one firing per parameter but for the number of firings the first backward
+delivered, the most of any rank (learned with the launch order, in the same all-gather).
+Firings beyond that still join the sum while their bucket is unsent. The first backward
+does not know the counts: when its graph holds a reentrant checkpoint (a
+``CheckpointFunctionBackward`` node) it launches nothing before its end (its staged buckets
+then hold the whole gradient in the reduce dtype for that one backward, as stage 1 does);
+otherwise it launches as the counts of one allow. A firing that comes after its bucket was
+sent (a later backward that uses a parameter more often than the first did) cannot join the
+sum: it is recorded, and the next ``step()`` refuses on every rank (the model guard's
+exchange carries the refusal), naming the parameter, before any update.
+
+[Note: gradients outside opt.backward] The hooks act only inside ``opt.backward``. A
+gradient from a plain ``loss.backward()`` is left in ``.grad`` as torch made it (stage 2)
+or added to the gradient buffer (stage 1), and the parameter is recorded: ``step()`` and the
+next ``backward()`` refuse, naming it, until ``zero_grad()`` drops it. Before, stage 2
+reduced such a gradient into buckets that nothing finished, and the next step sent stale
+or partial buckets.
 """
 
 from __future__ import annotations

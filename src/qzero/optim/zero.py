@@ -207,7 +207,16 @@ class ZeroOptimizer:
             for grads in self.grads:
                 grads.after_backward()
         except BaseException as e:
-            # [Note: an interrupted backward]
+            # [Note: an interrupted backward] An exception inside backward (a bad batch, an
+            # out-of-memory, a hook's error) leaves part of a step behind: stage 2 has staged,
+            # launched and partly summed some buckets, stage 1 has part of a gradient in its
+            # buffer. The reductions already launched are waited for (every rank that ran the
+            # same backward launched them too) and the staging dropped, so no later collective
+            # pairs with a stale one; what reached the gradient shard stays until zero_grad().
+            # Until then backward() and step() refuse, on every rank (the model guard's
+            # exchange), naming the error; zero_grad() makes the next step that of an optimizer
+            # that never saw it. (An exception on some ranks only leaves the others waiting in
+            # a reduction until the process group's timeout.)
             for grads in self.grads:
                 grads.abandon()
             said = f"{type(e).__name__}: {e}"
@@ -431,6 +440,18 @@ class ZeroOptimizer:
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
+
+    # [Note: masters the model's dtype cannot hold] A master is fp32; the replicas hold its
+    # rounding to the model's dtype, and a finite fp32 value above that dtype's largest (65,504
+    # for fp16, about 3.39e38 for bf16) rounds to Inf. Every gather that converts the masters
+    # (the plain one, INT8/INT4 and FP8 weights, a delta run's exact resync,
+    # gather_exact_weights) is therefore preceded, with check_finite, by a check of the
+    # masters' extremes rounded to the model's dtype, on the same single all-reduce as the
+    # finite check: it raises on every rank, naming the parameter and the value, before
+    # anything travels (delta gathers refuse such a difference on their own, [Note: delta loop]).
+    # A sliced update (Adam/AdamW) is checked before it runs; there a master beyond half the
+    # dtype's range makes the step update whole and check the masters after, so that an
+    # update (about lr per step) cannot carry a master past the limit unseen.
 
     def _check_finite(self, shards: list[torch.Tensor], what: str, consequence: str,
                       dtype: torch.dtype | None = None) -> None:
