@@ -45,6 +45,28 @@ pending: a launch that leaves one more finishes the oldest (reductions finish
 in launch order; the new one is issued first), and the compute stream waits for it there.
 
 Every reducer counts what it sent since the last :meth:`take_stats` (:class:`ReduceStats`).
+
+[Note: counted hooks] A stage-2 bucket is sent once every parameter in it has its gradient,
+and a parameter's gradient hook (``register_post_accumulate_grad_hook``) can fire more than
+once in one backward: a parameter shared by two blocks under reentrant activation
+checkpointing (each block's backward is a backward of its own), and the like. So a bucket
+does not wait for one firing per parameter but for the number of firings the first backward
+delivered, the most of any rank (learned with the launch order, in the same all-gather).
+Firings beyond that still join the sum while their bucket is unsent. The first backward
+does not know the counts: when its graph holds a reentrant checkpoint (a
+``CheckpointFunctionBackward`` node) it launches nothing before its end (its staged buckets
+then hold the whole gradient in the reduce dtype for that one backward, as stage 1 does);
+otherwise it launches as the counts of one allow. A firing that comes after its bucket was
+sent (a later backward that uses a parameter more often than the first did) cannot join the
+sum: it is recorded, and the next ``step()`` refuses on every rank (the model guard's
+exchange carries the refusal), naming the parameter, before any update.
+
+[Note: gradients outside opt.backward] The hooks act only inside ``opt.backward``. A
+gradient from a plain ``loss.backward()`` is left in ``.grad`` as torch made it (stage 2)
+or added to the gradient buffer (stage 1), and the parameter is recorded: ``step()`` and the
+next ``backward()`` refuse, naming it, until ``zero_grad()`` drops it. Before, stage 2
+reduced such a gradient into buckets that nothing finished, and the next step sent stale
+or partial buckets.
 """
 
 from __future__ import annotations
@@ -55,7 +77,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..wire.comm import peer_failure
+from ..wire.comm import all_gather_into, peer_failure
 from ..wire.labels import REDUCE_GRADIENTS, label
 from ..buckets import bucket_pieces, owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, solo_slots
 from .flat import FlatGroup
@@ -227,6 +249,10 @@ class _Reducer:
             self._landing_shard = torch.zeros(g.hi - g.lo, dtype=self.landing_dtype, device=g.device)
         return self._landing_shard
 
+    def drop_landing(self) -> None:
+        """Forget the landing shard of an interrupted backward."""
+        self._landing_shard = None
+
     def fold_landing(self) -> None:
         """Add the landing shard into the fp32 gradient shard (divided by the world size, in
         chunks of :data:`FOLD_CHUNK` elements) and drop it."""
@@ -387,12 +413,40 @@ class Stage1Grads:
                                     reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
         self.flat_grad = torch.zeros(group.layout.numel, dtype=group.dtype, device=group.device)
         self._attach()
+        #: The first parameter whose gradient arrived outside ``opt.backward`` since the last
+        #: ``zero()`` ([Note: gradients outside opt.backward]); None: none did.
+        self.stray: str | None = None
+        self._armed = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_stray_hook(name))
+                         for name, p in zip(group.names, group.params)]
+
+    def _make_stray_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            if not self._armed and self.stray is None:
+                self.stray = name
+
+        return hook
+
+    learning = False  # nothing to learn from a first backward ([Note: counted hooks] is stage 2's)
+
+    def begin(self, may_repeat: bool = False) -> None:
+        """``opt.backward`` starts a backward: gradients that arrive now are the optimizer's."""
+        self._armed = True
+
+    def problem(self) -> str | None:
+        """What makes the gradients unusable for a step, said as a refusal; None: nothing."""
+        return stray_problem(self.stray)
+
+    def abandon(self) -> None:
+        """The backward raised: nothing is pending in stage 1 (``zero()`` clears the buffer)."""
+        self._armed = False
 
     def _attach(self) -> None:
         for slot, p in zip(self.group.layout.slots, self.group.params):
             p.grad = self.flat_grad[slot.start : slot.stop].view(slot.shape)
 
     def after_backward(self) -> None:
+        self._armed = False
         # Parameters whose .grad someone replaced or dropped are pointed back at the buffer.
         for slot, p in zip(self.group.layout.slots, self.group.params):
             if p.grad is None or p.grad.data_ptr() != self.flat_grad[slot.start :].data_ptr():
@@ -431,8 +485,12 @@ class Stage1Grads:
         self.flat_grad.zero_()
         self.group.zero_grad(set_to_none)
         self._attach()
+        self.stray = None
+        self.reducer.take_stats()  # what a refused step sent is not the next step's traffic
 
     def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
         for p in self.group.params:
             p.grad = None
 
@@ -477,18 +535,50 @@ class Stage2Grads:
         units = [(-min(b.slots), b.index, b) for b in self.buckets if b.slots]
         units += [(1, b.index, b) for b in self.buckets if not b.slots]  # padding only
         self._order = [u for *_, u in sorted(units, key=lambda t: t[:2])] + sorted(self.reducer.solo)
-        self._completed: list[int] | None = []  # bucket indices in completion order (first backward only)
+        #: Gradient hook firings per parameter in one backward ([Note: counted hooks]): None until
+        #: the first backward has finished; then the most any rank saw, at least 1.
+        self._counts: list[int] | None = None
+        #: The first parameter whose gradient arrived outside ``opt.backward`` since the last
+        #: ``zero()`` ([Note: gradients outside opt.backward]), and the first late arrival.
+        self.stray: str | None = None
+        self.late: str | None = None
+        self._armed = False
+        self._hold = False  # launch nothing before the backward's end (a first backward that may repeat hooks)
         self._reset()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(group.params)
         ]
 
+    @property
+    def learning(self) -> bool:
+        """Whether no backward has finished yet (the hook counts are not known)."""
+        return self._counts is None
+
+    def _need(self, slot_index: int) -> int:
+        """Hook firings after which a parameter's gradient is complete in this backward."""
+        return 1 if self._counts is None else self._counts[slot_index]
+
     def _reset(self) -> None:
-        self._missing = {b.index: len(b.slots) for b in self.buckets}
+        self._missing = {b.index: sum(self._need(i) for i in b.slots) for b in self.buckets}
+        self._fired = [0] * len(self.group.params)
+        self._last: dict[int, int] = {}  # bucket index -> hook firing (counted from 0) of its last gradient
+        self._firings = 0
         self._staging: dict[int, torch.Tensor] = {}
         self._solo_held: dict[int, torch.Tensor] = {}
+        self._sent: set = set()  # bucket indices and ("solo", slot index) launched in this backward
         self._pending: deque = deque()  # (finish, works, buffer, bucket or slot)
         self._next = 0  # the first unit of self._order not launched yet
+
+    def begin(self, may_repeat: bool = False) -> None:
+        """``opt.backward`` starts a backward: gradients that arrive now are reduced.
+        ``may_repeat``: its graph may fire a hook more than once (reentrant checkpointing);
+        the first backward then launches nothing before its end ([Note: counted hooks])."""
+        self._armed = True
+        self._hold = may_repeat and self._counts is None
+
+    def problem(self) -> str | None:
+        """What makes the gradients unusable for a step, said as a refusal; None: nothing."""
+        return stray_problem(self.stray) or self.late
 
     def _make_hook(self, slot_index: int):
         def hook(param: torch.Tensor) -> None:
@@ -504,19 +594,48 @@ class Stage2Grads:
         return buf
 
     def _on_grad(self, slot_index: int, param: torch.Tensor) -> None:
+        if not self._armed:  # a plain loss.backward(): leave .grad as torch made it, and remember
+            if self.stray is None:
+                self.stray = self.group.names[slot_index]
+            return
         grad = param.grad.detach().reshape(-1)
+        self._fired[slot_index] += 1
+        counted = self._fired[slot_index] <= self._need(slot_index)  # a firing a bucket waits for
         if slot_index in self._solo:
-            self._solo_held[slot_index] = grad.to(self.dtype)
+            if ("solo", slot_index) in self._sent:
+                self._late_arrival(slot_index)
+            else:
+                held = self._solo_held.get(slot_index)
+                part = grad.to(self.dtype)
+                self._solo_held[slot_index] = part if held is None else held + part
         for bucket, pieces in self._targets.get(slot_index, ()):
+            if bucket.index in self._sent:
+                self._late_arrival(slot_index)
+                continue
             buf = self._staging_for(bucket)
             for a, b, off in pieces:
                 buf[off : off + b - a].add_(grad[a:b])
-            self._missing[bucket.index] -= 1
-            if self._missing[bucket.index] == 0 and self._completed is not None:
-                self._completed.append(bucket.index)
+            if counted:
+                self._missing[bucket.index] -= 1
+            self._last[bucket.index] = self._firings
+        self._firings += 1
         param.grad = None
-        if self.overlap:  # overlap_comm off: nothing is reduced before backward ends
+        if self.overlap and not self._hold:  # overlap_comm off: nothing is reduced before backward ends
             self._launch_due(everything=False)
+
+    def _late_arrival(self, slot_index: int) -> None:
+        """A gradient arrived for a unit already sent: its part cannot join the sum any more."""
+        if self.late is None:
+            name = self.group.names[slot_index]
+            seen = self._fired[slot_index]
+            self.late = (
+                f"qzero: the gradient of parameter {name!r} arrived {seen} times in one backward, the last "
+                f"time after its gradient bucket had been reduced (the first backward delivered it "
+                f"{self._need(slot_index)} time(s), and buckets are sent once that many have arrived), so a part "
+                f"of it would be lost; the step was refused and the weights are unchanged. A parameter used in "
+                f"several reentrant activation-checkpointed blocks (torch.utils.checkpoint(..., "
+                f"use_reentrant=True)) whose uses change from one backward to the next does this: use "
+                f"use_reentrant=False, or stage=1, and call opt.zero_grad() to discard this step's gradients")
 
     def _launch_due(self, everything: bool) -> None:
         """Launch the next units of the fixed order ([Note: one launch order]) while they are
@@ -525,15 +644,17 @@ class Stage2Grads:
         while self._next < len(self._order):
             unit = self._order[self._next]
             if isinstance(unit, int):  # a solo parameter
+                if self._fired[unit] < self._need(unit) and not everything:
+                    return
                 held = self._solo_held.pop(unit, None)
                 if held is None:
-                    if not everything:
-                        return
                     held = torch.zeros(self.group.layout.slots[unit].numel, dtype=self.dtype, device=self.group.device)
+                self._sent.add(("solo", unit))
                 self._launch_solo(unit, held)
             else:
-                if self._missing[unit.index] and not everything:
+                if self._missing[unit.index] > 0 and not everything:
                     return
+                self._sent.add(unit.index)
                 self._launch(unit)
             self._next += 1
 
@@ -562,28 +683,47 @@ class Stage2Grads:
     def after_backward(self) -> None:
         """Reduce what backward left (buckets and solo parameters without a gradient count
         as zeros), in a fixed order so every rank issues the same collectives, then wait."""
+        self._armed = False
         self._launch_due(everything=True)
         while self._pending:
             self._finish_oldest()
         self.reducer.fold_landing()
-        if self._completed is not None:
-            self._learn_order()
+        if self._counts is None:
+            self._learn()
         self._reset()
 
-    def _learn_order(self) -> None:
-        """Keep rank 0's completion order of the first backward ([Note: one launch order])."""
+    def abandon(self) -> None:
+        """The backward raised: wait for what was launched (every rank that runs the same
+        backward launched it too; a failure of a collective here is dropped, the backward's
+        own error is the one raised), and drop what it staged. The gradient shard may hold
+        part of this backward: ``zero()`` clears it."""
+        self._armed = False
+        while self._pending:
+            try:
+                self._finish_oldest()
+            except Exception:  # noqa: BLE001 - the error that interrupted the backward is raised instead
+                pass
+        self.reducer.drop_landing()
+        self._reset()
+
+    def _learn(self) -> None:
+        """Keep rank 0's completion order of the first backward ([Note: one launch order]) and the
+        most hook firings any rank saw per parameter ([Note: counted hooks]): one all-gather."""
         by_index = {b.index: b for b in self.buckets}
-        done = set(self._completed)
-        order = self._completed + [u.index for u in self._order if not isinstance(u, int) and u.index not in done]
-        self._completed = None
+        done = sorted((self._last[b.index], b.index) for b in self.buckets
+                      if b.slots and all(self._fired[i] for i in b.slots))
+        completed = {i for _, i in done}
+        order = [i for _, i in done] + [u.index for u in self._order if not isinstance(u, int) and u.index not in completed]
+        row = torch.tensor(order + self._fired, dtype=torch.int64, device=self.group.device)
         if self.group.world_size > 1:
-            t = torch.tensor(order, dtype=torch.int64, device=self.group.device)
-            pg = self.group.process_group
-            src = dist.get_global_rank(pg, 0) if pg is not None else 0
+            table = torch.empty(self.group.world_size * row.numel(), dtype=torch.int64, device=row.device)
             with peer_failure("the gradient reduction"):
-                dist.broadcast(t, src=src, group=pg)
-            order = t.tolist()
-        self._order = [by_index[i] for i in order] + sorted(self.reducer.solo)
+                all_gather_into(table, row, group=self.group.process_group)
+            rows = table.view(self.group.world_size, -1)
+            row = torch.cat([rows[0, : len(order)], rows[:, len(order) :].amax(dim=0)])
+        values = row.tolist()
+        self._order = [by_index[i] for i in values[: len(order)]] + sorted(self.reducer.solo)
+        self._counts = [max(1, c) for c in values[len(order) :]]
 
     def before_step(self) -> None:
         pass
@@ -593,7 +733,38 @@ class Stage2Grads:
 
     def zero(self, set_to_none: bool = True) -> None:
         self.group.zero_grad(set_to_none)
+        for p in self.group.params:  # what a plain loss.backward() left
+            p.grad = None
+        self.stray = self.late = None
+        self.reducer.take_stats()  # what a refused step sent is not the next step's traffic
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def stray_problem(name: str | None) -> str | None:
+    """The refusal for a gradient that arrived outside ``opt.backward`` ([Note: gradients
+    outside opt.backward]); None without one."""
+    if name is None:
+        return None
+    return (f"qzero: the gradient of parameter {name!r} came from a plain loss.backward() (outside "
+            "opt.backward(loss)): the optimizer neither reduced nor scaled it, and it would be mixed into this "
+            "step's gradients. Call opt.zero_grad() to discard it, and run backward as opt.backward(loss)")
+
+
+def may_repeat_hooks(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s autograd graph holds a reentrant activation checkpoint
+    (``torch.utils.checkpoint``'s, DeepSpeed's or Megatron's ``CheckpointFunction``), whose
+    backward runs a backward of its own: a parameter it shares with another block gets its
+    gradient hook fired once per block ([Note: counted hooks])."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "Checkpoint" in type(node).__name__:
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False

@@ -69,17 +69,19 @@ class ModelGuard:
         self.state = [(p._version, p.data_ptr(), p.dtype, p.requires_grad) for _, p in self.held]
         self.ids = {id(p) for _, p in self.held}
 
-    def check(self, step: int, agree: bool = True) -> None:
+    def check(self, step: int, agree: bool = True, refusal: Exception | None = None) -> None:
         """Raise :class:`ModelChangedError` on every rank if any rank's model or inner optimizer
         changed (this rank's own error where it changed; else one naming the ranks that did).
+        ``refusal``: another reason of this rank's to refuse the step (the optimizer's own
+        state), agreed on by the same exchange and raised before a change of the model.
         ``agree=False``: on this rank only, without the exchange."""
-        error = self.find(step)
+        error = refusal if refusal is not None else self.find(step)
         if self.world < 2 or not agree:
             if error is not None:
                 raise error
             return
         what = f"the model guard's exchange before optimizer step {step + 1}"
-        flags = self._gather_flags(0 if error is None else 1, what)
+        flags = self._gather_flags(0 if error is None else 2 if refusal is not None else 1, what)
         changed = [r for r, f in enumerate(flags) if f]
         if not changed:
             return
@@ -87,6 +89,10 @@ class ModelGuard:
         if error is not None:
             raise error
         first = changed[0]
+        if flags[first] == 2:
+            raise RuntimeError(
+                f"qzero: rank(s) {changed} refused optimizer step {step + 1} (this rank did not, but every rank "
+                f"must do the same); rank {first} reports: {said[first]}")
         raise ModelChangedError(
             f"qzero: rank(s) {changed} changed the model or the inner optimizer behind the ZeroOptimizer's back "
             f"before optimizer step {step + 1} (this rank did not, so the replicas would part); rank {first} "

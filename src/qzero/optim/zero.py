@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -36,7 +37,7 @@ from .error_feedback import ErrorFeedback
 from ..quant.reference import NOT_REFUSED
 from .delta import refusal_error
 from .flat import FlatGroup
-from .grads import ReduceStats, Stage1Grads, Stage2Grads
+from .grads import ReduceStats, Stage1Grads, Stage2Grads, may_repeat_hooks
 from ..wire.quantized_reduce import GradientQuantization
 from . import update as sliced_update
 from .guard import ModelGuard
@@ -172,6 +173,7 @@ class ZeroOptimizer:
                                 agreement_device(process_group, context.device) if world > 1 else None)
         self._backward_ran = False
         self._stepped = False
+        self._interrupted: str | None = None  # what interrupted a backward of this step ([Note: an interrupted backward])
 
     # ------------------------------------------------------------------ the loop
 
@@ -214,11 +216,47 @@ class ZeroOptimizer:
                 "step's gradients would be added to this one's. Call opt.zero_grad() after step() "
                 "(model.zero_grad() does not clear the optimizer's gradient buffers)")
         self._finish_gathers()
-        self.guard.check(self.steps_taken, agree=not self._backward_ran)  # agreed at a step's first micro-batch
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
-        for grads in self.grads:
-            grads.after_backward()
+        # agreed at a step's first micro-batch
+        self.guard.check(self.steps_taken, agree=not self._backward_ran, refusal=self._refusal())
+        may_repeat = any(g.learning for g in self.grads) and may_repeat_hooks(loss)
+        try:
+            for grads in self.grads:
+                grads.begin(may_repeat)
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+            for grads in self.grads:
+                grads.after_backward()
+        except BaseException as e:
+            # [Note: an interrupted backward] An exception inside backward (a bad batch, an
+            # out-of-memory, a hook's error) leaves part of a step behind: stage 2 has staged,
+            # launched and partly summed some buckets, stage 1 has part of a gradient in its
+            # buffer. The reductions already launched are waited for (every rank that ran the
+            # same backward launched them too) and the staging dropped, so no later collective
+            # pairs with a stale one; what reached the gradient shard stays until zero_grad().
+            # Until then backward() and step() refuse, on every rank (the model guard's
+            # exchange), naming the error; zero_grad() makes the next step that of an optimizer
+            # that never saw it. (An exception on some ranks only leaves the others waiting in
+            # a reduction until the process group's timeout.)
+            for grads in self.grads:
+                grads.abandon()
+            said = f"{type(e).__name__}: {e}"
+            self._interrupted = said if len(said) <= 300 else said[:297] + "..."
+            raise
         self._backward_ran = True
+
+    def _refusal(self) -> RuntimeError | None:
+        """Why this rank's gradients cannot make a step, or None: an interrupted backward,
+        a gradient from a plain ``loss.backward()``, a gradient that arrived after its bucket
+        was reduced. ``zero_grad()`` clears each."""
+        if self._interrupted is not None:
+            return RuntimeError(
+                f"qzero: an opt.backward() of this step raised ({self._interrupted}) before it finished, so the "
+                "step's gradients are incomplete. Call opt.zero_grad() to discard them, then run the step's "
+                "backward(s) again")
+        for grads in self.grads:
+            problem = grads.problem()
+            if problem is not None:
+                return RuntimeError(problem)
+        return None
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -242,7 +280,7 @@ class ZeroOptimizer:
                 "nothing to apply (a plain loss.backward() is not enough: the optimizer reduces, scales and "
                 "checks the gradients in opt.backward)")
         # before stage 1's reductions start: the guard's exchange would otherwise wait behind them
-        self.guard.check(self.steps_taken)
+        self.guard.check(self.steps_taken, refusal=self._refusal())
         for grads in self.grads:
             grads.before_step()
         self._backward_ran, self._stepped = False, True
@@ -264,12 +302,16 @@ class ZeroOptimizer:
                 return False  # no update and no gather: the weights did not change
         self.last_step_skipped = False
         masters = [g.master for g in self.groups]
+        dtype = self.groups[0].dtype  # every group has the model's dtype
         slicing = self.config.sliced_update and sliced_update.sliceable(self.optimizer, masters)
-        # Before a sliced update the masters are checked too: 0 * their extremes (NaN when one
-        # is not finite, no full-size temporary) rides on the norm's all-reduce.
+        # Before a sliced update the masters are checked too: 0 where their extremes are within
+        # half the model dtype's range, NaN otherwise (no full-size temporary), rides on the
+        # norm's all-reduce ([Note: masters the model's dtype cannot hold]).
         watch = None
         if slicing and self.config.check_finite:
-            watch = torch.stack([torch.stack(torch.aminmax(m)) for m in masters]).mul(0).sum()
+            extremes = torch.stack([torch.stack(torch.aminmax(m)) for m in masters])
+            half = torch.finfo(dtype).max / 2
+            watch = torch.where(extremes.abs() <= half, 0.0, float("nan")).sum()
         self.grad_norm, masters_check = self._global_norm(shards, watch)
         if self.config.gradient_clipping > 0:
             coef = torch.clamp(self.config.gradient_clipping / (self.grad_norm + 1e-6), max=1.0)
@@ -280,7 +322,9 @@ class ZeroOptimizer:
             # in for checking the masters after (which would have to wait for the whole
             # update). The global norm is finite unless a gradient is not (or the sum of
             # squares overflows: then the check below finds nothing and returns), the masters'
-            # check unless a master is not; one sync, on two scalars.
+            # check unless a master is not, or is beyond half the model dtype's range (then
+            # the update runs whole and the masters are checked after it); one sync, on two
+            # scalars.
             checks = torch.stack([self.grad_norm, masters_check]) if self.config.check_finite else None
             if checks is not None:
                 ok = torch.isfinite(checks).all()
@@ -289,10 +333,13 @@ class ZeroOptimizer:
                     if refused is not None:
                         self._check_delta()
                     self._check_finite(shards, "gradients", "the update was skipped: the weights are unchanged")
-                self._check_finite(masters, "weights", "the update was skipped and nothing was gathered, so no "
-                                   "replica received them")
+                    self._check_finite(masters, "weights", "the update was skipped and nothing was gathered, so "
+                                       "no replica received them", dtype)
+                    slicing = False  # a master near the end of the dtype's range: whole update, checked after
             elif not refusals_read:
                 self._check_delta()
+            refusals_read = True
+        if slicing:
             sliced = sliced_update.SlicedUpdate(self.optimizer, masters)
             updates = [functools.partial(sliced.update, i) for i in range(len(self.groups))]
         else:
@@ -301,7 +348,7 @@ class ZeroOptimizer:
             with label(UPDATE):
                 self.optimizer.step()
             if self.config.check_finite:
-                self._check_finite(masters, "weights", "nothing was gathered, so no replica received them")
+                self._check_finite(masters, "weights", "nothing was gathered, so no replica received them", dtype)
             sliced, updates = None, [None] * len(self.groups)
         self.steps_taken += 1
         if self.ahead is None:
@@ -383,6 +430,7 @@ class ZeroOptimizer:
         for grads in self.grads:
             grads.zero(set_to_none)
         self._backward_ran = self._stepped = False
+        self._interrupted = None
 
     @torch.no_grad()
     def gather_exact_weights(self) -> None:
@@ -390,6 +438,9 @@ class ZeroOptimizer:
         (for evaluation or export); the next ``step()`` gathers as configured again. With
         delta gathers this is an exact resync: the next differences are taken against it."""
         self.wait_for_weights()
+        if self.config.check_finite:
+            self._check_finite([g.master for g in self.groups], "weights", "nothing was gathered, so no replica "
+                               "received them", self.groups[0].dtype)
         for g in self.groups:
             g.gather_exact()
 
@@ -428,36 +479,63 @@ class ZeroOptimizer:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
 
-    def _check_finite(self, shards: list[torch.Tensor], what: str, consequence: str) -> None:
+    # [Note: masters the model's dtype cannot hold] A master is fp32; the replicas hold its
+    # rounding to the model's dtype, and a finite fp32 value above that dtype's largest (65,504
+    # for fp16, about 3.39e38 for bf16) rounds to Inf. Every gather that converts the masters
+    # (the plain one, INT8/INT4 and FP8 weights, a delta run's exact resync,
+    # gather_exact_weights) is therefore preceded, with check_finite, by a check of the
+    # masters' extremes rounded to the model's dtype, on the same single all-reduce as the
+    # finite check: it raises on every rank, naming the parameter and the value, before
+    # anything travels (delta gathers refuse such a difference on their own, [Note: delta loop]).
+    # A sliced update (Adam/AdamW) is checked before it runs; there a master beyond half the
+    # dtype's range makes the step update whole and check the masters after, so that an
+    # update (about lr per step) cannot carry a master past the limit unseen.
+
+    def _check_finite(self, shards: list[torch.Tensor], what: str, consequence: str,
+                      dtype: torch.dtype | None = None) -> None:
         """Raise on every rank, naming the parameters, if any of ``shards`` (one per group,
-        laid out like the master shards) holds NaN/Inf."""
+        laid out like the master shards) holds NaN/Inf, or (``dtype``) a value whose rounding
+        to ``dtype`` is not finite ([Note: masters the model's dtype cannot hold])."""
         # One pass per shard with no temporaries (min/max propagate NaN; Inf shows as an
-        # extreme) and one host sync for all groups; names are looked up only on failure.
+        # extreme, and so does a value that overflows dtype) and one host sync for all groups;
+        # names are looked up only on failure.
         extremes = torch.stack([torch.stack(torch.aminmax(s)) for s in shards])
+        if dtype is not None:
+            extremes = extremes.to(dtype)
         if not self._any_rank(~torch.isfinite(extremes).all()):
             return
         first_bad = []
         for g, s in zip(self.groups, shards):
-            bad = (~torch.isfinite(s)).nonzero()
-            first_bad.append(g.lo + bad[0, 0] if bad.numel() else torch.tensor(-1, device=s.device))
-        mine = torch.stack([torch.as_tensor(b, device=shards[0].device) for b in first_bad])
+            bad = (~torch.isfinite(s if dtype is None else s.to(dtype))).nonzero()
+            at = bad[0, 0] if bad.numel() else None
+            first_bad.append(torch.stack([(g.lo + at).double(), s[at].double()]) if at is not None
+                             else torch.tensor([-1.0, 0.0], dtype=torch.float64, device=s.device))
+        mine = torch.stack(first_bad)
         rows = [mine.clone() for _ in range(self.world_size)]
         if self.world_size > 1:
             with peer_failure("the optimizer step's exchange of non-finite values"):
                 dist.all_gather(rows, mine, group=self.process_group)
-        culprits = []
+        culprits, overflow = [], []
         for r, row in enumerate(rows):
-            for gi, idx in enumerate(row.tolist()):
+            for gi, (idx, value) in enumerate(row.tolist()):
                 if idx >= 0:
                     g = self.groups[gi]
+                    idx = int(idx)
                     slot = next((s for s in g.layout.slots if s.start <= idx < s.stop), None)
                     name = g.names[slot.index] if slot is not None else f"padding at flat index {idx}"
                     culprits.append(f"{name!r} (group {gi}, rank {r}'s shard)")
+                    if math.isfinite(value):
+                        overflow.append(f"{name!r} (group {gi}, rank {r}'s shard: {value:g})")
+        step = self.steps_taken + 1
+        advice = ("Lower the learning rate, clip gradients (gradient_clipping) or use fp16 loss scaling, and resume "
+                  "from a checkpoint.")
+        if len(overflow) == len(culprits):  # finite in fp32, beyond what dtype holds
+            raise FloatingPointError(
+                f"qzero: {what} at optimizer step {step} overflow the model's dtype {dtype} (largest finite "
+                f"{torch.finfo(dtype).max:g}) in {', '.join(overflow)}: they would arrive as Inf in every "
+                f"replica; {consequence}. {advice}")
         raise FloatingPointError(
-            f"qzero: non-finite {what} at optimizer step {self.steps_taken + 1} in {', '.join(culprits)}; "
-            f"{consequence}. Lower the learning rate, clip gradients "
-            "(gradient_clipping) or use fp16 loss scaling, and resume from a checkpoint."
-        )
+            f"qzero: non-finite {what} at optimizer step {step} in {', '.join(culprits)}; {consequence}. {advice}")
 
     def _global_norm(self, shards: list[torch.Tensor], also: torch.Tensor | None = None):
         """L2 norm of the whole gradient (every element lives in exactly one shard), and the sum
