@@ -174,7 +174,7 @@ def test_a_sibling_import_is_reported():
 
 
 #: The modules of the planner (``qzero.layout``), lowest first: each imports only those before it.
-LAYOUT_ORDER = ("gather_plan", "gather_planner", "flat_layout")
+LAYOUT_ORDER = ("topology", "gather_plan", "gather_planner", "flat_layout")
 
 
 def planner_violations(sources: dict[str, str]) -> list[str]:

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from distributed import run_distributed
+from _support.distributed import run_distributed
 from torch.utils.checkpoint import checkpoint
 
 import qzero
