@@ -44,6 +44,7 @@ from ..layout.gather_plan import merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
 from ..vocabulary import refuse_renamed
+from .nodes import exchange_group_hosts, refuse_flat_exchange, shard_topology, warn_once
 from ._comms import (GRADIENT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
                      settings_of, stored_report)
 
@@ -97,6 +98,8 @@ def quantize_group_reduces(
     zero_quantized_gradients_rotation_block: int = ZeroConfig.zero_quantized_gradients_rotation_block,
     small_param_numel: int = ZeroConfig.small_param_numel,
     quant_kernels: str = ZeroConfig.quant_kernels,
+    ranks_per_node: int = ZeroConfig.ranks_per_node,
+    hierarchical_collectives: bool | str = ZeroConfig.hierarchical_collectives,
     **renamed,
 ) -> GroupReduceReport:
     """Make every FSDP2 parameter group of ``model`` reduce-scatter its gradients quantized;
@@ -114,26 +117,41 @@ def quantize_group_reduces(
     as is any other keyword, by a ``TypeError`` naming the one to use. Error feedback is the
     ZeroOptimizer's (optimizer state); this reduce-scatter keeps none.
 
+    Several nodes: ``ranks_per_node`` (0: detected from the hosts) and ``hierarchical_collectives``
+    are ZeroConfig's. The quantized reduce-scatter is an all-to-all over each module's shard
+    group; over a shard group of several nodes of several ranks it would send each node's
+    gradients across the network once per rank of the node, so it is refused there (every rank
+    raises, naming the settings to use) unless ``hierarchical_collectives=false`` accepts the
+    flat exchange ([Note: FSDP2 on several nodes] in :mod:`qzero.fsdp.nodes`). An HSDP mesh
+    that shards inside the node (replicating across nodes) reduce-scatters inside the node only.
+
     Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
     bad argument, a model with no ``fully_shard`` module, a model already converted by this
     function, a group that already has a custom reduce-scatter, or a torch whose FSDP2 has
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
+    group = install_group(model)
+    hosts = exchange_group_hosts(group)  # first, on every rank: nothing local can fail before it
+
     def plan():
         config = installer_config(quantize_group_reduces, model, renamed, dict(
             zero_quantized_gradients_format=zero_quantized_gradients_format,
             zero_quantized_gradients_group_size=zero_quantized_gradients_group_size,
             zero_quantized_gradients_rotation=zero_quantized_gradients_rotation,
             zero_quantized_gradients_rotation_block=zero_quantized_gradients_rotation_block,
-            small_param_numel=small_param_numel, quant_kernels=quant_kernels),
+            small_param_numel=small_param_numel, quant_kernels=quant_kernels, ranks_per_node=ranks_per_node,
+            hierarchical_collectives=hierarchical_collectives),
             switch="zero_quantized_gradients", renamed=GRADIENT_RENAMED)
-        out = []
+        out, warned = [], set()
         for name, module, pg in groups_to_convert(
                 model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
                 attr="_reduce_scatter_comm", what="reduce-scatter", ours=GroupQuantizedReduceScatter,
                 own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=config.quant_kernels,
                 kernels_for=gradient_kernels_for):
+            topology, warning = shard_topology(pg, hosts, config)
+            warn_once(warned, warning)
+            refuse_flat_exchange(name, topology, "quantize_group_reduces")
             comm = GroupQuantizedReduceScatter(pg.fsdp_params, name=name, **settings_of(
                 config, "zero_quantized_gradients_group_size", "zero_quantized_gradients_format", "small_param_numel",
                 "quant_kernels", "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block"))
@@ -143,9 +161,11 @@ def quantize_group_reduces(
     planned, error = local_outcome(plan)
     config, plans = planned if planned else (None, None)
     # the rotation is agreed as its block (0: none): ranks that rotate differently disagree on it
-    agree_install("quantize_group_reduces", install_group(model), error, settings=config and dict(
+    agree_install("quantize_group_reduces", group, error, settings=config and dict(
                       settings_of(config, "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
-                                  "small_param_numel"), zero_quantized_gradients_rotation_block=_rotation_block(config)),
+                                  "small_param_numel", "ranks_per_node"),
+                      zero_quantized_gradients_rotation_block=_rotation_block(config),
+                      hierarchical_collectives=str(config.hierarchical_collectives).lower()),
                   layout_name="parameter groups",
                   layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
     for module, comm, _ in plans:
