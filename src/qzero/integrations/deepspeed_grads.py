@@ -123,7 +123,9 @@ def install(optimizer, settings: GradientReductionSettings) -> DeepSpeedGradient
     """Replace ``optimizer``'s ZeRO-2 gradient reduction by the quantized exchange (see the
     module's docstring); returns the :class:`DeepSpeedGradientReduction` (also
     ``optimizer.qzero_gradient_reduction``). Raises ``ValueError`` for an optimizer whose
-    reduction this does not implement, before anything is changed."""
+    reduction this does not implement, before anything is changed. Local: the topology is
+    checked (on every rank) by :func:`qzero.integrations.deepspeed.initialize`, through
+    :func:`check_topology`; a caller of this function on several nodes calls that first."""
     check_optimizer(optimizer)
     old = installed(optimizer)
     if old is not None:
