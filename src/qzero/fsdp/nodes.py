@@ -5,14 +5,17 @@
 FSDP2's all-gathers (plain, or carrying qzero's payloads: :mod:`qzero.fsdp.group`,
 :mod:`qzero.fsdp.tensor`) are NCCL all-gathers: a ring over node-contiguous ranks crosses each
 node boundary once per payload, so a node receives about the model's payload bytes whatever
-its number of ranks. The quantized gradient reduce-scatter (:mod:`qzero.fsdp.reduce`) is an
+its number of ranks. The flat quantized gradient reduce-scatter (:mod:`qzero.fsdp.reduce`) is an
 all-to-all instead: every rank sends every other rank its part, so each node sends ``L`` times
 what a node-aware reduce-scatter sends (``L`` ranks a node). Over a shard group of several
-nodes of several ranks it is therefore refused, naming what to use instead (shard inside the
-node with an HSDP mesh, FSDP2's own reduce-scatter, or ``hierarchical_collectives=false`` to
-accept the flat exchange); FSDP2 fixes which rank owns which part, so qzero cannot renumber the
-partitions rail-major as the ZeroOptimizer does ([Note: rail-major partitions] in
-:mod:`qzero.layout.topology`).
+nodes of several ranks it therefore runs in two stages (unless
+``hierarchical_collectives=false``): FSDP2 fixes that rank ``r`` owns part ``r`` of the input,
+so each call first restages the ``P`` parts rail-major (row ``j n + i`` is the part of rank
+``i L + j``: one copy of the input), which makes the rows what
+:class:`qzero.wire.two_level.TwoLevelReduce` takes ([Note: rail-major partitions] in
+:mod:`qzero.layout.topology`): a reduce-scatter inside the node in the reduce dtype, then the
+quantized exchange among the node's rail on ``1/L`` of it, fp32 sums. An HSDP mesh that shards
+inside the node needs none of this: its shard group is one node.
 
 Every rank's host is exchanged once, over the group the installer agrees over (before anything
 can fail locally, so no rank waits for another), and each parameter group's topology is decided
@@ -61,17 +64,17 @@ def shard_topology(pg, hosts: dict[int, tuple[int, int]] | None, config) -> tupl
     return topology_from_hosts([hosts[r] for r in ranks], config.ranks_per_node, config.hierarchical_collectives)
 
 
-def refuse_flat_exchange(name: str, topology: Topology, function: str) -> None:
-    """Raise where a quantized all-to-all over ``topology`` would be flat across several nodes of
-    several ranks ([Note: FSDP2 on several nodes])."""
-    if not topology.two_level:
-        return
-    L = topology.ranks_per_node
-    raise ValueError(
-        f"qzero.fsdp.{function}: FSDP module {name or '<root>'!r} shards over {topology.nodes} nodes x {L} ranks, "
-        f"where the quantized reduce-scatter (an all-to-all) sends each node's gradients across the network {L} "
-        "times; shard inside the node and replicate across nodes (an HSDP mesh), leave the reduce-scatter to FSDP2, "
-        "or set hierarchical_collectives=false to run the flat exchange knowingly")
+def two_level_groups(cache: dict, pg, topology: Topology):
+    """The :class:`qzero.wire.two_level.TwoLevelGroups` of FSDP parameter group ``pg``'s shard
+    group (``topology`` two-level), one per distinct shard group (``cache``). Collective: every
+    rank of the shard group calls it for the same groups in the same order."""
+    from ..wire.two_level import TwoLevelGroups
+
+    group = pg.mesh_info.shard_process_group
+    key = tuple(dist.get_process_group_ranks(group))
+    if key not in cache:
+        cache[key] = TwoLevelGroups(topology, group, group.rank(), torch.device(getattr(pg, "device", "cpu")))
+    return cache[key]
 
 
 def warn_once(warned: set, message: str | None) -> None:
