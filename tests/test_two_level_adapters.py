@@ -151,8 +151,9 @@ def fsdp_worker(rank, world):
     out["sent"] = (report.bytes_sent, sum(c.inner.bytes_sent for c in _reduce_comms(model)))
     # hierarchical_collectives=false: the flat exchange, bit for bit as without the settings
     flat = _shard(flat_mesh)
-    quantize_group_reduces(flat, **settings, **TWO_BY_TWO, hierarchical_collectives=False)
+    flat_report = quantize_group_reduces(flat, **settings, **TWO_BY_TWO, hierarchical_collectives=False)
     out["flat_two_level"] = [c.two_level is not None for c in _reduce_comms(flat)]
+    out["across"] = (report.bytes_across_nodes, flat_report.bytes_across_nodes, flat_report.bytes_sent)
     out["flat"] = _grads(flat, rank)
     today = _shard(flat_mesh)
     quantize_group_reduces(today, **settings)
@@ -214,6 +215,8 @@ def test_fsdp_group_reduces_on_pseudo_nodes():
             flat, _ = expected_output(inputs, rank, 4, GROUPS[module], "AVG", None)
             differs |= not torch.equal(got, flat)
         assert differs, "the two-level result is the flat exchange's: the two stages did not run"
+        two, flat, flat_sent = r["across"]  # across nodes: the rail's one part a node, not the other node's two
+        assert 0 < flat_sent and 0.4 * flat < two < 0.6 * flat, r["across"]
         assert not any(r["flat_two_level"]) and r["flat"].keys() == r["today"].keys()
         for name in r["flat"]:
             assert torch.equal(r["flat"][name], r["today"][name]), name

@@ -63,6 +63,9 @@ class GroupReduce(NamedTuple):
     exact_params: int  # parameters whose gradients are reduced exactly (small ones)
     bytes_sent: int
     plain_bytes: int
+    bytes_across_nodes: int = 0
+    """Of ``bytes_sent``, what goes to ranks of other nodes (0 where the shard group is one
+    node, or its nodes are not known: ``hierarchical_collectives=false`` without ``ranks_per_node``)."""
 
 
 class GroupReduceReport(NamedTuple):
@@ -83,10 +86,16 @@ class GroupReduceReport(NamedTuple):
     def plain_bytes(self) -> int:
         return sum(g.plain_bytes for g in self.groups)
 
+    @property
+    def bytes_across_nodes(self) -> int:
+        """Of :attr:`bytes_sent`, what one rank sends to other nodes."""
+        return sum(g.bytes_across_nodes for g in self.groups)
+
     def summary(self) -> str:
+        across = self.bytes_across_nodes
         return (f"qzero.fsdp: {len(self.groups)} parameter group(s) reduce-scattered quantized ({self.exact_params} "
                 f"small parameter(s) exact inside them); {self.bytes_sent} bytes a rank per backward, plain "
-                f"{self.plain_bytes}")
+                f"{self.plain_bytes}" + (f"; {across} of them to other nodes" if across else ""))
 
 
 def quantize_group_reduces(
@@ -365,8 +374,10 @@ def _describe(name, pg, comm: GroupQuantizedReduceScatter, topology=None) -> Gro
         nodes, L = topology.nodes, topology.ranks_per_node
         j, i = topology.local_of(rank), topology.node_of(rank)
         pieces = plan_pieces([(k, k * n, n, (j * nodes + k) * n) for k in range(nodes)], exact, q, fmt, elem)
-        sent = (L - 1) * nodes * n * elem + sum(p.layout.nbytes for p in pieces if p.dest != i)
-        return GroupReduce(name, len(params), small, sent, plain)
+        across = sum(p.layout.nbytes for p in pieces if p.dest != i)
+        return GroupReduce(name, len(params), small, (L - 1) * nodes * n * elem + across, plain, across)
     pieces = plan_pieces([(r, r * n, n, r * n) for r in range(world)], exact, q, fmt, elem)
     sent = sum(p.layout.nbytes for p in pieces if p.dest != rank)
-    return GroupReduce(name, len(params), small, sent, plain)
+    node_of = topology.node_of if topology is not None and topology.world == world else (lambda r: 0)
+    across = sum(p.layout.nbytes for p in pieces if node_of(p.dest) != node_of(rank))
+    return GroupReduce(name, len(params), small, sent, plain, across)
