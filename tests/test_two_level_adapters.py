@@ -158,6 +158,9 @@ def fsdp_worker(rank, world):
     today = _shard(flat_mesh)
     quantize_group_reduces(today, **settings)
     out["today"] = _grads(today, rank)
+    bf16 = _shard(flat_mesh)  # bf16 node sums: the reduce dtype's rounding, then the rail's quantization
+    quantize_group_reduces(bf16, **settings, **TWO_BY_TWO)
+    out["bf16"] = _grads(bf16, rank)
     # HSDP: shard inside the (pseudo-)node, replicate across: the reduce-scatter stays inside it
     hsdp = _shard(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     out["hsdp"] = attempt(lambda: quantize_group_reduces(hsdp, **settings, **TWO_BY_TWO))
@@ -220,4 +223,7 @@ def test_fsdp_group_reduces_on_pseudo_nodes():
         assert not any(r["flat_two_level"]) and r["flat"].keys() == r["today"].keys()
         for name in r["flat"]:
             assert torch.equal(r["flat"][name], r["today"][name]), name
+            a, b = r["bf16"][name].float(), r["today"][name].float()
+            if b.numel():
+                assert float((a - b).norm()) <= 2e-2 * float(b.norm()) + 1e-6, name
         assert r["hsdp"] is None and r["hsdp_two_level"] and not any(r["hsdp_two_level"]), r["hsdp"]
