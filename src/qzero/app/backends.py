@@ -82,6 +82,9 @@ DS_WEIGHT_KEYS = ("zero_quantized_weights", "zero_quantized_weights_group_size",
                   "small_param_numel", "overlap_param_gather", "gather_lookahead")
 DS_GRADIENT_KEYS = ("zero_quantized_gradients", "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
                     "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block", "small_param_numel")
+#: Several nodes (qzero.ZeroConfig.ranks_per_node, .hierarchical_collectives): the DeepSpeed adapter's and
+#: the qzero.fsdp group installers' too.
+DS_TOPOLOGY_KEYS = ("ranks_per_node", "hierarchical_collectives")
 
 
 class DeepSpeedBackend:
@@ -124,6 +127,8 @@ class DeepSpeedBackend:
             fused = device.type == "cuda"
             inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         init = qds.initialize if zero.zero_quantized_weights or zero.zero_quantized_gradients else deepspeed.initialize
+        if init is qds.initialize:  # several nodes: qzero's keys, checked by its initialize (DeepSpeed's own refuses them)
+            config["zero_optimization"].update({name: getattr(zero, name) for name in DS_TOPOLOGY_KEYS})
         self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
         self.grad_accum = settings.grad_accum
         self.stage = zero.stage
@@ -212,6 +217,7 @@ class FSDP2Backend:
                 zero_quantized_weights_group_size=zero.zero_quantized_weights_group_size,
                 small_param_numel=zero.small_param_numel,
                 quant_kernels=zero.quant_kernels,
+                **{name: getattr(zero, name) for name in DS_TOPOLOGY_KEYS},
             )
             self._bytes = _group_gather_bytes(report, settings)
         self._reduce_comms = []
@@ -226,6 +232,7 @@ class FSDP2Backend:
                 zero_quantized_gradients_rotation_block=zero.zero_quantized_gradients_rotation_block,
                 small_param_numel=zero.small_param_numel,
                 quant_kernels=zero.quant_kernels,
+                **{name: getattr(zero, name) for name in DS_TOPOLOGY_KEYS},
             )
             self._reduce_comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
                                   for m in self.model.modules() if hasattr(m, "_get_fsdp_state")]

@@ -44,6 +44,7 @@ from ..layout.gather_planner import plan_gather
 from ..config import ZeroConfig
 from ..quant import kernels_for
 from ..vocabulary import refuse_renamed
+from .nodes import exchange_group_hosts, shard_topology, warn_once
 from ._comms import (WEIGHT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
                      settings_of, stored_report)
 
@@ -109,6 +110,8 @@ def quantize_group_gathers(
     zero_quantized_weights_group_size: int | None = ZeroConfig.zero_quantized_weights_group_size,
     small_param_numel: int = ZeroConfig.small_param_numel,
     quant_kernels: str = ZeroConfig.quant_kernels,
+    ranks_per_node: int = ZeroConfig.ranks_per_node,
+    hierarchical_collectives: bool | str = ZeroConfig.hierarchical_collectives,
     **short,
 ) -> GroupGatherReport:
     """Make every FSDP2 parameter group of ``model`` all-gather quantized; return a report.
@@ -125,20 +128,36 @@ def quantize_group_gathers(
     :class:`qzero.wire.engine.CommContext` takes them (``auto``, ``triton``, ``reference``);
     compute dtypes other than bf16/fp16 always use the reference kernels.
 
+    Several nodes: ``ranks_per_node`` and ``hierarchical_collectives`` are ZeroConfig's, checked
+    against each module's shard group as :func:`qzero.fsdp.quantize_group_reduces` checks them
+    (a declaration the hosts contradict is refused on every rank). The gather itself is one
+    all-gather of the payloads over the shard group, which crosses each node boundary once
+    per payload in NCCL whatever the settings ([Note: FSDP2 on several nodes] in
+    :mod:`qzero.fsdp.nodes`).
+
     Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
     bad argument, a model with no ``fully_shard`` module, a model already converted by
     this function or by :func:`qzero.fsdp.quantize_weight_gathers`, a group that already
     has a custom all-gather, or a torch whose FSDP2 has no ``set_custom_all_gather``.
     """
+    group = install_group(model)
+    hosts = exchange_group_hosts(group)  # first, on every rank: nothing local can fail before it
+
     def plan():
         config = installer_config(quantize_group_gathers, model, short, dict(
             zero_quantized_weights_format=zero_quantized_weights_format,
             zero_quantized_weights_group_size=zero_quantized_weights_group_size,
-            small_param_numel=small_param_numel, quant_kernels=quant_kernels), switch="zero_quantized_weights")
+            small_param_numel=small_param_numel, quant_kernels=quant_kernels, ranks_per_node=ranks_per_node,
+            hierarchical_collectives=hierarchical_collectives), switch="zero_quantized_weights")
         fmt, group_size = config.zero_quantized_weights_format, config.zero_quantized_weights_group_size
         _check_not_per_parameter(model)
+        warned = set()
+
+        def checked(pg):  # the declared topology must fit the hosts; the gather is the same either way
+            warn_once(warned, shard_topology(pg, hosts, config)[1])
+            return pg
         return config, [  # (name, module, param group, GroupGather) for every FSDP parameter group
-            (name, module, pg, _describe(name, pg, group_size, fmt, config.small_param_numel))
+            (name, module, pg, _describe(name, checked(pg), group_size, fmt, config.small_param_numel))
             for name, module, pg in groups_to_convert(
                 model, function="quantize_group_gathers", setter="set_custom_all_gather", attr="_all_gather_comm",
                 what="all-gather", ours=GroupQuantizedAllGather,
@@ -149,8 +168,9 @@ def quantize_group_gathers(
 
     planned, error = local_outcome(plan)
     config, plans = planned if planned else (None, None)
-    agree_install("quantize_group_gathers", install_group(model), error, settings=config and settings_of(
-                      config, "zero_quantized_weights_format", "zero_quantized_weights_group_size", "small_param_numel"),
+    agree_install("quantize_group_gathers", group, error, settings=config and dict(settings_of(
+                      config, "zero_quantized_weights_format", "zero_quantized_weights_group_size", "small_param_numel",
+                      "ranks_per_node"), hierarchical_collectives=str(config.hierarchical_collectives).lower()),
                   layout_name="parameter groups",
                   layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
     for name, module, pg, info in plans:

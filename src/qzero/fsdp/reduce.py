@@ -44,6 +44,7 @@ from ..layout.gather_plan import merge_adjacent
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
 from ..vocabulary import refuse_renamed
+from .nodes import exchange_group_hosts, shard_topology, two_level_groups, warn_once
 from ._comms import (GRADIENT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
                      settings_of, stored_report)
 
@@ -62,6 +63,9 @@ class GroupReduce(NamedTuple):
     exact_params: int  # parameters whose gradients are reduced exactly (small ones)
     bytes_sent: int
     plain_bytes: int
+    bytes_across_nodes: int = 0
+    """Of ``bytes_sent``, what goes to ranks of other nodes (0 where the shard group is one
+    node, or its nodes are not known: ``hierarchical_collectives=false`` without ``ranks_per_node``)."""
 
 
 class GroupReduceReport(NamedTuple):
@@ -82,10 +86,16 @@ class GroupReduceReport(NamedTuple):
     def plain_bytes(self) -> int:
         return sum(g.plain_bytes for g in self.groups)
 
+    @property
+    def bytes_across_nodes(self) -> int:
+        """Of :attr:`bytes_sent`, what one rank sends to other nodes."""
+        return sum(g.bytes_across_nodes for g in self.groups)
+
     def summary(self) -> str:
+        across = self.bytes_across_nodes
         return (f"qzero.fsdp: {len(self.groups)} parameter group(s) reduce-scattered quantized ({self.exact_params} "
                 f"small parameter(s) exact inside them); {self.bytes_sent} bytes a rank per backward, plain "
-                f"{self.plain_bytes}")
+                f"{self.plain_bytes}" + (f"; {across} of them to other nodes" if across else ""))
 
 
 def quantize_group_reduces(
@@ -97,6 +107,8 @@ def quantize_group_reduces(
     zero_quantized_gradients_rotation_block: int = ZeroConfig.zero_quantized_gradients_rotation_block,
     small_param_numel: int = ZeroConfig.small_param_numel,
     quant_kernels: str = ZeroConfig.quant_kernels,
+    ranks_per_node: int = ZeroConfig.ranks_per_node,
+    hierarchical_collectives: bool | str = ZeroConfig.hierarchical_collectives,
     **renamed,
 ) -> GroupReduceReport:
     """Make every FSDP2 parameter group of ``model`` reduce-scatter its gradients quantized;
@@ -114,43 +126,62 @@ def quantize_group_reduces(
     as is any other keyword, by a ``TypeError`` naming the one to use. Error feedback is the
     ZeroOptimizer's (optimizer state); this reduce-scatter keeps none.
 
+    Several nodes: ``ranks_per_node`` (0: detected from the hosts) and ``hierarchical_collectives``
+    are ZeroConfig's. Over a shard group of several nodes of several ranks the reduce-scatter
+    runs in two stages (inside the node in the reduce dtype, then quantized across nodes among
+    one rail, fp32 sums), so each node sends its quantized gradients across the network once
+    instead of once per rank; ``hierarchical_collectives=false`` keeps the flat all-to-all
+    ([Note: FSDP2 on several nodes] in :mod:`qzero.fsdp.nodes`). An HSDP mesh that shards
+    inside the node (replicating across nodes) reduce-scatters inside the node only.
+
     Raises ``ValueError``/``TypeError`` naming the problem, with nothing installed, for a
     bad argument, a model with no ``fully_shard`` module, a model already converted by this
     function, a group that already has a custom reduce-scatter, or a torch whose FSDP2 has
     no ``set_custom_reduce_scatter``. At reduce time, an op other than SUM, AVG or
     PREMUL_SUM (HSDP's or a custom one) raises ``ValueError``.
     """
+    group = install_group(model)
+    hosts = exchange_group_hosts(group)  # first, on every rank: nothing local can fail before it
+
     def plan():
         config = installer_config(quantize_group_reduces, model, renamed, dict(
             zero_quantized_gradients_format=zero_quantized_gradients_format,
             zero_quantized_gradients_group_size=zero_quantized_gradients_group_size,
             zero_quantized_gradients_rotation=zero_quantized_gradients_rotation,
             zero_quantized_gradients_rotation_block=zero_quantized_gradients_rotation_block,
-            small_param_numel=small_param_numel, quant_kernels=quant_kernels),
+            small_param_numel=small_param_numel, quant_kernels=quant_kernels, ranks_per_node=ranks_per_node,
+            hierarchical_collectives=hierarchical_collectives),
             switch="zero_quantized_gradients", renamed=GRADIENT_RENAMED)
-        out = []
+        out, warned = [], set()
         for name, module, pg in groups_to_convert(
                 model, function="quantize_group_reduces", setter="set_custom_reduce_scatter",
                 attr="_reduce_scatter_comm", what="reduce-scatter", ours=GroupQuantizedReduceScatter,
                 own_names=("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"), kernels=config.quant_kernels,
                 kernels_for=gradient_kernels_for):
+            topology, warning = shard_topology(pg, hosts, config)
+            warn_once(warned, warning)
             comm = GroupQuantizedReduceScatter(pg.fsdp_params, name=name, **settings_of(
                 config, "zero_quantized_gradients_group_size", "zero_quantized_gradients_format", "small_param_numel",
                 "quant_kernels", "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block"))
-            out.append((module, comm, _describe(name, pg, comm)))
+            out.append((module, comm, _describe(name, pg, comm, topology), (pg, topology)))
         return config, out
 
     planned, error = local_outcome(plan)
     config, plans = planned if planned else (None, None)
     # the rotation is agreed as its block (0: none): ranks that rotate differently disagree on it
-    agree_install("quantize_group_reduces", install_group(model), error, settings=config and dict(
+    agree_install("quantize_group_reduces", group, error, settings=config and dict(
                       settings_of(config, "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
-                                  "small_param_numel"), zero_quantized_gradients_rotation_block=_rotation_block(config)),
+                                  "small_param_numel", "ranks_per_node"),
+                      zero_quantized_gradients_rotation_block=_rotation_block(config),
+                      hierarchical_collectives=str(config.hierarchical_collectives).lower()),
                   layout_name="parameter groups",
-                  layout={info.module or "<root>": canonical(tuple(info)) for *_, info in plans} if plans else None)
-    for module, comm, _ in plans:
+                  layout={info.module or "<root>": canonical(tuple(info)) for _, _, info, _ in plans} if plans else None)
+    groups = {}  # one node and one rail group per distinct shard group, created together on every rank
+    for module, comm, _, (pg, topology) in plans:
+        if topology.two_level:
+            comm.use_two_level(two_level_groups(groups, pg, topology))
         module.set_custom_reduce_scatter(comm)
-    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for *_, info in plans)))
+    return keep_report(model, REDUCE_REPORT_ATTR, GroupReduceReport(tuple(info for _, _, info, _ in plans)))
 
 
 def _rotation_block(settings) -> int:
@@ -189,6 +220,9 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         self.zero_quantized_gradients_rotation_block = zero_quantized_gradients_rotation_block
         self.small_param_numel, self.quant_kernels, self.name = small_param_numel, quant_kernels, name
         self._exchanges: dict = {}
+        #: Two-level groups of the shard group (:meth:`use_two_level`), else None: the flat exchange.
+        self.two_level = None
+        self._two_level_reduces: dict = {}
         #: How many calls ran quantized, and how many FSDP2's plain reduce-scatter (a backward
         #: in which some parameters of the group had no gradient, or a reduce dtype the
         #: gradient kernels do not take).
@@ -213,13 +247,16 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         if kind == "premul":
             input_tensor.mul_(factor)  # the op's own definition: each rank's input times the factor, then summed
-        exchange = self._exchange(n, world, rank, group, input_tensor)
-        parts = [(r, r * n, n, r * n) for r in range(world)]
         # On the stream FSDP2 called us on (its reduce-scatter stream): FSDP2 records its
         # event there after we return, and the stream that reads the output waits for it.
-        with label(REDUCE_GRADIENTS):
-            pending, sent = exchange.launch(input_tensor, n, parts)
-            total, _ = exchange.finish(pending, n)
+        if self.two_level is not None:
+            total, sent = self._reduce_two_level(input_tensor, n, world)
+        else:
+            exchange = self._exchange(n, world, rank, group, input_tensor)
+            parts = [(r, r * n, n, r * n) for r in range(world)]
+            with label(REDUCE_GRADIENTS):
+                pending, sent = exchange.launch(input_tensor, n, parts)
+                total, _ = exchange.finish(pending, n)
         if kind == "avg":
             total.mul_(1.0 / world)  # as the ZeroOptimizer averages its fp32 sums
         output_tensor.copy_(total)
@@ -227,6 +264,39 @@ class GroupQuantizedReduceScatter(_ReduceScatter):
         self.bytes_sent += sent
         self.plain_bytes += plain
         return None  # nothing left in flight
+
+    def use_two_level(self, groups) -> None:
+        """Reduce in two stages from now on ([Note: FSDP2 on several nodes] in
+        :mod:`qzero.fsdp.nodes`): ``groups`` is a :class:`qzero.wire.two_level.TwoLevelGroups`
+        over the shard group FSDP2 calls this with."""
+        self.two_level = groups
+
+    def _reduce_two_level(self, input_tensor: torch.Tensor, n: int, world: int):
+        """``(fp32 sum of this rank's part, bytes sent)``: the parts restaged rail-major (row
+        ``j nodes + i`` is the part of rank ``i L + j``), reduce-scattered inside the node in the
+        reduce dtype, then exchanged quantized over the rail."""
+        groups = self.two_level
+        t = groups.topology
+        if world != t.world:
+            raise RuntimeError(f"qzero.fsdp: FSDP module {self.name or '<root>'!r} reduce-scatters over {world} ranks, "
+                               f"but its two-level groups are for {t.describe()}")
+        key = (n, input_tensor.dtype, input_tensor.device)
+        reduce = self._two_level_reduces.get(key)
+        if reduce is None:
+            from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
+            from ..wire.two_level import TwoLevelReduce
+
+            rail = QuantizedExchange.over(
+                GradientQuantization(self.zero_quantized_gradients_group_size, self.zero_quantized_gradients_format,
+                                     self.rotation_block), input_tensor.dtype, groups.rail_group, t.nodes, groups.node,
+                input_tensor.device, gradient_kernels_for(input_tensor.device, self.quant_kernels),
+                self.exact_ranges(n, world))  # every row's small shards sit where they sit in any other row
+            reduce = self._two_level_reduces[key] = TwoLevelReduce(groups, n, rail)
+        staged = input_tensor.view(t.nodes, t.ranks_per_node, n).transpose(0, 1).reshape(-1)
+        with label(REDUCE_GRADIENTS):
+            bucket = reduce.launch(staged, n, n, 0)
+            total = reduce.finish(bucket)
+        return total, reduce.node_bytes(bucket) + reduce.rail_bytes(bucket)
 
     @property
     def rotation_block(self) -> int:
@@ -284,7 +354,7 @@ def _op_kind(op, name: str):
                      "it implements SUM, AVG and PREMUL_SUM only")
 
 
-def _describe(name, pg, comm: GroupQuantizedReduceScatter) -> GroupReduce:
+def _describe(name, pg, comm: GroupQuantizedReduceScatter, topology=None) -> GroupReduce:
     from ..wire.quantized_reduce import plan_pieces
 
     params = list(pg.fsdp_params)
@@ -298,7 +368,16 @@ def _describe(name, pg, comm: GroupQuantizedReduceScatter) -> GroupReduce:
     if world <= 1 or not n:
         return GroupReduce(name, len(params), small, plain, plain)
     rank = pg.mesh_info.shard_mesh_rank if hasattr(pg.mesh_info, "shard_mesh_rank") else 0
-    pieces = plan_pieces([(r, r * n, n, r * n) for r in range(world)], comm.exact_ranges(n, world),
-                         comm.zero_quantized_gradients_group_size, comm.zero_quantized_gradients_format, elem)
+    exact = comm.exact_ranges(n, world)
+    q, fmt = comm.zero_quantized_gradients_group_size, comm.zero_quantized_gradients_format
+    if topology is not None and topology.two_level:  # the node stage's share, then the rail's pieces
+        nodes, L = topology.nodes, topology.ranks_per_node
+        j, i = topology.local_of(rank), topology.node_of(rank)
+        pieces = plan_pieces([(k, k * n, n, (j * nodes + k) * n) for k in range(nodes)], exact, q, fmt, elem)
+        across = sum(p.layout.nbytes for p in pieces if p.dest != i)
+        return GroupReduce(name, len(params), small, (L - 1) * nodes * n * elem + across, plain, across)
+    pieces = plan_pieces([(r, r * n, n, r * n) for r in range(world)], exact, q, fmt, elem)
     sent = sum(p.layout.nbytes for p in pieces if p.dest != rank)
-    return GroupReduce(name, len(params), small, sent, plain)
+    node_of = topology.node_of if topology is not None and topology.world == world else (lambda r: 0)
+    across = sum(p.layout.nbytes for p in pieces if node_of(p.dest) != node_of(rank))
+    return GroupReduce(name, len(params), small, sent, plain, across)

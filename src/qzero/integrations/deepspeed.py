@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..wire.agreement import digest
 from ..wire.comm import QUANTIZABLE_DTYPES, GatherStats, agree_or_raise, local_outcome, plan_fields
 from ..wire.engine import CommContext, finish_gather, start_gather
 from ..layout.gather_plan import GatherPlan, merge_adjacent
@@ -535,17 +536,29 @@ def initialize(*args, **kwargs):
         s = prepared.settings
         enable(engine, **dataclasses.asdict(s))
     if prepared.gradients is not None:
-        _install_gradient_reduction(result[0], prepared.gradients)
+        _install_gradient_reduction(result[0], prepared.gradients, prepared.topology)
     return result
 
 
-def _install_gradient_reduction(engine, settings) -> None:
+def _install_gradient_reduction(engine, settings, topology=(0, "auto")) -> None:
     """Replace the engine's ZeRO-2 gradient reduction (:mod:`.deepspeed_grads`); an optimizer
-    one rank cannot take raises on every rank, with nothing installed."""
+    one rank cannot take, or a data-parallel group across several nodes of several ranks
+    (``topology``: ``(ranks_per_node, hierarchical_collectives)``), raises on every rank, with
+    nothing installed."""
+    from ..wire.comm import agreement_device
+    from ..wire.two_level import exchange_hosts
     from . import deepspeed_grads
 
     opt = engine.optimizer
-    _, error = local_outcome(lambda: deepspeed_grads.check_optimizer(opt))
+    world = dist.get_world_size()
+    # every rank's host, over the world, before anything local can fail: no rank waits for another
+    hosts = exchange_hosts(None, world, agreement_device(None, None))
+
+    def check():
+        deepspeed_grads.check_optimizer(opt)
+        deepspeed_grads.check_topology(opt, hosts, *topology)
+
+    _, error = local_outcome(check)
     agree_or_raise(None, dist.get_world_size(), None, error, {"zero_quantized_gradients": 1},
                    "qzero.integrations.deepspeed.initialize")
     deepspeed_grads.install(opt, settings)
@@ -578,7 +591,9 @@ def _agree_on_config(prepared, error: Exception | None) -> None:
     if error is None:
         from .deepspeed_grads import agreement_fields
 
-        fields = {ENABLE_KEY: int(prepared.quantize), **agreement_fields(prepared.gradients)}
+        rpn, hierarchical = prepared.topology
+        fields = {ENABLE_KEY: int(prepared.quantize), **agreement_fields(prepared.gradients), "ranks_per_node": rpn,
+                  "hierarchical_collectives": digest(str(hierarchical).lower())}
     agree_or_raise(None, dist.get_world_size(), None, error, fields, "qzero.integrations.deepspeed.initialize")
 
 

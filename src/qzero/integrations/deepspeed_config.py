@@ -36,6 +36,10 @@ GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_fo
 #: :attr:`qzero.ZeroConfig.zero_quantized_weights_delta` and its resync interval: recognised and
 #: validated here, and a delta gather refused (see :func:`_check_delta_keys`).
 DELTA_KEYS = ("zero_quantized_weights_delta", "zero_quantized_weights_delta_resync_steps")
+#: :attr:`qzero.ZeroConfig.ranks_per_node` and :attr:`qzero.ZeroConfig.hierarchical_collectives`:
+#: validated here and taken out of DeepSpeed's copy; checked against the hosts once the engine
+#: exists (:func:`qzero.integrations.deepspeed_grads.check_topology`).
+TOPOLOGY_KEYS = ("ranks_per_node", "hierarchical_collectives")
 
 
 
@@ -106,6 +110,8 @@ class PreparedConfig:
     gradients: GradientReductionSettings | None = None
     """Set: replace the optimizer's ZeRO-2 gradient reduction after DeepSpeed built it
     (:mod:`qzero.integrations.deepspeed_grads`)."""
+    topology: tuple[int, bool | str] = (ZeroConfig.ranks_per_node, ZeroConfig.hierarchical_collectives)
+    """``(ranks_per_node, hierarchical_collectives)``, validated by :class:`qzero.ZeroConfig`."""
 
 
 def prepare_config(config: dict) -> PreparedConfig:
@@ -122,6 +128,7 @@ def prepare_config(config: dict) -> PreparedConfig:
         return PreparedConfig(ds_config, int(bool(zero)), False, QuantizedWeightsSettings())
     refuse_renamed_keys(zero)
     settings = _settings_from(zero)
+    topology = _topology_keys(zero, _stage_of(zero))
     gradients = _check_gradient_keys(zero, _stage_of(zero), settings)
     _check_delta_keys(zero)
     enabled = zero.get(ENABLE_KEY, False)
@@ -135,14 +142,14 @@ def prepare_config(config: dict) -> PreparedConfig:
                 f"DeepSpeed's own {ENABLE_KEY} applies, with its fixed group size; remove the qzero keys "
                 f"{list(QZERO_KEYS)}"
             )
-        return PreparedConfig(ds_config, stage, False, settings)  # DeepSpeed's own quantized weights
+        return PreparedConfig(ds_config, stage, False, settings, topology=topology)  # DeepSpeed's own quantized weights
     if not enabled:
         if settings.overlap_param_gather:
             raise ValueError(
                 f"zero_optimization.{OVERLAP_KEY}=true needs {ENABLE_KEY}=true: gather-ahead runs on qzero's "
                 "quantized gather (DeepSpeed's own gather is synchronous)"
             )
-        return PreparedConfig(ds_config, stage, False, settings, gradients)
+        return PreparedConfig(ds_config, stage, False, settings, gradients, topology)
     if stage not in (1, 2):
         raise ValueError(
             f"zero_optimization.{ENABLE_KEY}=true needs ZeRO stage 1 or 2, got stage {stage}: "
@@ -151,7 +158,21 @@ def prepare_config(config: dict) -> PreparedConfig:
     # DeepSpeed ignores this key below stage 3; qzero implements it there.
     del zero[ENABLE_KEY]
     _reject_unsupported_config(ds_config, zero)
-    return PreparedConfig(ds_config, stage, True, settings, gradients)
+    return PreparedConfig(ds_config, stage, True, settings, gradients, topology)
+
+
+def _topology_keys(zero: dict, stage: int) -> tuple[int, bool | str]:
+    """Validate ``ranks_per_node`` and ``hierarchical_collectives`` (as :class:`qzero.ZeroConfig`
+    does) and pop them from ``zero`` (a copy): DeepSpeed's config model does not know them."""
+    given = {key: zero.pop(key) for key in TOPOLOGY_KEYS if key in zero}
+    try:
+        config = ZeroConfig(**given)
+    except ValueError as e:
+        raise ValueError(f"zero_optimization: {e}") from None
+    if stage == 3 and given:
+        raise ValueError(f"ZeRO stage 3 with {sorted(given)}: qzero changes nothing at stage 3 (DeepSpeed's own "
+                         "ZeRO++ settings apply there); remove these qzero keys")
+    return config.ranks_per_node, config.hierarchical_collectives
 
 
 def _settings_from(zero: dict) -> QuantizedWeightsSettings:

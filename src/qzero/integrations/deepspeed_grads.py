@@ -40,6 +40,19 @@ owner's one run (neighbours with one owner are merged). Then the exchange reads 
 from the bucket where they lie and the owner's averaged sum is cast into its run with one
 copy; only slices that do not lie so are staged into a buffer by owner first.
 
+[Note: the DeepSpeed adapter on several nodes]
+The exchange is owner-contiguous: a sub-bucket belongs to one or two owners, and every rank
+sends its slices to them directly. Across nodes of ``L`` ranks each node then sends ``L`` times
+what a node-aware reduce-scatter sends (NCCL's ring crosses each node boundary once), and
+all ranks send to one owner at a time (an incast). DeepSpeed decides the owners, so the
+partitions cannot be renumbered rail-major for a two-level reduction as the ZeroOptimizer
+does. :func:`check_topology` therefore refuses a data-parallel group of several nodes of
+several ranks (every rank raises, from hosts exchanged over the world), naming what to use
+instead: DeepSpeed's own reduction (``zero_quantized_gradients=false``, node-aware in NCCL),
+:class:`qzero.ZeroOptimizer` (two-level), or ``hierarchical_collectives=false`` to run the flat
+exchange knowingly. One rank per node, or one node, is not refused: the exchange then
+sends no more across the network than a two-level one would.
+
 Transient memory per call: the staging buffer where one is needed (the sub-bucket's size,
 which DeepSpeed's own flatten allocates too), the packed payloads (about half of it for int8
 codes from bf16) and the received ones (``N - 1`` payloads of this rank's piece), and an fp32
@@ -55,13 +68,14 @@ import torch.distributed as dist
 
 from ..config import ZeroConfig
 from ..layout.gather_plan import merge_adjacent
+from ..layout.topology import topology_from_hosts
 from ..quant import gradient_kernels_for
 from ..quant.gradients import GRADIENT_DTYPES
 from ..wire.agreement import digest
 from ..wire.labels import REDUCE_GRADIENTS, label
 from ..wire.quantized_reduce import GradientQuantization, QuantizedExchange
 
-__all__ = ["DeepSpeedGradientReduction", "GradientReductionSettings", "install", "installed"]
+__all__ = ["DeepSpeedGradientReduction", "GradientReductionSettings", "check_topology", "install", "installed"]
 
 #: The optimizer methods replaced (per instance) while the reduction is installed.
 REPLACED = ("allreduce_and_copy_with_multiple_ranks", "allreduce_and_copy")
@@ -109,7 +123,9 @@ def install(optimizer, settings: GradientReductionSettings) -> DeepSpeedGradient
     """Replace ``optimizer``'s ZeRO-2 gradient reduction by the quantized exchange (see the
     module's docstring); returns the :class:`DeepSpeedGradientReduction` (also
     ``optimizer.qzero_gradient_reduction``). Raises ``ValueError`` for an optimizer whose
-    reduction this does not implement, before anything is changed."""
+    reduction this does not implement, before anything is changed. Local: the topology is
+    checked (on every rank) by :func:`qzero.integrations.deepspeed.initialize`, through
+    :func:`check_topology`; a caller of this function on several nodes calls that first."""
     check_optimizer(optimizer)
     old = installed(optimizer)
     if old is not None:
@@ -135,6 +151,31 @@ def check_optimizer(optimizer) -> None:
         if got != want:
             raise ValueError(f"zero_quantized_gradients=true needs {what} (the optimizer has {attr}={got!r}): "
                              "DeepSpeed reduces the gradients another way there")
+
+
+def check_topology(optimizer, hosts, ranks_per_node: int, hierarchical) -> None:
+    """Refuse a data-parallel group of ``optimizer`` (each flat group's, MoE expert groups too)
+    that spans several nodes of several ranks, unless ``hierarchical`` is false ([Note: the
+    DeepSpeed adapter on several nodes]). ``hosts``: every rank's host signature, by global rank
+    (:func:`qzero.wire.two_level.exchange_hosts` over the world)."""
+    if hierarchical is False and ranks_per_node == 0:
+        return
+    groups = list(getattr(optimizer, "real_dp_process_group", None) or [optimizer.dp_process_group])
+    seen = set()
+    for group in groups:
+        ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        if ranks in seen or len(ranks) == 1:
+            continue
+        seen.add(ranks)
+        topology, _ = topology_from_hosts([hosts[r] for r in ranks], ranks_per_node, hierarchical)
+        if topology.two_level:
+            L = topology.ranks_per_node
+            raise ValueError(
+                f"zero_quantized_gradients=true over a data-parallel group of {topology.nodes} nodes x {L} ranks: the "
+                f"DeepSpeed adapter's quantized exchange is flat (each node would send its gradients across the network "
+                f"{L} times, all ranks to one owner at a time); set zero_quantized_gradients=false (DeepSpeed's own "
+                "reduction, node-aware in NCCL), use qzero.ZeroOptimizer (two-level), or set "
+                "hierarchical_collectives=false to run the flat exchange knowingly")
 
 
 class DeepSpeedGradientReduction:
