@@ -163,6 +163,7 @@ class _Reducer:
         self._quantized = quant is not None and self.world > 1
         self._sent = self._plain = self._collectives = 0
         self._inter = 0
+        self._padding = None  # this rank's padding ranges in its shard, once asked for
         #: Plain sums land in the landing shard (see [Note: landing shard]); set by Stage2Grads.
         self.use_landing = False
         self.landing_dtype = dtype if dtype is not None else group.dtype
@@ -241,6 +242,22 @@ class _Reducer:
                 dst.copy_(part[a - lo : b - lo])
             return
         g.grad_shard()[a - g.lo : b - g.lo].add_(part[a - lo : b - lo].to(torch.float32), alpha=1.0 / self.world)
+
+    def clear_padding(self) -> None:
+        """Zero the gradient shard's padding after quantized sums ([Note: padding stays zero])."""
+        if not self._quantized or self.group.grad is None:
+            return
+        if self._padding is None:
+            g = self.group
+            self._padding = g.layout.padding_ranges(g.lo, g.hi)
+        for a, b in self._padding:
+            self.group.grad[a:b].zero_()
+
+    # [Note: padding stays zero] The flat buffer's padding has no parameter, so its gradient is
+    # zero, and so are its masters and replica. A rotated quantized sum (Hadamard blocks span
+    # padding and parameters alike) spreads quantization error into padding; left there it would
+    # move padding masters, which checkpoints do not save (a resumed run would differ) and which
+    # share quantization groups of the weight gather with real parameters. The reducers zero it.
 
     def landing(self) -> torch.Tensor:
         """The landing shard of this backward (zeros when made: a part nobody sends counts as zero)."""
@@ -477,6 +494,7 @@ class Stage1Grads:
             done, works, b, u = pending.popleft()
             with label(REDUCE_GRADIENTS):
                 done(works, b, u)
+        self.reducer.clear_padding()
 
     def take_stats(self) -> ReduceStats:
         return self.reducer.take_stats()
@@ -688,6 +706,7 @@ class Stage2Grads:
         while self._pending:
             self._finish_oldest()
         self.reducer.fold_landing()
+        self.reducer.clear_padding()
         if self._counts is None:
             self._learn()
         self._reset()
