@@ -465,8 +465,8 @@ def keyword_settings(function: Callable, given: dict[str, Any], extra: Mapping[s
     fields: ``given`` (those arguments, by name) with ``extra`` (the call's other keywords)
     folded in. An extra keyword that is a short name of one of ``given``'s fields
     (:data:`qzero.vocabulary.ZERO_ALIASES`: ``fmt``, ``group_size``, ...) is that field; any other
-    is refused with a ``TypeError`` naming the keyword to use (``renamed``: a former keyword ->
-    its field; else the closest of ``given``'s names)."""
+    is refused with a ``TypeError`` naming the keyword to use (``renamed`` and :data:`RENAMED_KEYS`:
+    a former keyword -> its field; else the closest of ``given``'s names)."""
     name = getattr(function, "__qualname__", function.__name__).removesuffix(".__init__")
     defaults = _defaults_of(function)
     out = dict(given)
@@ -478,7 +478,7 @@ def keyword_settings(function: Callable, given: dict[str, Any], extra: Mapping[s
             out[full] = value
             continue
         names = [*given, *(short for short, full in ZERO_ALIASES.items() if full in given)]
-        hint = (renamed or {}).get(key)
+        hint = {**RENAMED_KEYS, **(renamed or {})}.get(key)
         if hint not in given:
             hint = next(iter(difflib.get_close_matches(key, names, n=1)), None)
         raise TypeError(f"{name}() got an unexpected keyword argument {key!r}"

@@ -43,6 +43,7 @@ RENAMED_GATHER_KEYWORDS = {
     "group_size": "zero_quantized_weights_group_size",
     "delta": "zero_quantized_weights_delta",
     "order": "flat_order",
+    "zero_quantized_weights_small_param_numel": "small_param_numel",
 }
 #: Settings of the ``qzero`` command's workload in earlier releases (``TrainSettings`` fields,
 #: ``KEY=VALUE`` arms), and the names that replaced them ("engine" is qzero's gather engine,
