@@ -397,9 +397,14 @@ def _qualify_arms(args: argparse.Namespace) -> tuple[TrainSettings, TrainSetting
 
 
 def _qualify(args: argparse.Namespace) -> int:
+    from .launcher import under_torchrun
     from .qualify import Thresholds, qualify, verdict, write
-
     from .qualify.run import differing
+
+    if under_torchrun():  # every rank would run the whole comparison, each with ranks of its own
+        raise ValueError(f"qzero qualify starts the ranks of each arm itself (--world-size, default 2), so it does "
+                         f"not run under torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']} here): run qzero qualify "
+                         "without torchrun")
 
     if not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
         raise ValueError(f"--order must use B and C, each at least once (got {args.order!r})")

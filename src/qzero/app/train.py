@@ -594,9 +594,11 @@ def _free_port() -> int:
 
 def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool,
              parent: int) -> None:
+    from .launcher import forget_launcher
     from .orphans import die_with_parent
 
     die_with_parent(parent)  # a launcher killed outright (SIGKILL) takes its ranks with it
+    forget_launcher()  # a rank of ours, not torchrun's ([Note: launcher variables] in launcher.py)
     device_kind = resolve_device(settings)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
@@ -626,8 +628,10 @@ def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str 
 
 def launch(settings: TrainSettings, out_path: str | None = None, show_progress: bool = True) -> dict | None:
     """Run the training on ``settings.world_size`` ranks; return rank 0's record."""
+    from .launcher import under_torchrun
+
     validate(settings)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if under_torchrun():
         if not dist.is_initialized():
             kind = resolve_device(settings)
             if kind == "cuda":
