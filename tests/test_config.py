@@ -9,45 +9,8 @@ import pytest
 from qzero import ZeroConfig
 
 
-def _readme_defaults() -> dict:
-    """The ``| `key` | default | meaning |`` rows of the README's ZeroConfig table, parsed."""
-    path = os.path.join(os.path.dirname(__file__), "..", "README.md")
-    rows = {}
-    for line in open(path, encoding="utf-8"):
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("`"):
-            continue
-        keys = re.findall(r"`([a-z0-9_]+)`", cells[0])
-        values = [v.strip().strip("`") for v in cells[1].split(",")] if len(keys) > 1 else [cells[1].strip("`")]
-        rows.update(zip(keys, values))
-    return rows
-
-
-def _parse(text: str):
-    if text in ("true", "false"):
-        return text == "true"
-    if text == "model dtype":
-        return None
-    if text == "on when quantized":  # resolved on construction: off with the default (plain) gather
-        return False
-    if text == "hadamard for int4":  # resolved on construction: none with the default (int8) format
-        return "none"
-    per_format = re.fullmatch(r"(\S+) \((\S+) for int4\)", text)  # the default format's value, then int4's
-    if per_format:
-        return _parse(per_format[1])
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return text
-
-
-def test_the_readme_table_states_every_default():
-    """Every ZeroConfig field is in the README's table, with the default the code has."""
-    documented = _readme_defaults()
-    for f in dataclasses.fields(ZeroConfig):
-        assert f.name in documented, f"README's ZeroConfig table lacks {f.name!r}"
-        want, got = _parse(documented[f.name]), getattr(ZeroConfig(), f.name)
-        assert want == got, f"README says {f.name} defaults to {documented[f.name]!r}, the code to {got!r}"
+def test_gather_ahead_follows_the_quantized_gather_unless_set():
+    """(Every default is on docs/settings.md, generated from the code: tests/test_settings_page.py.)"""
     assert ZeroConfig(zero_quantized_weights=True).overlap_param_gather is True
     assert ZeroConfig(zero_quantized_weights=True, overlap_param_gather=False).overlap_param_gather is False
 

@@ -344,7 +344,7 @@ def test_the_backend_setting_is_named_backend_and_engine_is_refused(capsys):
 #: Flags of ``qzero train``/``qualify`` that are not ZeroConfig settings, by destination: the
 #: workload (TrainSettings' fields), ``train --quantized`` (zero_quantized_weights, on by
 #: default there: the command's switch), and the commands' own.
-COMMAND_FLAGS = {"quantized", "out", "baseline", "candidate", "order", "repeats", "max_loss_diff", "tolerance",
+COMMAND_FLAGS = {"quantized", "out", "oversubscribe", "force", "baseline", "candidate", "order", "repeats", "max_loss_diff", "tolerance",
                  "help", "renamed_flag"}
 
 

@@ -107,3 +107,14 @@ FLAT_ORDERS = ("auto", "contiguous", "interleaved")
 #: The training backends qzero runs and compares: its own optimizer, DeepSpeed with qzero's
 #: adapter, and PyTorch FSDP2 with ``qzero.fsdp`` (what ``qzero train`` and ``qzero qualify`` run).
 BACKENDS = ("qzero", "deepspeed", "fsdp2")
+#: The values of each ZeroConfig field that takes one of a few names (besides None where its type
+#: allows it): the ``qzero`` command's choices and ``docs/settings.md`` read them from here.
+SETTING_VALUES = {
+    "zero_quantized_weights_format": WEIGHT_FORMATS,
+    "reduce_dtype": REDUCE_DTYPES,
+    "flat_order": FLAT_ORDERS,
+    "gather_schedule": GATHER_SCHEDULES,
+    "quant_kernels": KERNELS,
+    "zero_quantized_gradients_format": GRADIENT_FORMATS,
+    "zero_quantized_gradients_rotation": GRADIENT_ROTATIONS,
+}
