@@ -331,7 +331,6 @@ class ZeroConfig:
     needs arithmetic and keeps its SMs. See ``docs/copy-engine.md``."""
 
     def __post_init__(self) -> None:
-        self._refuse_moot_weight_settings()
         if self.overlap_param_gather is None:
             object.__setattr__(self, "overlap_param_gather", self.zero_quantized_weights is True)
         delta = self.zero_quantized_weights_delta is True
@@ -360,6 +359,7 @@ class ZeroConfig:
         except ValueError as e:
             raise ValueError(f"zero_quantized_weights_format: {e}") from None
         self._check_delta()
+        self._refuse_moot_weight_settings()  # after the checks of their values: a bad value is named as such
         lookahead = self.gather_lookahead
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"gather_lookahead must be an int >= 0 (0: every chunk enqueued by step()), got {lookahead!r}")
