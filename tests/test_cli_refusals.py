@@ -25,6 +25,7 @@ from qzero.app.cli import main
     (["train", "--seq-len", "100000000", "--device", "cpu"], "seq-len must be a whole number from 1 to"),
     (["qualify", "--steps", "4", "--order", "BC", "--device", "cpu"],
      "time 1 step.s. of the baseline: an interval needs at least 2"),
+    (["qualify", "--repeats", "1000000000"], "--order BCCB x --repeats 1000000000 is 4,000,000,000 arms; at most"),
     (["train", "--steps", "-5"], "^qzero: error: steps must be a whole number from 1 to 100,000,000, got -5$"),
     (["train", "--out", ""], "^qzero: error: --out is empty: give a file name"),
     (["qualify", "--out", ""], "^qzero: error: --out is empty: give a folder"),

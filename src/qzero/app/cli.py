@@ -118,6 +118,8 @@ def _check_out_dir(path: str) -> None:
 
 #: What ``qzero qualify`` writes into its report folder (report.write, the arms' logs).
 REPORT_FILES = ("report.md", "report.json", "bytes.png", "loss.png", "step_times.png")
+#: Arms one qualify runs at the most (each is a fresh process that starts its ranks).
+MAX_ARMS = 1000
 #: Timed steps an arm needs at the least for the interval of its setting to mean anything.
 MIN_TIMED_STEPS = 2
 
@@ -473,6 +475,9 @@ def _qualify(args: argparse.Namespace) -> int:
         raise ValueError(f"--order must use B and C, each at least once (got {args.order!r})")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if len(args.order) * args.repeats > MAX_ARMS:
+        raise ValueError(f"--order {args.order} x --repeats {args.repeats} is {len(args.order) * args.repeats:,} arms; "
+                         f"at most {MAX_ARMS:,}")
     for flag, value in (("--max-loss-diff", args.max_loss_diff), ("--tolerance", args.tolerance)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
