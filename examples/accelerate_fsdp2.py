@@ -47,7 +47,7 @@ def fsdp2_accelerator(cpu_ram_efficient_loading: bool = False, cpu_by_hand: bool
     chooses FSDP, set its state to FSDP2 by hand (what it sets itself on GPUs). A fresh
     state each call: Accelerate's FSDP2 ``prepare`` of a second model in one Accelerator
     hands back the first."""
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType
 
     AcceleratorState._reset_state()
@@ -55,6 +55,9 @@ def fsdp2_accelerator(cpu_ram_efficient_loading: bool = False, cpu_by_hand: bool
     plugin = fsdp2_plugin(cpu_ram_efficient_loading)
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=cpu_by_hand)
     if cpu_by_hand:
+        # On the shared state, which every AcceleratorState() (prepare() makes some) copies from:
+        # set on accelerator.state alone, prepare() reverts it to MULTI_CPU and save_state fails.
+        PartialState().distributed_type = DistributedType.FSDP
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
     return accelerator

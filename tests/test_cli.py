@@ -83,8 +83,10 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--reduce-bucket", "5e7"], "--reduce-bucket is now --reduce-bucket-size"),
         (["qualify", "--overlap"], "--overlap is now --overlap-param-gather"),
         (["qualify", "--no-overlap", "--preset", "tiny"], "--no-overlap is now --no-overlap-param-gather"),
-        (["qualify", "--candidate", "group_size=12"], "--candidate: zero_quantized_weights_group_size must be a positive multiple of 8"),
-        (["qualify", "--baseline", "zero_quantized_weights_format=int5"], "--baseline: .*int5"),
+        (["qualify", "--candidate", "quantized=true", "--candidate", "group_size=12"],
+         "--candidate: zero_quantized_weights_group_size must be a positive multiple of 8"),
+        (["qualify", "--baseline", "quantized=true", "--baseline", "zero_quantized_weights_format=int5"],
+         "--baseline: .*int5"),
         (["qualify", "--candidate", "quantized=true", "--candidate", "zero_quantized_weights=false"],
          "zero_quantized_weights is already set"),
         (["train", "--allgather-bucket-size", "0"], "allgather_bucket_size must be positive"),
@@ -263,11 +265,11 @@ def test_short_runs_get_a_shorter_warmup_and_more_ranks_than_cores_a_warning(cap
     from qzero.app.train import validate
 
     args = cli.build_parser().parse_args(["train", "--steps", "3"])
-    s = cli._settings(args, True)
+    s = cli._train_settings(args)
     assert s.warmup == 1
     validate(s)
-    args = cli.build_parser().parse_args(["train", "--world-size", str((os.cpu_count() or 1) + 1)])
-    cli._preflight(args, [cli._settings(args, True)])
+    args = cli.build_parser().parse_args(["train", "--world-size", str((os.cpu_count() or 1) + 1), "--oversubscribe"])
+    cli._preflight(args, [cli._train_settings(args)])
     assert "CPU cores" in capsys.readouterr().err
 
 
@@ -322,7 +324,7 @@ def test_the_parameter_count_is_a_real_builds_and_the_memory_bound_is_its_formul
         real = build_model(model_config(settings.preset, settings.model_config), torch.bfloat16, torch.device("cpu"), 0)
         count = sum(p.numel() for p in real.parameters() if p.requires_grad)
         assert train.check_fits(settings) == count
-    need = 3 * count * (2 + 12 / 3)  # the tied config on 3 ranks
+    need = 3 * (count * (2 + 12 / 3) + train.PROCESS_BYTES)  # the tied config on 3 CPU ranks
     monkeypatch.setattr(train.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else int(need))
     assert train.check_fits(settings) == count
     monkeypatch.setattr(train.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else int(need) - 1)

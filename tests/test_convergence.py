@@ -277,8 +277,8 @@ def test_world_size_1_quantizes_the_weights(fmt, group):
 
     def one_step(quantized):
         model = build_model(config, torch.bfloat16, torch.device("cpu"), 0)
-        cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, zero_quantized_weights_format=fmt,
-                               zero_quantized_weights_group_size=group, small_param_numel=1024)
+        payload = dict(zero_quantized_weights_format=fmt, zero_quantized_weights_group_size=group) if quantized else {}
+        cfg = qzero.ZeroConfig(zero_quantized_weights=quantized, small_param_numel=1024, **payload)
         opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-3), config=cfg)
         assert opt.world_size == 1
         logits = model(input_ids=tokens[:, :-1]).logits.float()

@@ -220,3 +220,12 @@ def test_a_failing_snippet_fails(tmp_path, code, ranks, match):
     s = Snippet(tmp_path / "x.md", 1, code, {"ranks": str(ranks)} if ranks > 1 else {})
     with pytest.raises(pytest.fail.Exception, match=match):
         run(s, tmp_path)
+
+
+def test_every_fragment_says_what_it_assumes():
+    """A ``compile-only`` block does not run as written (its marker is an HTML comment, invisible on
+    the rendered page): its first line is a visible ``# assumes: ...`` comment naming what it needs."""
+    fragments = [s for s in SNIPPETS if s.options.get("compile-only")]
+    assert len(fragments) >= 8
+    silent = [s.id for s in fragments if not s.code.lstrip().startswith("# assumes: ")]
+    assert not silent, f"compile-only blocks without a first '# assumes: ...' line: {silent}"

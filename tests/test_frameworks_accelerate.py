@@ -24,7 +24,7 @@ from _support.frameworks import assert_report_is_what_travels, assert_trains_lik
 STEPS = 10
 
 
-def worker(rank, world):
+def worker(rank, world, tmp):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     example = load_example("accelerate_fsdp2")
@@ -36,8 +36,13 @@ def worker(rank, world):
     initial = dict(build_model(model_config(example.PRESET), torch.float32, torch.device("cpu"), 0).named_parameters())
     out = {}
     for arm, quantize, low_ram in (("plain", False, False), ("quantized", True, False), ("low_ram", True, True)):
-        run = example.train(example.fsdp2_accelerator(low_ram, cpu_by_hand=True), quantize=quantize, steps=STEPS, corpus=corpus)
+        accelerator = example.fsdp2_accelerator(low_ram, cpu_by_hand=True)
+        run = example.train(accelerator, quantize=quantize, steps=STEPS, corpus=corpus)
         model = run["model"]
+        if arm == "quantized":  # the CPU recipe keeps FSDP through prepare(): save_state takes FSDP2's path
+            saved = os.path.join(tmp, "state")
+            accelerator.save_state(saved)
+            out["saved"] = str(accelerator.state.distributed_type), sorted(os.listdir(saved))
         wrapped = {n: wrapped_in(p) for n, p in model.named_parameters() if wrapped_in(p) is not None}
         out[arm] = dict(
             losses=run["losses"],
@@ -50,8 +55,18 @@ def worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(worker, 2, timeout=300)
+def runs(tmp_path_factory):
+    return run_distributed(worker, 2, str(tmp_path_factory.mktemp("accelerate")), timeout=300)
+
+
+def test_accelerate_cpu_recipe_saves_state_through_fsdp2(runs):
+    """The CPU recipe sets FSDP on Accelerate's shared state, which ``prepare()`` keeps: ``save_state``
+    then writes FSDP2's sharded model and optimizer (set on ``accelerator.state`` alone, ``prepare()``
+    reverts it and ``save_state`` fails)."""
+    for r in runs:
+        kind, files = r["saved"]
+        assert kind == "DistributedType.FSDP", kind
+        assert any(f.startswith("pytorch_model_fsdp") for f in files) and any(f.startswith("optimizer") for f in files), files
 
 
 def _check_quantized_arm(runs, arm):

@@ -246,10 +246,11 @@ def test_default_bf16_reduce_stays_close():
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
 def test_quantized_weights_track_plain_and_replicas_agree(stage, fmt):
     world, steps = 3, 5
-    base = dict(stage=stage, small_param_numel=40, zero_quantized_weights_group_size=16, allgather_bucket_size=3 * 128)
+    base = dict(stage=stage, small_param_numel=40, allgather_bucket_size=3 * 128)
     plain = run_distributed(zero_run, world, steps, base)
     quant = run_distributed(
         zero_run, world, steps, {**base, "zero_quantized_weights": True, "zero_quantized_weights_format": fmt,
+                                 "zero_quantized_weights_group_size": 16,
                                  # the synchronous gather's chunks: gather-ahead cuts this tiny bucket in two
                                  # (two chunks in flight), and at 64 elements a chunk its alignment shows
                                  "overlap_param_gather": False}

@@ -200,3 +200,23 @@ def test_the_plots_show_bytes_by_arm_the_gate_and_every_arm_and_no_speedup_title
     finally:
         for f in figs:
             plt.close(f)
+
+
+def test_a_cpu_verdict_projects_its_bytes_to_a_cluster_labelled_as_a_projection():
+    """[Note: the cluster projection]: FSDP2 bf16 at 8 x 8 is 2 x 63/64 x 16 = 31.5 bits a parameter
+    a node a step; a plain qzero arm sends the same; the candidate's measured payload ratio
+    (0.53 of plain here) scales its weight half, and quantized gradients go all-to-all."""
+    from qzero.app.qualify.projection import bits_per_param_per_node, fsdp2_bits_per_param_per_node
+
+    assert fsdp2_bits_per_param_per_node() == pytest.approx(31.5)
+    assert bits_per_param_per_node(16, None) == pytest.approx(31.5)
+    assert bits_per_param_per_node(8.5, 8.5) == pytest.approx(63 / 64 * 8.5 + 8 * 7 / 8 * 8.5)
+    r = synthetic(device="cpu")
+    arm = next(a for a in r["arms"] if a["role"] == "candidate")
+    weight_bits = 16 * arm["bytes_sent_per_step"] / arm["plain_bytes_per_step"]
+    line = verdict(r)
+    assert "\n" not in line
+    assert (f"PROJECTION, not measured: on a 100 GbE cluster of 8 nodes x 8 GPUs the candidate would send "
+            f"{bits_per_param_per_node(weight_bits, None):.1f} bits per parameter per node per step against "
+            "FSDP2's 31.5") in line
+    assert "PROJECTION" not in verdict(synthetic(device="cuda"))

@@ -62,7 +62,7 @@ def test_the_cli_refuses_eval_every_without_heldout_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qzero: error: eval_every 2 measures the held-out loss")
     args = cli.build_parser().parse_args(["train", "--heldout", "0.1", "--eval-every", "3", "--eval-sequences", "5"])
-    s = cli._settings(args, True)
+    s = cli._train_settings(args)
     assert (s.heldout, s.eval_every, s.eval_sequences) == (0.1, 3, 5)
 
 

@@ -75,8 +75,8 @@ def test_the_cli_takes_lr_warmup_and_refuses_a_bad_one_in_one_line(capsys):
     from qzero.app import cli
 
     args = cli.build_parser().parse_args(["train", "--steps", "10", "--lr-warmup", "4"])
-    assert cli._settings(args, True).lr_warmup == 4
-    assert cli._settings(cli.build_parser().parse_args(["train"]), True).lr_warmup == 0
+    assert cli._train_settings(args).lr_warmup == 4
+    assert cli._train_settings(cli.build_parser().parse_args(["train"])).lr_warmup == 0
     assert cli.main(["train", "--device", "cpu", "--steps", "4", "--lr-warmup", "5"]) == cli.EXIT_BAD_ARGS
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0] == "qzero: error: lr_warmup must be a whole number of steps from 0 to steps (4), got 5"

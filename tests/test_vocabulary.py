@@ -205,8 +205,9 @@ def test_the_renamed_keywords_are_the_expected_ones():
     # the public gathers' and planners' short keywords of earlier releases, where the function takes the field
     weights = {("fmt", "zero_quantized_weights_format"), ("group_size", "zero_quantized_weights_group_size")}
     delta = {("delta", "zero_quantized_weights_delta")}
+    small = {("zero_quantized_weights_small_param_numel", "small_param_numel")}
     expected = {"all_gather": set(), "quantized_all_gather": weights, "plan_gather": weights | delta,
-                "plan_flat_layout": weights | delta | {("order", "flat_order")}}
+                "plan_flat_layout": weights | delta | small | {("order", "flat_order")}}
     for name, pairs in expected.items():
         assert {(old, new) for n, old, new in found if n == name and old != "bucket_numel"} == pairs, name
     assert ("TrainSettings", "engine", "backend") in found
@@ -222,6 +223,29 @@ def test_a_renamed_keyword_is_refused_naming_the_new_one(name, obj, old, new):
     message = str(e.value)
     assert message.startswith(f"{name}() got an unexpected keyword argument {old!r}; did you mean {new}=?")
     assert f"{old} of earlier releases is now {new}" in message and "\n" not in message
+
+
+def test_the_old_small_param_keyword_names_small_param_numel_everywhere():
+    """``zero_quantized_weights_small_param_numel=`` (the key of earlier releases) given to the
+    installers, the HF callback or the DeepSpeed adapter's ``enable`` names ``small_param_numel=``,
+    not the closest-spelled field."""
+    import torch
+
+    from qzero.config import keyword_settings
+    from qzero.fsdp import quantize_weight_gathers
+    from qzero.integrations.deepspeed import enable
+    from qzero.integrations.hf import QZeroCallback
+
+    old = "zero_quantized_weights_small_param_numel"
+    # enable() reads its keywords once it has found DeepSpeed's optimizer, as below
+    given = {"zero_quantized_weights_format": None, "small_param_numel": 0}
+    calls = [lambda: quantize_weight_gathers(torch.nn.Linear(4, 4), **{old: 5}),
+             lambda: QZeroCallback(**{old: 5}),
+             lambda: keyword_settings(enable, given, {old: 5}, vocabulary.RENAMED_GATHER_KEYWORDS)]
+    for call in calls:
+        with pytest.raises(TypeError, match=f"{old}'; did you mean small_param_numel=") as e:
+            call()
+        assert "zero_quantized_weights_format" not in str(e.value)
 
 
 @pytest.mark.parametrize("old, new, value", [("fmt", "zero_quantized_weights_format", "int4"),
@@ -320,7 +344,7 @@ def test_the_backend_setting_is_named_backend_and_engine_is_refused(capsys):
 #: Flags of ``qzero train``/``qualify`` that are not ZeroConfig settings, by destination: the
 #: workload (TrainSettings' fields), ``train --quantized`` (zero_quantized_weights, on by
 #: default there: the command's switch), and the commands' own.
-COMMAND_FLAGS = {"quantized", "out", "baseline", "candidate", "order", "repeats", "max_loss_diff", "tolerance",
+COMMAND_FLAGS = {"quantized", "out", "oversubscribe", "force", "baseline", "candidate", "order", "repeats", "max_loss_diff", "tolerance",
                  "help", "renamed_flag"}
 
 

@@ -23,11 +23,14 @@ from .layout.gather_planner import DEFAULT_BUCKET_NUMEL
 from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, check_group_size, get_format
 from .quant.gradients import check_rotation_block
 from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS,
-                         HIERARCHICAL_CHOICES, KERNELS,
+                         KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
 
 #: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``benchmarks/reports/loss-quantized-gradients.md``).
 DEFAULT_ROTATION_BLOCK = 32
+#: The largest count any setting takes (elements of a bucket, steps, ...): far beyond any real
+#: run, and small enough that sizes computed from it stay inside int64 arithmetic.
+MAX_COUNT = 2**48
 #: 2**64 is already far beyond any useful fp16 loss scale, and comfortably inside fp32.
 MAX_SCALE_POWER = 64
 #: The weight payload's defaults (``zero_quantized_weights_format``/``_group_size`` left as None):
@@ -50,6 +53,33 @@ _DEEPSPEED_FIXED = {
     "elastic_checkpoint": None,  # checkpoints always reshard; either value accepted
     "load_from_fp32_weights": True,  # loading always rebuilds weights from fp32 masters
 }
+#: DeepSpeed ``zero_optimization`` keys qzero knows and does not support, and why: refused with
+#: the reason, never called unknown nor answered with the closest-spelled key of qzero's.
+_ZERO3 = ("a ZeRO-3 setting (parameters partitioned, gathered for every forward); qzero is ZeRO stage 1/2, "
+          "whose weights stay whole on every rank")
+_OFFLOAD = ("optimizer offload to the host (ZeRO-Offload); qzero keeps the fp32 masters and optimizer state "
+            "sharded on the device, where its quantized gather sends from")
+_DEEPSPEED_INTERNAL = "a setting of DeepSpeed's own ZeRO implementation, which qzero's does not have"
+DEEPSPEED_UNSUPPORTED = {
+    **dict.fromkeys(("offload_param", "cpu_offload_param", "sub_group_size", "prefetch_bucket_size",
+                     "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+                     "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+                     "use_all_reduce_for_fetch_params", "allgather_sequential", "zero_hpz_partition_size",
+                     "zero_quantized_nontrainable_weights", "memory_efficient_linear", "pipeline_loading_checkpoint",
+                     "override_module_apply", "log_trace_cache_warnings", "leaf_module", "mics_shard_size",
+                     "mics_hierarchical_params_gather"), _ZERO3),
+    **dict.fromkeys(("offload_optimizer", "cpu_offload", "cpu_offload_use_pin_memory", "zenflow"), _OFFLOAD),
+    **dict.fromkeys(("use_multi_rank_bucket_allreduce", "legacy_stage1", "compute_grad_norm", "parameter_alignment",
+                     "enable_sanity_checks", "ignore_unused_parameters", "save_muon_momentum_buffer_in_memory"),
+                    _DEEPSPEED_INTERNAL),
+}
+
+
+def unsupported_reason(key: str) -> str | None:
+    """Why qzero does not support DeepSpeed's ``zero_optimization`` key ``key``; None if it is not one of those."""
+    return DEEPSPEED_UNSUPPORTED.get(key) or (_ZERO3 if key.startswith("stage3_") else None)
+
+
 #: ``zero_optimization`` keys of earlier releases and the ZeroConfig fields that replaced them:
 #: refused by name ([Note: vocabulary] in :mod:`qzero.vocabulary`), never silently ignored.
 RENAMED_KEYS = {
@@ -350,6 +380,7 @@ class ZeroConfig:
         except ValueError as e:
             raise ValueError(f"zero_quantized_weights_format: {e}") from None
         self._check_delta()
+        self._refuse_moot_weight_settings()  # after the checks of their values: a bad value is named as such
         lookahead = self.gather_lookahead
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"gather_lookahead must be an int >= 0 (0: every chunk enqueued by step()), got {lookahead!r}")
@@ -382,6 +413,11 @@ class ZeroConfig:
         for name in ("allgather_bucket_size", "reduce_bucket_size", "loss_scale_window", "hysteresis"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for f in fields(self):  # every count: bounded before anything is sized by it
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
+                shown = f"{value:,}" if value < 10**18 else f"{float(value):.3g}"
+                raise ValueError(f"{f.name} must be at most 2**48 ({MAX_COUNT:,}), got {shown}")
         if self.small_param_numel < 0:
             raise ValueError(f"small_param_numel must be >= 0, got {self.small_param_numel!r}")
         if self.allgather_bucket_size < self.zero_quantized_weights_group_size:
@@ -412,7 +448,7 @@ class ZeroConfig:
         if isinstance(h, str) and h.lower() in ("true", "false"):
             h = h.lower() == "true"
             object.__setattr__(self, "hierarchical_collectives", h)
-        if not isinstance(h, bool) and h not in HIERARCHICAL_CHOICES:
+        if not isinstance(h, bool) and h != "auto":
             raise ValueError(f"hierarchical_collectives must be 'auto', true or false, got {h!r}")
         if h is True and self.solo_reduce:
             raise ValueError(
@@ -422,6 +458,22 @@ class ZeroConfig:
             raise ValueError(
                 "copy_engine_collectives=true with hierarchical_collectives=true is not supported: the zero-CTA "
                 "group spans the whole world; set hierarchical_collectives=false or copy_engine_collectives=false")
+
+    def _refuse_moot_weight_settings(self) -> None:
+        """A payload setting of the quantized weight gather given where that gather is off changes
+        nothing: refused (a value equal to the default it would resolve to is accepted, so that a
+        resolved config, ``to_dict()`` and back, still builds)."""
+        if self.zero_quantized_weights is not False:
+            return
+        delta = self.zero_quantized_weights_delta is True
+        defaults = {"zero_quantized_weights_format": DELTA_FORMAT if delta else DEFAULT_FORMAT,
+                    "zero_quantized_weights_group_size": DELTA_GROUP_SIZE if delta else DEFAULT_GROUP_SIZE}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value is not None and value != default:
+                raise ValueError(f"{name}={value!r} is a setting of the quantized weight gather, which "
+                                 "zero_quantized_weights=false leaves off (it would change nothing): set "
+                                 "zero_quantized_weights=true, or drop it")
 
     def _check_gradient_rotation(self) -> None:
         rotation, block = self.zero_quantized_gradients_rotation, self.zero_quantized_gradients_rotation_block
@@ -476,6 +528,8 @@ class ZeroConfig:
                 want = _DEEPSPEED_FIXED[key]
                 if want is not None and value != want:
                     raise ValueError(f"zero_optimization.{key}={value!r} is not supported: qzero always behaves as {want!r}")
+            elif unsupported_reason(key):
+                raise ValueError(f"zero_optimization.{key} is not supported: {unsupported_reason(key)}")
             else:
                 close = difflib.get_close_matches(key, [*known, *_DEEPSPEED_FIXED], n=1)
                 raise ValueError(f"unknown zero_optimization key {key!r}"
@@ -506,8 +560,8 @@ def keyword_settings(function: Callable, given: dict[str, Any], extra: Mapping[s
     fields: ``given`` (those arguments, by name) with ``extra`` (the call's other keywords)
     folded in. An extra keyword that is a short name of one of ``given``'s fields
     (:data:`qzero.vocabulary.ZERO_ALIASES`: ``fmt``, ``group_size``, ...) is that field; any other
-    is refused with a ``TypeError`` naming the keyword to use (``renamed``: a former keyword ->
-    its field; else the closest of ``given``'s names)."""
+    is refused with a ``TypeError`` naming the keyword to use (``renamed`` and :data:`RENAMED_KEYS`:
+    a former keyword -> its field; else the closest of ``given``'s names)."""
     name = getattr(function, "__qualname__", function.__name__).removesuffix(".__init__")
     defaults = _defaults_of(function)
     out = dict(given)
@@ -519,7 +573,7 @@ def keyword_settings(function: Callable, given: dict[str, Any], extra: Mapping[s
             out[full] = value
             continue
         names = [*given, *(short for short, full in ZERO_ALIASES.items() if full in given)]
-        hint = (renamed or {}).get(key)
+        hint = {**RENAMED_KEYS, **(renamed or {})}.get(key)
         if hint not in given:
             hint = next(iter(difflib.get_close_matches(key, names, n=1)), None)
         raise TypeError(f"{name}() got an unexpected keyword argument {key!r}"

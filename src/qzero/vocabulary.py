@@ -43,6 +43,7 @@ RENAMED_GATHER_KEYWORDS = {
     "group_size": "zero_quantized_weights_group_size",
     "delta": "zero_quantized_weights_delta",
     "order": "flat_order",
+    "zero_quantized_weights_small_param_numel": "small_param_numel",
 }
 #: Settings of the ``qzero`` command's workload in earlier releases (``TrainSettings`` fields,
 #: ``KEY=VALUE`` arms), and the names that replaced them ("engine" is qzero's gather engine,
@@ -104,7 +105,19 @@ GATHER_SCHEDULES = ("auto", "streams", "inline")
 #: Orders of parameters in the flat buffer (``ZeroConfig.flat_order``).
 FLAT_ORDERS = ("auto", "contiguous", "interleaved")
 #: ``ZeroConfig.hierarchical_collectives``: two-level collectives on several multi-rank nodes.
-HIERARCHICAL_CHOICES = ("auto", True, False)
+HIERARCHICAL_CHOICES = ("auto", "true", "false")
 #: The training backends qzero runs and compares: its own optimizer, DeepSpeed with qzero's
 #: adapter, and PyTorch FSDP2 with ``qzero.fsdp`` (what ``qzero train`` and ``qzero qualify`` run).
 BACKENDS = ("qzero", "deepspeed", "fsdp2")
+#: The values of each ZeroConfig field that takes one of a few names (besides None where its type
+#: allows it): the ``qzero`` command's choices and ``docs/settings.md`` read them from here.
+SETTING_VALUES = {
+    "zero_quantized_weights_format": WEIGHT_FORMATS,
+    "reduce_dtype": REDUCE_DTYPES,
+    "flat_order": FLAT_ORDERS,
+    "gather_schedule": GATHER_SCHEDULES,
+    "quant_kernels": KERNELS,
+    "zero_quantized_gradients_format": GRADIENT_FORMATS,
+    "zero_quantized_gradients_rotation": GRADIENT_ROTATIONS,
+    "hierarchical_collectives": HIERARCHICAL_CHOICES,
+}

@@ -30,10 +30,9 @@ EXIT_RUN_FAILED = 3
 DEFAULT_WARMUP = 2
 #: An error is one line of at most this many characters.
 MAX_ERROR_CHARS = 400
-#: ZeroConfig fields that only the quantized weight gather reads: setting one where that gather
-#: is off changes nothing, so it is refused as a mistake.
-QUANTIZED_ONLY = {"zero_quantized_weights_format": "--zero-quantized-weights-format",
-                  "zero_quantized_weights_group_size": "--zero-quantized-weights-group-size"}
+#: What the command does where a ZeRO flag is not given, where that is not ZeroConfig's default.
+ZERO_NOTES = {"small_param_numel": "the preset's threshold",
+              "overlap_param_gather": "on when the weight gather is quantized"}
 #: Flags of earlier releases and the flags that replaced them: a ZeroConfig setting's flag is its
 #: field name with ``-`` for ``_`` ([Note: vocabulary] in qzero/vocabulary.py). Refused, naming the new one.
 RENAMED_FLAGS = {
@@ -77,6 +76,8 @@ def _check_out_file(path: str | None) -> None:
     written as a temporary file beside it, then renamed: creating one there is tried now."""
     if path is None:
         return
+    if not path:
+        raise ValueError("--out is empty: give a file name for the JSON record")
     if os.path.isdir(path):
         raise ValueError(f"--out {path}: is a directory; give a file name for the JSON record")
     folder = os.path.dirname(os.path.abspath(path))
@@ -100,6 +101,8 @@ def _probe(folder: str, flag: str) -> None:
 
 def _check_out_dir(path: str) -> None:
     """``qualify --out``: a folder we can write into (made if missing), not a file."""
+    if not path:
+        raise ValueError("--out is empty: give a folder for the report")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"--out {path}: exists and is not a directory; give a folder for the report")
     probe = path
@@ -113,8 +116,42 @@ def _check_out_dir(path: str) -> None:
     _probe(probe, f"--out {path}")
 
 
-def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
+#: What ``qzero qualify`` writes into its report folder (report.write, the arms' logs).
+REPORT_FILES = ("report.md", "report.json", "bytes.png", "loss.png", "step_times.png")
+#: Arms one qualify runs at the most (each is a fresh process that starts its ranks).
+MAX_ARMS = 1000
+#: Timed steps an arm needs at the least for the interval of its setting to mean anything.
+MIN_TIMED_STEPS = 2
+
+
+def _check_earlier_report(path: str, force: bool) -> None:
+    """An earlier report in ``qualify --out`` is not overwritten silently: refused, or with
+    ``--force`` removed (its files only) before the run starts."""
+    if not os.path.isdir(path):
+        return
+    ours = [n for n in sorted(os.listdir(path)) if n in REPORT_FILES or (n.startswith("arm") and n.endswith(".log"))]
+    if ours and not force:
+        raise ValueError(f"--out {path}: holds an earlier report ({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}); "
+                         "give another --out, or add --force to replace it")
+    for name in ours:
+        os.remove(os.path.join(path, name))
+
+
+def _check_interval(settings: TrainSettings, order: str) -> None:
+    """Refuse a run whose speedup interval would rest on too few timed steps of one setting."""
+    from .train import _timed_steps
+
+    for letter, label in (("B", "baseline"), ("C", "candidate")):
+        timed = len(_timed_steps(settings)) * order.count(letter)
+        if timed < MIN_TIMED_STEPS:
+            raise ValueError(f"--steps {settings.steps} with --warmup {settings.warmup} and --order {order} time "
+                             f"{timed} step(s) of the {label}: an interval needs at least {MIN_TIMED_STEPS}; "
+                             "give more --steps or --repeats")
+
+
+def _add_workload(p: argparse.ArgumentParser, steps: int, notes: dict[str, str] | None = None) -> None:
     from .workload import PRESETS
+    from .zero_flags import add_zero_flags
 
     w = p.add_argument_group("workload")
     w.add_argument("--backend", choices=BACKENDS, default="qzero",
@@ -141,19 +178,12 @@ def _add_workload(p: argparse.ArgumentParser, steps: int) -> None:
                    help="with --heldout: measure the held-out loss every N steps too (default 0: after the last only)")
     w.add_argument("--eval-sequences", type=int, default=32, metavar="N",
                    help="held-out windows of seq-len + 1 tokens the held-out loss is measured on (default 32)")
-    # each flag is the ZeroConfig field it sets, with - for _; not given: ZeroConfig's default
-    z = p.add_argument_group("ZeRO (qzero.ZeroConfig fields)")
-    z.add_argument("--stage", type=int, choices=(1, 2), help="stage (default 2)")
-    z.add_argument("--zero-quantized-weights-group-size", type=int, metavar="N",
-                   help="elements per fp32 scale (default 64)")
-    z.add_argument("--zero-quantized-weights-format", choices=WEIGHT_FORMATS, help="payload format (default int8)")
-    z.add_argument("--small-param-numel", type=int, metavar="N", help="exact-parameter threshold (default: the preset's)")
-    z.add_argument("--allgather-bucket-size", type=float, metavar="N",
-                   help="elements one chunk of the weight gather moves across all ranks (default 5e8)")
-    z.add_argument("--reduce-bucket-size", type=float, metavar="N", help="elements reduced per collective (default 5e8)")
-    z.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="dtype of the gradient reduction (default: the model's)")
-    z.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=None,
-                   help="gather-ahead: overlap the weight gather with the next forward (default: on when quantized)")
+    w.add_argument("--oversubscribe", action="store_true",
+                   help="run more ranks on the CPU than this host has cores (refused otherwise: each rank would get "
+                   "a fraction of a core, and its step times would measure contention)")
+    # each flag is the ZeroConfig field it sets, with - for _ (zero_flags.py); not given: ZeroConfig's default
+    z = p.add_argument_group("ZeRO (qzero.ZeroConfig fields; docs/settings.md)")
+    add_zero_flags(z, {**ZERO_NOTES, **(notes or {})})
     for old, new in RENAMED_FLAGS.items():
         z.add_argument(old, action=_Renamed, new=new)
 
@@ -172,26 +202,49 @@ class _Renamed(argparse.Action):
             namespace.renamed_flag = f"{option_string} is now {self.new} ({why})"
 
 
-def _given(args: argparse.Namespace, quantized: bool) -> dict:
+def _given(args: argparse.Namespace, quantized: bool | None) -> dict:
     """The settings the parsed flags give, flat (:func:`qzero.app.train.settings_from`): every flag
     stored under the name of a TrainSettings or ZeroConfig field; ZeroConfig fields only where
     the flag was given, so that the others keep ZeroConfig's defaults (and ``small_param_numel``
-    the preset's threshold, ``overlap_param_gather`` its dependence on the quantized gather)."""
+    the preset's threshold, ``overlap_param_gather`` its dependence on the quantized gather).
+    ``quantized``: the quantized gather's switch, where the command sets it."""
     from .train import WORKLOAD_FIELDS, ZERO_FIELDS
 
     given = {name: getattr(args, name) for name in WORKLOAD_FIELDS if hasattr(args, name)}
     given.update({name: getattr(args, name) for name in ZERO_FIELDS if getattr(args, name, None) is not None})
     if args.warmup is None:  # the default shrinks with short runs: a step is timed up to the next one's start
         given["warmup"] = max(0, min(DEFAULT_WARMUP, args.steps - 2))
-    given["zero_quantized_weights"] = quantized
+    if quantized is not None:
+        given["zero_quantized_weights"] = quantized
     return given
 
 
-def _settings(args: argparse.Namespace, quantized: bool) -> TrainSettings:
-    """TrainSettings from the parsed flags."""
+#: The part of the exchange each switch turns on (zero_flags.SWITCHES), as errors name it.
+_PARTS = {"zero_quantized_weights": "quantized weight gather", "zero_quantized_weights_delta": "delta gather",
+          "zero_quantized_gradients": "quantized gradient reduction"}
+
+
+def _moot(settings: dict, keys) -> list[tuple[str, str]]:
+    """``(key, switch)`` for each of ``keys`` that refines a part the switches in ``settings``
+    leave off (every switch is off by default)."""
+    from .zero_flags import switch_of
+
+    return [(k, switch_of(k)) for k in keys if switch_of(k) and not settings.get(switch_of(k), False)]
+
+
+def _train_settings(args: argparse.Namespace) -> TrainSettings:
+    """``qzero train``'s settings; a flag of a part of the exchange that is off is refused."""
     from .train import settings_from
 
-    return settings_from(_given(args, quantized))
+    full, short = args.zero_quantized_weights, args.quantized
+    if full is not None and short is not None and full != short:
+        raise ValueError("--quantized is short for --zero-quantized-weights, and the two disagree: drop one")
+    given = _given(args, next((v for v in (full, short) if v is not None), True))
+    for key, switch in _moot(given, [k for k in given if getattr(args, k, None) is not None]):
+        off = "--no-quantized" if switch == "zero_quantized_weights" else f"--{switch.replace('_', '-')} not given"
+        raise ValueError(f"--{key.replace('_', '-')} is a setting of the {_PARTS[switch]}, which is off here ({off}): "
+                         "it would change nothing; drop one of them")
+    return settings_from(given)
 
 
 def _overrides(items: list[str], flag: str) -> dict:
@@ -234,21 +287,21 @@ def _did_you_mean(key: str) -> str:
 
 def _arm(given: dict, overrides: dict, flag: str) -> TrainSettings:
     """An arm's settings: the flags' settings with the arm's on top (ZeroConfig's checks named by
-    flag). A setting of the quantized gather (or reduction) given to an arm whose gather (or
-    reduction) is plain is refused."""
+    flag). The flags' settings of a part of the exchange this arm leaves off (the quantized
+    gather's format in a plain arm) do not apply to it; the arm's own such settings are refused."""
     from .train import settings_from
 
+    merged = {**given, **overrides}
+    for key, _ in _moot(merged, [k for k in given if k not in overrides]):
+        del merged[key]
+    # a refinement of a quantized gather or reduction that the arm leaves plain: an A/B of nothing
+    for key, switch in _moot(merged, overrides):
+        raise ValueError(f"{flag} {key}=...: does nothing while this arm's {switch} is false; add "
+                         f"{flag} {switch}=true, or drop it")
     try:
-        settings = settings_from({**given, **overrides})
+        return settings_from(merged)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{flag}: {_one_line(e)}") from None
-    # a refinement of a quantized gather or reduction that the arm leaves plain: an A/B of nothing
-    for key in overrides:
-        switch = next((s for s in ("zero_quantized_weights", "zero_quantized_gradients") if key.startswith(s + "_")), None)
-        if switch and not getattr(settings.zero, switch):
-            raise ValueError(f"{flag} {key}=...: does nothing while this arm's {switch} is false; add "
-                             f"{flag} {switch}=true, or drop it")
-    return settings
 
 
 def _one_line(e: BaseException) -> str:
@@ -266,13 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,qualify,bench,plan}")
 
     t = sub.add_parser("train", help="train the embedded workload (or a config/text of yours)")
-    _add_workload(t, steps=50)
-    t.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
-                   help="quantize the post-step weight gather (default: on)")
+    _add_workload(t, steps=50, notes={"zero_quantized_weights": "on, unlike ZeroConfig's"})
+    t.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=None,
+                   help="short for --zero-quantized-weights (default: on)")
     t.add_argument("--out", metavar="JSON", help="write the run's record here")
 
     q = sub.add_parser("qualify", help="A/B the quantized gather against the plain one; report and verdict")
-    _add_workload(q, steps=30)
+    _add_workload(q, steps=30, notes={"zero_quantized_weights": "per arm: off in the baseline, on in the candidate"})
     q.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
                    help="baseline arm setting, on top of the flags: KEY a workload setting (e.g. backend) or a "
                    "ZeroConfig field (e.g. zero_quantized_weights=true); the short names "
@@ -283,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--order", default="BCCB", help="arm order, B = baseline, C = candidate (default BCCB)")
     q.add_argument("--repeats", type=int, default=1, help="repeat the order this many times")
     q.add_argument("--out", default="qualify-report", help="report folder (default ./qualify-report)")
+    q.add_argument("--force", action="store_true", help="replace an earlier report in --out (refused otherwise)")
     q.add_argument("--max-loss-diff", type=float, default=0.05)
     q.add_argument("--tolerance", type=float, default=0.02, help="atol = rtol for sampled weights")
 
@@ -335,15 +389,20 @@ def _preflight(args: argparse.Namespace, settings: list[TrainSettings]) -> None:
 
     for s in settings:
         validate(s)
+    cores = os.cpu_count() or 1
+    world = max(s.world_size for s in settings)
+    crowded = "RANK" not in os.environ and resolve_device(settings[0]) == "cpu" and world > cores
+    if crowded and not args.oversubscribe:
+        raise ValueError(f"--world-size {world}: more ranks than this host's {cores} CPU cores (each would get a "
+                         "fraction of a core, and its step times would measure contention): add --oversubscribe "
+                         "to run them anyway")
     counted = set()
     for s in settings:  # the model built on the meta device: its size against the device's memory
         key = (s.preset, s.model_config, s.seq_len, s.world_size, s.device)
         if key not in counted:
             check_fits(s)
             counted.add(key)
-    cores = os.cpu_count() or 1
-    world = max(s.world_size for s in settings)
-    if "RANK" not in os.environ and resolve_device(settings[0]) == "cpu" and world > cores:
+    if crowded:
         _warn(f"{world} ranks on {cores} CPU cores: each rank gets a fraction of a core, so this will be slow "
               "and its step times measure contention")
 
@@ -361,11 +420,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if getattr(args, "renamed_flag", None):
         raise ValueError(args.renamed_flag)
     if args.command == "train":
-        moot = [flag for name, flag in QUANTIZED_ONLY.items() if getattr(args, name) is not None]
-        if moot and not args.quantized:
-            raise ValueError(f"{moot[0]} is a setting of the quantized weight gather, which --no-quantized turns "
-                             f"off: drop one of them")
-        settings = _settings(args, args.quantized)
+        settings = _train_settings(args)
         _check_out_file(args.out)
         _preflight(args, [settings])
         result = launch(settings, args.out)
@@ -399,22 +454,40 @@ def _qualify_arms(args: argparse.Namespace) -> tuple[TrainSettings, TrainSetting
     ZeroConfig derives (gather-ahead from the quantized gather) follows each arm's own."""
     from .train import settings_from
 
-    given = _given(args, False)
-    base = settings_from(given)
-    baseline = _arm(given, _overrides(args.baseline, "--baseline") or {"zero_quantized_weights": False}, "--baseline")
-    candidate = _arm(given, _overrides(args.candidate, "--candidate") or {"zero_quantized_weights": True}, "--candidate")
-    return base, baseline, candidate
+    given = _given(args, None)
+    if "zero_quantized_weights" in given and not (args.baseline and args.candidate):
+        raise ValueError("--zero-quantized-weights is what the default arms compare (baseline off, candidate on): "
+                         "give both --baseline and --candidate settings to compare something else with it, or drop it")
+    arms = {}
+    for flag, items, default in (("--baseline", args.baseline, False), ("--candidate", args.candidate, True)):
+        overrides = _overrides(items, flag) or {"zero_quantized_weights": default}
+        arms[flag] = _arm(given, overrides, flag), {**given, **overrides}
+    common = [k for k in given if getattr(args, k, None) is not None]
+    for key, switch in _moot(arms["--baseline"][1], common):
+        if (key, switch) in _moot(arms["--candidate"][1], common):
+            raise ValueError(f"--{key.replace('_', '-')} is a setting of the {_PARTS[switch]}, which neither arm "
+                             f"turns on ({switch}): it would change nothing")
+    base = settings_from({k: v for k, v in given.items() if k not in dict(_moot(given, given))})
+    return base, arms["--baseline"][0], arms["--candidate"][0]
 
 
 def _qualify(args: argparse.Namespace) -> int:
+    from .launcher import under_torchrun
     from .qualify import Thresholds, qualify, verdict, write
-
     from .qualify.run import differing
+
+    if under_torchrun():  # every rank would run the whole comparison, each with ranks of its own
+        raise ValueError(f"qzero qualify starts the ranks of each arm itself (--world-size, default 2), so it does "
+                         f"not run under torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']} here): run qzero qualify "
+                         "without torchrun")
 
     if not args.order or set(args.order) - {"B", "C"} or not {"B", "C"} <= set(args.order):
         raise ValueError(f"--order must use B and C, each at least once (got {args.order!r})")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if len(args.order) * args.repeats > MAX_ARMS:
+        raise ValueError(f"--order {args.order} x --repeats {args.repeats} is {len(args.order) * args.repeats:,} arms; "
+                         f"at most {MAX_ARMS:,}")
     for flag, value in (("--max-loss-diff", args.max_loss_diff), ("--tolerance", args.tolerance)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
@@ -425,6 +498,9 @@ def _qualify(args: argparse.Namespace) -> int:
     thresholds = Thresholds(max_loss_diff=args.max_loss_diff, atol=args.tolerance, rtol=args.tolerance)
     _check_out_dir(args.out)
     _preflight(args, [baseline, candidate])
+    for arm in (baseline, candidate):
+        _check_interval(arm, args.order * args.repeats)
+    _check_earlier_report(args.out, args.force)
     if not _has("matplotlib"):
         _warn("matplotlib is not installed: the report will have no plots (pip install 'qzero[cli]')")
 
@@ -433,8 +509,19 @@ def _qualify(args: argparse.Namespace) -> int:
         print(f"\rqualify: arm {min(done + 1, total)}/{total} ({label})   ", end="" if done < total else "\n",
               file=sys.stderr, flush=True)
 
-    report = qualify(base, baseline, candidate, order=args.order * args.repeats, out_dir=args.out,
-                     thresholds=thresholds, progress=progress)
+    done = [0]
+
+    def counted(i: int, total: int, letter: str) -> None:
+        done[0] = i
+        progress(i, total, letter)
+
+    try:
+        report = qualify(base, baseline, candidate, order=args.order * args.repeats, out_dir=args.out,
+                         thresholds=thresholds, progress=counted)
+    except KeyboardInterrupt:
+        print(f"\nqzero: interrupted after {done[0]} of {len(args.order) * args.repeats} arms: no report written "
+              f"(the arms' logs so far are in {args.out})", file=sys.stderr)
+        raise
     plotted = write(report, args.out)
     print(verdict(report))
     print(f"report: {os.path.join(args.out, 'report.md')}" + ("" if plotted else " (plots skipped: no matplotlib)"))

@@ -175,6 +175,7 @@ def validate(settings: TrainSettings) -> None:
     """Check what can be checked before any process starts (raises WorkloadError)."""
     from .workload import WorkloadError, check_corpus, load_corpus, model_config
 
+    _check_sizes(settings)  # first: the other checks read them
     model_config(settings.preset, settings.model_config)
     corpus = load_corpus(settings.data)
     check_corpus(corpus, settings.seq_len)
@@ -187,6 +188,7 @@ def validate(settings: TrainSettings) -> None:
                 f"world size {settings.world_size} is larger than the {torch.cuda.device_count()} visible GPU(s)"
             )
 
+    _check_device_settings(settings, device)
     if settings.backend not in BACKENDS:
         raise WorkloadError(f"backend must be one of {', '.join(BACKENDS)}, got {settings.backend!r}")
     if settings.reshard_after_forward and settings.backend != "fsdp2":
@@ -225,9 +227,6 @@ def validate(settings: TrainSettings) -> None:
     warm = settings.lr_warmup
     if isinstance(warm, bool) or not isinstance(warm, int) or not 0 <= warm <= settings.steps:
         raise WorkloadError(f"lr_warmup must be a whole number of steps from 0 to steps ({settings.steps}), got {warm!r}")
-    for name in ("world_size", "seq_len", "micro_batch", "grad_accum", "steps"):
-        if getattr(settings, name) < 1:
-            raise WorkloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
     if settings.steps < 2:
         raise WorkloadError(
             f"steps must be at least 2 (a step is timed up to the next one's start), got {settings.steps}"
@@ -241,6 +240,36 @@ def validate(settings: TrainSettings) -> None:
     _check_heldout(settings, corpus)
     if not isinstance(settings.zero, ZeroConfig):  # set after construction
         raise WorkloadError(f"zero must be a ZeroConfig, got {type(settings.zero).__name__}")
+
+
+#: The largest value of each count of the workload: far beyond a run of the embedded workload,
+#: bounded so that nothing is sized or started from an absurd one.
+SIZE_BOUNDS = {"world_size": 4096, "seq_len": 2**20, "micro_batch": 2**16, "grad_accum": 2**16, "steps": 10**8}
+
+
+def _check_sizes(settings: TrainSettings) -> None:
+    """Every count of the workload a whole number in its range, checked before anything derived from them."""
+    from .workload import WorkloadError
+
+    for name, most in SIZE_BOUNDS.items():
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise WorkloadError(f"{name.replace('_', '-')} must be a whole number from 1 to {most:,}, got {value!r}")
+
+
+def _check_device_settings(settings: TrainSettings, device: str) -> None:
+    """ZeroConfig settings that need CUDA, refused on the CPU before any rank starts (the
+    optimizer would refuse them inside every rank)."""
+    from .workload import WorkloadError
+
+    if device == "cuda":
+        return
+    if settings.zero.gather_schedule == "streams":
+        raise WorkloadError("gather_schedule=streams needs CUDA (side streams ordered by events); on the CPU use "
+                            "inline or auto")
+    if settings.zero.copy_engine_collectives:
+        raise WorkloadError("copy_engine_collectives=true needs CUDA and NCCL (the GPU's copy engines); on the CPU "
+                            "leave it false")
 
 
 def _check_heldout(settings: TrainSettings, corpus: torch.Tensor) -> None:
@@ -283,6 +312,8 @@ def _timed_steps(settings: TrainSettings) -> list[int]:
 #: its fp32 master and AdamW's two fp32 moments once across the ranks (gradients, activations
 #: and buffers come on top).
 WEIGHT_BYTES, STATE_BYTES = 2, 12
+#: What a CPU rank's process holds at the least besides the model (the interpreter and torch).
+PROCESS_BYTES = 256 * 2**20
 
 
 def check_fits(settings: TrainSettings) -> int:
@@ -303,6 +334,8 @@ def check_fits(settings: TrainSettings) -> int:
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else settings.world_size
     per_rank = params * (WEIGHT_BYTES + STATE_BYTES / world)
+    if resolve_device(settings) != "cuda":
+        per_rank += PROCESS_BYTES  # each CPU rank is a process of its own on this host
     if resolve_device(settings) == "cuda":
         have, ranks, what = torch.cuda.get_device_properties(0).total_memory, 1, "one GPU has {}"
     else:
@@ -313,7 +346,9 @@ def check_fits(settings: TrainSettings) -> int:
         need = f"{_size(per_rank)} a rank" + (f", {_size(per_rank * ranks)} in all" if ranks > 1 else "")
         raise WorkloadError(
             f"{where}: {params:,} parameters need at least {need} ({WEIGHT_BYTES} bytes a parameter on every rank, "
-            f"{STATE_BYTES} split over {world} rank(s)); {what.format(_size(have))}"
+            f"{STATE_BYTES} split over {world} rank(s)"
+            + (f", and {_size(PROCESS_BYTES)} for each rank's process" if resolve_device(settings) != "cuda" else "")
+            + f"); {what.format(_size(have))}"
         )
     return params
 
@@ -594,9 +629,11 @@ def _free_port() -> int:
 
 def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str | None, show: bool,
              parent: int) -> None:
+    from .launcher import forget_launcher
     from .orphans import die_with_parent
 
     die_with_parent(parent)  # a launcher killed outright (SIGKILL) takes its ranks with it
+    forget_launcher()  # a rank of ours, not torchrun's ([Note: launcher variables] in launcher.py)
     device_kind = resolve_device(settings)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
@@ -626,8 +663,10 @@ def _spawned(local_rank: int, settings: TrainSettings, port: int, out_path: str 
 
 def launch(settings: TrainSettings, out_path: str | None = None, show_progress: bool = True) -> dict | None:
     """Run the training on ``settings.world_size`` ranks; return rank 0's record."""
+    from .launcher import under_torchrun
+
     validate(settings)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if under_torchrun():
         if not dist.is_initialized():
             kind = resolve_device(settings)
             if kind == "cuda":

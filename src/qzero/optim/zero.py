@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -80,6 +81,7 @@ class ZeroOptimizer:
         try:
             if error is not None:
                 raise error
+            _check_launched_world(world, process_group)
             if not isinstance(config, ZeroConfig):
                 raise TypeError(f"config must be a qzero.ZeroConfig, got {type(config).__name__}")
             if not isinstance(model, torch.nn.Module):
@@ -100,7 +102,7 @@ class ZeroOptimizer:
                 FlatGroup(params, [names[p] for p in params], config, world, rank, process_group, context, topology)
                 for params, _ in groups
             ]
-            inner = optimizer([{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
+            inner = _build_inner(optimizer, [{**hp, "params": [g.master]} for g, (_, hp) in zip(flat_groups, groups)])
             if not isinstance(inner, torch.optim.Optimizer):
                 raise TypeError(f"optimizer(...) must return a torch.optim.Optimizer, got {type(inner).__name__}")
             # What every rank must have alike ([Note: agreement] in qzero/wire/agreement.py): the delta
@@ -607,6 +609,9 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
                     f"parameters have several dtypes ({first.dtype} and {p.dtype} for {names[p]!r}); "
                     "cast the model to one dtype (bf16 or fp16) first"
                 )
+    if first.device.type == "meta":
+        raise ValueError(f"parameter {names[first]!r} is on the meta device (it has no values to train): "
+                         "materialize the model first (model.to_empty(device=...), then initialize or load it)")
     if first.dtype not in FLAT_DTYPES:
         raise ValueError(f"parameters of dtype {first.dtype} cannot be flattened; use bf16 or fp16")
     if config.zero_quantized_weights and first.dtype == torch.float32:
@@ -621,6 +626,38 @@ def _check_flattenable(groups, names, config: ZeroConfig, world: int) -> None:
             f"({world} x {config.zero_quantized_weights_group_size})"
             + (f" for each of the {depth} chunks gather-ahead keeps in flight" if depth > 1 else "")
         )
+
+
+def _check_launched_world(world: int, process_group) -> None:
+    """Refuse world size 1 where a launcher says the job has more ranks (``WORLD_SIZE`` > 1, as
+    torchrun sets it) and no process group exists: each process would train a model of its own,
+    silently, instead of sharding one."""
+    declared = os.environ.get("WORLD_SIZE", "")
+    if world == 1 and process_group is None and declared.isdigit() and int(declared) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={declared} says this job has {declared} ranks, but no process group exists, so each "
+            "process would train its own model at world size 1: call torch.distributed.init_process_group() "
+            "before building the ZeroOptimizer (or pass process_group=)")
+
+
+#: Hyperparameters a torch optimizer takes as numbers (a string there fails inside torch).
+_NUMERIC_HYPERPARAMETERS = ("lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "betas")
+
+
+def _build_inner(optimizer: Callable[..., torch.optim.Optimizer], groups: list[dict]) -> torch.optim.Optimizer:
+    """``optimizer(groups)``. A hyperparameter given as a string is refused by name; an error the
+    factory raises is raised as a ``ValueError`` saying so, the factory's own error chained to it."""
+    given = {**getattr(optimizer, "keywords", {}), **{k: v for g in groups for k, v in g.items() if k != "params"}}
+    for key in _NUMERIC_HYPERPARAMETERS:
+        value = given.get(key)
+        if isinstance(value, str) or (isinstance(value, (tuple, list)) and any(isinstance(v, str) for v in value)):
+            raise TypeError(f"the optimizer's {key}={value!r} is a string: give a number")
+    try:
+        return optimizer(groups)
+    except Exception as e:
+        name = getattr(optimizer, "__qualname__", None) or repr(optimizer)
+        raise ValueError(f"the optimizer factory {name} raised {type(e).__name__} building the optimizer over the "
+                         f"master shards: {e}") from e
 
 
 def _delta_fields(config: ZeroConfig) -> dict[str, int]:

@@ -34,6 +34,11 @@ def verdict(r: dict) -> str:
     wire = (r.get("bytes_sent_per_step") or {}).get("ratio")
     if wire is not None and wire != 1:
         speed += f"; bytes on the wire per rank per step {wire:.2f}x the baseline's ({wire - 1:+.0%})"
+    if r.get("device") == "cpu":  # bytes are what a CPU run can speak for: what they would cost on a cluster
+        from .projection import projection
+
+        projected = projection(r)
+        speed += f"; {projected}" if projected else ""
     failed = [k for k, ok in r["gates"].items() if not ok]
     gates = "all gates pass" if not failed else "GATES FAILED: " + ", ".join(failed)
     return f"{speed}; {gates}"

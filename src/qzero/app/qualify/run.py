@@ -20,6 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from ..launcher import without_launcher
 from ..train import TrainSettings, flat_settings, resolve_device, validate
 from . import stats
 from .env import describe
@@ -56,10 +57,9 @@ def run_arm(settings: TrainSettings, out_path: str, log_path: str, env: dict[str
     # --parent: the arm (and with it its ranks) dies with this process, even when it is SIGKILLed
     cmd = [sys.executable, "-m", "qzero", "_arm", json.dumps(dataclasses.asdict(settings)), out_path,
            "--parent", str(os.getpid())]
-    extra, env = env or {}, dict(os.environ)
+    # the arm starts its own ranks: nothing of a launcher's may reach them ([Note: launcher variables])
+    extra, env = env or {}, without_launcher()
     env.update(extra)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not os.path.isfile(out_path):
