@@ -23,7 +23,7 @@ from .layout.gather_planner import DEFAULT_BUCKET_NUMEL
 from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, check_group_size, get_format
 from .quant.gradients import check_rotation_block
 from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS,
-                         KERNELS,
+                         HIERARCHICAL_CHOICES, KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
 
 #: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``benchmarks/reports/loss-quantized-gradients.md``).
@@ -338,7 +338,7 @@ class ZeroConfig:
     falls back to the flat collectives with one warning on every rank. On one host, setting it
     declares pseudo-nodes (how the tests build a cluster of gloo ranks). ``docs/multi-node.md``."""
 
-    hierarchical_collectives: bool | str = "auto"
+    hierarchical_collectives: str = "auto"
     """Two-level collectives on clusters of several multi-GPU nodes: gradients are
     reduce-scattered inside the node first (in the reduce dtype), then exchanged across nodes
     among the ranks of one *rail* (the ranks with the same local index) on ``1/L`` of the data;
@@ -445,7 +445,7 @@ class ZeroConfig:
         if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 0:
             raise ValueError(f"ranks_per_node must be an int >= 0 (0: detect from the hosts), got {rpn!r}")
         h = self.hierarchical_collectives
-        if isinstance(h, str) and h.lower() in ("true", "false"):
+        if isinstance(h, str) and h.lower() in HIERARCHICAL_CHOICES[1:]:  # "true", "false"
             h = h.lower() == "true"
             object.__setattr__(self, "hierarchical_collectives", h)
         if not isinstance(h, bool) and h != "auto":

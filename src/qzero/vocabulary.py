@@ -106,6 +106,8 @@ GATHER_SCHEDULES = ("auto", "streams", "inline")
 FLAT_ORDERS = ("auto", "contiguous", "interleaved")
 #: ``ZeroConfig.hierarchical_collectives``: two-level collectives on several multi-rank nodes.
 HIERARCHICAL_CHOICES = ("auto", "true", "false")
+#: ``qzero plan --nic``: one NIC per node shared by its GPUs, or one per GPU (a rail).
+NICS = ("shared", "rail")
 #: The training backends qzero runs and compares: its own optimizer, DeepSpeed with qzero's
 #: adapter, and PyTorch FSDP2 with ``qzero.fsdp`` (what ``qzero train`` and ``qzero qualify`` run).
 BACKENDS = ("qzero", "deepspeed", "fsdp2")

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from ..plan.cluster import NICS
+from ..vocabulary import FLAT_ORDERS, NICS  # no torch: --help stays light
 
 #: Node counts of the plot (1 to 128).
 PLOT_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -43,7 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="qzero's weight gather chunk, elements (default 5e8)")
     s.add_argument("--reduce-bucket-size", type=float, default=None, metavar="N",
                    help="qzero's gradient bucket, elements (default 5e8)")
-    s.add_argument("--flat-order", choices=("auto", "interleaved", "contiguous"), default="auto",
+    s.add_argument("--flat-order", choices=FLAT_ORDERS, default="auto",
                    help="qzero's flat order for the flat arms (default auto: as the planner picks it)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write one object per arm here")

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from ..layout.gather_planner import DEFAULT_BUCKET_NUMEL
+from ..vocabulary import FLAT_ORDERS
 from .cluster import Cluster
 from .payloads import Payload, gradient_payload, weight_payload
 
@@ -75,7 +76,7 @@ class Workload:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.flat_numel and self.flat_numel < self.params:
             raise ValueError(f"flat_numel {self.flat_numel} is below params {self.params}")
-        if self.order not in ("interleaved", "contiguous"):
+        if self.order not in FLAT_ORDERS[1:]:
             raise ValueError(f"order must be interleaved or contiguous, got {self.order!r}")
 
     @property

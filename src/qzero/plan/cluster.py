@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-NICS = ("shared", "rail")
+from ..vocabulary import NICS  # noqa: E402  (one spelling of the NIC kinds)
 
 
 @dataclass(frozen=True)
