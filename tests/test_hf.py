@@ -29,7 +29,7 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 from _support import distributed  # noqa: E402
-from _support.frameworks import assert_trains_like_plain  # noqa: E402
+from _support.frameworks import assert_trains_like_plain, load_example  # noqa: E402
 
 from qzero.integrations import deepspeed as qds  # noqa: E402
 from qzero.integrations.hf import QZeroCallback  # noqa: E402
@@ -113,7 +113,7 @@ def train(tmp, quantize, offload=False):
 def example_runs(tmp):
     """examples/deepspeed_hf_trainer.py: plain and with the callback, ZeRO-2 and ZeRO-1 with
     fp32 accumulation; and a run whose gather bypasses qzero from its third step on."""
-    import deepspeed_hf_trainer as example
+    example = load_example("deepspeed_hf_trainer")
     from transformers import TrainerCallback
 
     from qzero.app.workload import load_corpus
@@ -147,7 +147,7 @@ def worker(rank, world, tmp, port):
     # launcher variables Accelerate checks; the process group itself already exists (gloo, file store)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import deepspeed_hf_trainer  # noqa: F401 - with it the Trainer: imported before the freeze below
+    load_example("deepspeed_hf_trainer")  # with it the Trainer: imported before the freeze below
 
     # What is imported stays: out of the collector's sight, so that DeepSpeed's full
     # collections (one per memory report of its BF16_Optimizer) walk only what training makes.
