@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from distributed import free_port
+from _support.distributed import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 120  # seconds: a hang fails the test instead of the suite

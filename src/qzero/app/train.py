@@ -267,7 +267,7 @@ def _check_device_settings(settings: TrainSettings, device: str) -> None:
     if settings.zero.gather_schedule == "streams":
         raise WorkloadError("gather_schedule=streams needs CUDA (side streams ordered by events); on the CPU use "
                             "inline or auto")
-    if settings.zero.copy_engine_collectives:
+    if settings.zero.copy_engine_collectives and settings.backend == "qzero":  # others: refused by backend
         raise WorkloadError("copy_engine_collectives=true needs CUDA and NCCL (the GPU's copy engines); on the CPU "
                             "leave it false")
 
