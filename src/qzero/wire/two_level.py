@@ -4,8 +4,8 @@ reduction that run in two stages over them (:attr:`qzero.ZeroConfig.hierarchical
 Which rank owns which partition, and why nothing is permuted, is [Note: rail-major partitions]
 in :mod:`qzero.layout.topology`. Here:
 
-* :func:`detect_topology` - every rank's host, exchanged once, and the topology it implies
-  (:func:`qzero.layout.topology.topology_from_hosts` decides, the same on every rank).
+* :func:`exchange_hosts` - every rank's host, exchanged once; the topology it implies is
+  :func:`qzero.layout.topology.topology_from_hosts`'s decision, the same on every rank.
 * :class:`TwoLevelGroups` - this rank's node group and rail group (a 2-D ``DeviceMesh`` over
   the data-parallel ranks: dimension ``node`` varies along a rail, ``local`` inside a node).
 * :meth:`TwoLevelGroups.all_gather` - the weight gather's collective: the payload over the
@@ -30,13 +30,12 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import warnings
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from ..layout.topology import Topology, topology_from_hosts
+from ..layout.topology import Topology
 from .chunks import all_gather_into, peer_failure
 
 #: torch.distributed's reduce-scatter into one output tensor (renamed ``reduce_scatter_single`` in torch 2.13).
@@ -64,17 +63,6 @@ def exchange_hosts(group, world: int, device) -> list[tuple[int, int]]:
         all_gather_into(table, sig, group=group)
     rows = table.view(world, 2).tolist()
     return [(int(h), int(n)) for h, n in rows]
-
-
-def detect_topology(group, world: int, device, ranks_per_node: int, hierarchical) -> Topology:
-    """The group's topology, the same on every rank (refusals too: every rank decides from the
-    same exchanged hosts); a detected placement that does not fit falls back to the flat
-    collectives with a warning on every rank."""
-    hosts = exchange_hosts(group, world, device)
-    topo, warning = topology_from_hosts(hosts, ranks_per_node, hierarchical)
-    if warning:
-        warnings.warn(f"qzero: {warning}", stacklevel=3)
-    return topo
 
 
 class _Chained:
@@ -176,7 +164,7 @@ class TwoLevelReduce:
         with peer_failure("the gradient reduction (inside the node)"):
             b.node_work.wait()
         b.node_work = None
-        key, lo = b.key
+        lo = b.key[1]
         if self.quantized is not None:
             b.rail, _ = self.quantized.launch(b.block, b.key, self.rail_parts(lo, b.width))
             return
@@ -188,8 +176,7 @@ class TwoLevelReduce:
         """What this rank sends in the rail stage of ``b``."""
         if self.quantized is None:
             return (self.n - 1) * b.width * b.buf.element_size()
-        key, lo = b.key
-        pieces = self.quantized.pieces(b.key, self.rail_parts(lo, b.width))
+        pieces = self.quantized.pieces(b.key, self.rail_parts(b.key[1], b.width))
         return sum(p.layout.nbytes for p in pieces if p.dest != self.groups.node)
 
     def node_bytes(self, b: _Bucket) -> int:
