@@ -144,6 +144,7 @@ class Arm:
     grad_rotation: int = 0  # zero_quantized_gradients_rotation_block with the Hadamard rotation; 0: none
     grad_error_feedback: bool = False  # zero_quantized_gradients_error_feedback
     delta: bool = False  # zero_quantized_weights_delta: the weights' differences, closed loop
+    ranks_per_node: int = 0  # >0: two-level collectives over pseudo-nodes of this many ranks; 0: flat
 
     @property
     def label(self) -> str:
@@ -152,6 +153,11 @@ class Arm:
 
     @property
     def _settings_label(self) -> str:
+        nodes = f", two-level, {self.ranks_per_node} ranks a node" if self.ranks_per_node else ""
+        return self._format_label + nodes
+
+    @property
+    def _format_label(self) -> str:
         weights = ("bf16 (plain gather)" if not self.quantized else
                    f"{self.fmt.upper()}{' delta' if self.delta else ''} g{self.group_size}")
         if not self.grad_quantized:
@@ -174,6 +180,8 @@ class Arm:
             "zero_quantized_gradients_rotation": "hadamard" if self.grad_rotation else "none",
             "zero_quantized_gradients_rotation_block": self.grad_rotation or DEFAULT_ROTATION_BLOCK,
             "zero_quantized_gradients_error_feedback": self.grad_error_feedback,
+            **({"ranks_per_node": self.ranks_per_node, "hierarchical_collectives": "true"}
+               if self.ranks_per_node else {}),
         }
 
 
@@ -194,13 +202,17 @@ def parse_arm(name: str) -> Arm:
     Hadamard rotation over blocks of that many elements; int4 needs it or ``-noh``, no rotation,
     said explicitly) and ``-ef`` (error feedback), e.g. ``int8-g64+gq-int8-g64``,
     ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``, ``int8-g64+gq-int4-g64-noh``,
-    ``int8-g64+gq-int4-g64-h32-ef``. A suffix ``-rep<k>`` (``bf16-rep2``) names a replicate:
+    ``int8-g64+gq-int4-g64-h32-ef``. A suffix ``@L<k>`` runs the arm with two-level collectives
+    over pseudo-nodes of ``k`` ranks (``ranks_per_node=k``, ``hierarchical_collectives=true``),
+    e.g. ``int4-delta-g64+gq-int4-g256-h32@L2`` at world size 4: 2 nodes of 2. A suffix ``-rep<k>`` (``bf16-rep2``) names a replicate:
     the same settings, seed and batches as the arm without it, trained again beside it, so
     the report's difference between the two is the run-to-run spread of the GPU's
     nondeterministic kernels alone, the floor under every other arm's difference."""
 
     name = name.strip()
-    spec = REPLICATE.sub("", name)
+    spec, at, nodes = REPLICATE.sub("", name).partition("@")
+    if at and not (nodes.startswith("L") and nodes[1:].isdigit() and int(nodes[1:]) >= 1):
+        raise ValueError(f"arm {name!r}: after '@' expected L<ranks per node>, e.g. @L2, got {nodes!r}")
     weights, plus, grads = spec.partition("+")
     if weights == "bf16":
         arm = dict(quantized=False)
@@ -232,7 +244,7 @@ def parse_arm(name: str) -> Arm:
                              "e.g. gq-int4-g64-h32")
         arm.update(grad_quantized=True, grad_fmt=fmt, grad_group_size=group, grad_rotation=rotation,
                    grad_error_feedback=ef)
-    arm = Arm(name, **arm)
+    arm = Arm(name, **arm, ranks_per_node=int(nodes[1:]) if at else 0)
     from qzero import ZeroConfig
 
     try:

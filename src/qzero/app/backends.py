@@ -60,6 +60,13 @@ class QZeroBackend:
     def gathered_bytes(self):
         return sum(s.bytes_sent for s in self.opt.last_gather), sum(s.plain_bytes for s in self.opt.last_gather)
 
+    def network(self) -> dict:
+        """The topology the optimizer agreed on and what one node sent across the network in
+        the last step, in bits per parameter (0 on one node)."""
+        t = self.opt.topology
+        return {"topology": t.describe(), "nodes": t.nodes, "ranks_per_node": t.ranks_per_node,
+                "two_level": t.two_level, "bits_per_param_per_node_across_network": self.opt.network_bits_per_param()}
+
     def reduced_bytes(self):
         return sum(s.bytes_sent for s in self.opt.last_reduce), sum(s.plain_bytes for s in self.opt.last_reduce)
 

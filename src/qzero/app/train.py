@@ -563,6 +563,8 @@ def _summary(settings, backend, losses, norms, times, skipped, device, gathered=
         "weight_bytes_per_param": sent * dist.get_world_size() / total if total else None,
         "grad_bytes_sent_per_step": grad_sent,
         "grad_plain_bytes_per_step": grad_plain,
+        # the qzero backend's topology and bits per parameter a node sent across the network
+        "network": backend.network() if hasattr(backend, "network") else None,
         "params": total,
     }
 
