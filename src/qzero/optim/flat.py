@@ -26,10 +26,12 @@ from .delta import DeltaLoop
 
 
 def flat_order_for(config: ZeroConfig, topology: Topology) -> str:
-    """The flat order to plan with: ``auto`` is ``interleaved`` where two-level collectives
-    quantize gradients (in the contiguous order a bucket belongs to one or two partitions, and
-    its exchange could not be spread over the nodes: :class:`qzero.optim.grads.OwnerReducer`)."""
-    if topology.two_level and config.zero_quantized_gradients and config.flat_order == "auto":
+    """The flat order to plan with: ``auto`` is ``interleaved`` wherever gradients are quantized
+    over more than two ranks. In the contiguous order a bucket belongs to one or two partitions,
+    so every rank would send its quantized piece of it to those owners at once (an incast: the
+    owner's link carries ``world - 1`` payloads while the others idle), flat or two-level
+    (:class:`qzero.optim.grads.OwnerReducer`)."""
+    if config.zero_quantized_gradients and config.flat_order == "auto" and topology.world > 2:
         return "interleaved"
     return config.flat_order
 

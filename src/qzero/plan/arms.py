@@ -57,6 +57,10 @@ class Workload:
     allgather_bucket: int = DEFAULT_BUCKET_NUMEL
     reduce_bucket: int = DEFAULT_BUCKET_NUMEL
     order: str = "interleaved"
+    quantized_order: str = ""
+    """The flat order of the flat arms that quantize gradients ("": ``order``). ``auto`` takes
+    the interleaved order for them on more than two ranks (in the contiguous order their
+    exchange would be an incast), whatever the padding."""
     weight_bytes: int = 2
     reduce_bytes: int = 2
     flat_numel: int = 0
@@ -76,8 +80,10 @@ class Workload:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.flat_numel and self.flat_numel < self.params:
             raise ValueError(f"flat_numel {self.flat_numel} is below params {self.params}")
-        if self.order not in FLAT_ORDERS[1:]:
-            raise ValueError(f"order must be interleaved or contiguous, got {self.order!r}")
+        for name in ("order", "quantized_order"):
+            value = getattr(self, name)
+            if value not in FLAT_ORDERS[1:] and not (name == "quantized_order" and value == ""):
+                raise ValueError(f"{name} must be interleaved or contiguous, got {value!r}")
 
     @property
     def exact_share(self) -> float:
@@ -209,7 +215,7 @@ def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
             return [_owner_reduces(w.moved, w, cluster, w.reduce_bucket, "gradient reduces to owners")]
         return [Call("gradient reduce-scatter", "reduce_scatter", "world", bucket * w.reduce_bytes, buckets,
                      "backward")]
-    if w.order == "contiguous":  # every rank sends the whole bucket to its one owner
+    if (w.quantized_order or w.order) == "contiguous":  # every rank sends the whole bucket to its one owner
         return [Call("quantized gradient all-to-all (incast)", "all_to_all", "world", bucket * q, buckets,
                      "backward", incast=True)]
     return [Call("quantized gradient all-to-all", "all_to_all", "world", bucket / P * q, buckets, "backward")]
