@@ -215,10 +215,10 @@ class ZeroConfig:
     then hide behind the whole forward instead of its first 1/world, and gradients are
     reduce-scattered window by window, using both directions of the link), or ``auto``
     (interleaved unless that pads more than 3% of the parameters, e.g. when one parameter is
-    larger than its fair share of a partition; contiguous then; always interleaved with
-    ``zero_quantized_gradients`` on more than two ranks, where the contiguous order makes each
-    quantized exchange an incast on the bucket's owner, which ``contiguous`` set explicitly
-    warns of)."""
+    larger than its fair share of a partition; contiguous then). With
+    ``zero_quantized_gradients`` on more than two ranks the contiguous order makes each quantized
+    exchange an incast on the bucket's owner, and two-level collectives take the interleaved
+    order whatever it pads: both are warned of on every rank."""
 
     solo_reduce: bool = False
     """Interleaved order: reduce a parameter that starts a partition and spans several

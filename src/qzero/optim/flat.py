@@ -10,6 +10,8 @@ gathered (plainly or quantized); the copy runs chunk by chunk as the gather asks
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable
 
 import torch
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from ..wire.comm import GatherStats, peer_failure
 from ..config import ZeroConfig
 from ..wire.engine import CommContext, GatherHandle, finish_gather, start_gather
-from ..layout.flat_layout import FlatLayout, plan_flat_layout
+from ..layout.flat_layout import AUTO_INTERLEAVE_MAX_PADDING, FlatLayout, plan_flat_layout
 from ..layout.gather_plan import GatherPlan
 from ..layout.gather_planner import plan_gather
 from ..layout.topology import Topology
@@ -26,14 +28,42 @@ from .delta import DeltaLoop
 
 
 def flat_order_for(config: ZeroConfig, topology: Topology) -> str:
-    """The flat order to plan with: ``auto`` is ``interleaved`` wherever gradients are quantized
-    over more than two ranks. In the contiguous order a bucket belongs to one or two partitions,
-    so every rank would send its quantized piece of it to those owners at once (an incast: the
-    owner's link carries ``world - 1`` payloads while the others idle), flat or two-level
-    (:class:`qzero.optim.grads.OwnerReducer`)."""
-    if config.zero_quantized_gradients and config.flat_order == "auto" and topology.world > 2:
+    """The flat order to plan with: ``auto`` is ``interleaved`` where two-level collectives
+    quantize gradients (in the contiguous order a bucket belongs to one or two partitions, and
+    its exchange could not be spread over the nodes: :class:`qzero.optim.grads.OwnerReducer`)."""
+    if topology.two_level and config.zero_quantized_gradients and config.flat_order == "auto":
         return "interleaved"
     return config.flat_order
+
+
+# [Note: quantized gradients and the flat order]
+# A quantized gradient exchange is an all-to-all of each bucket's pieces to their owners. In the
+# interleaved order every bucket holds a window of every partition, so each rank sends and
+# receives the same; in the contiguous order a bucket lies in one or two partitions, and on more
+# than two ranks every rank sends to those owners at once: an incast on the owner's link. The
+# interleaved order keeps each parameter inside one partition, so a parameter larger than a
+# partition's share (a large embedding on many ranks: Qwen3-4B's pads the buffer by 55% at 16
+# ranks and 5x at 64) pads every partition to it. ``auto`` picks by padding for the flat
+# collectives, and the interleaved order for two-level ones (the contiguous order is refused
+# there); either cost is warned of on every rank, never paid silently.
+def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) -> str | None:
+    """What a quantized gradient exchange on more than two ranks costs in ``layout``'s order,
+    where that is more than its bytes ([Note: quantized gradients and the flat order]); None
+    where it is not."""
+    if not config.zero_quantized_gradients or topology.world <= 2:
+        return None
+    if layout.order == "contiguous" and not topology.two_level:
+        return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: a gradient "
+                "bucket belongs to one or two partitions, so every rank sends its quantized piece to those owners at "
+                "once (an incast, up to world-1 times slower on the owner's link than a spread exchange); "
+                "flat_order='interleaved' spreads it, at the cost of the padding that order needs for this model")
+    padding = layout.padding / max(layout.used_numel, 1)
+    if topology.two_level and config.flat_order == "auto" and padding > AUTO_INTERLEAVE_MAX_PADDING:
+        return (f"two-level collectives with zero_quantized_gradients=true take the interleaved flat order, which pads "
+                f"this model's parameters by {padding:.0%} on {topology.world} ranks (a parameter larger than a "
+                "partition's share): every gather, reduction and state grows by that much; "
+                "hierarchical_collectives=false, or plain gradients, keep the contiguous order")
+    return None
 
 
 class FlatGroup:
@@ -81,6 +111,9 @@ class FlatGroup:
             flat_order=flat_order_for(config, self.topology),
             zero_quantized_weights_delta=delta,
         )
+        warning = order_warning(config, self.topology, self.layout)
+        if warning:
+            warnings.warn(f"qzero: {warning}", stacklevel=3)
         self.gather_plan: GatherPlan = self.layout.gather
         self.exact_plan: GatherPlan = (
             plan_gather(

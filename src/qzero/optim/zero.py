@@ -722,10 +722,4 @@ def _topology(hosts, config: ZeroConfig) -> Topology:
                 f"flat_order='contiguous' with zero_quantized_gradients=true is not supported with {where}: in that "
                 "order a gradient bucket belongs to one or two partitions and every rank would send it to them "
                 "(an incast); set flat_order='interleaved' (or 'auto')")
-    elif config.zero_quantized_gradients and config.flat_order == "contiguous" and topology.world > 2:
-        warnings.warn(
-            f"qzero: flat_order='contiguous' with zero_quantized_gradients=true on {topology.world} ranks: a gradient "
-            "bucket belongs to one or two partitions, so every rank sends its quantized piece to those owners at "
-            "once (an incast, about world-1 times slower on the owner's link); flat_order='interleaved' (or "
-            "'auto') spreads each exchange over every rank", stacklevel=4)
     return topology

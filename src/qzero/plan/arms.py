@@ -58,9 +58,10 @@ class Workload:
     reduce_bucket: int = DEFAULT_BUCKET_NUMEL
     order: str = "interleaved"
     quantized_order: str = ""
-    """The flat order of the flat arms that quantize gradients ("": ``order``). ``auto`` takes
-    the interleaved order for them on more than two ranks (in the contiguous order their
-    exchange would be an incast), whatever the padding."""
+    """The flat order of the two-level arms that quantize gradients ("": ``order``): ``auto``
+    takes the interleaved order for them whatever it pads (``qzero.optim.flat.flat_order_for``)."""
+    quantized_flat_numel: int = 0
+    """Elements of the flat buffer in ``quantized_order`` (0: ``flat_numel``)."""
     weight_bytes: int = 2
     reduce_bytes: int = 2
     flat_numel: int = 0
@@ -102,6 +103,11 @@ class Workload:
     def moved(self) -> int:
         """Elements qzero's collectives carry: the flat buffer, padding included."""
         return self.flat_numel or self.params
+
+    def moved_by(self, arm: Arm) -> int:
+        """Elements ``arm``'s collectives carry: its flat order's buffer."""
+        two_level_quantized = arm.gradients is not None and arm.two_level
+        return (self.quantized_flat_numel or self.moved) if two_level_quantized else self.moved
 
 
 @dataclass(frozen=True)
@@ -187,10 +193,11 @@ def _deepspeed(w: Workload, cluster: Cluster) -> list[Call]:
 
 def _qzero_weights(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     P, L = cluster.world, cluster.gpus_per_node
-    chunks = math.ceil(w.moved / w.allgather_bucket)
+    moved = w.moved_by(arm)
+    chunks = math.ceil(moved / w.allgather_bucket)
     per = w.gather_bytes_per_element(arm.weights)
     phase = "forward" if arm.gather_ahead else "sync"
-    chunk = w.moved / chunks
+    chunk = moved / chunks
     if not arm.two_level:
         return [Call("weight all-gather", "all_gather", "world", chunk / P * per, chunks, phase)]
     return [Call("weight all-gather (rail)", "all_gather", "rail", chunk / P * per, chunks, phase),
@@ -199,8 +206,8 @@ def _qzero_weights(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
 
 def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     P, L = cluster.world, cluster.gpus_per_node
-    buckets = math.ceil(w.moved / w.reduce_bucket)
-    bucket = w.moved / buckets
+    buckets = math.ceil(w.moved_by(arm) / w.reduce_bucket)
+    bucket = w.moved_by(arm) / buckets
     q = arm.gradients.bytes_per_element(w.exact_share) if arm.gradients else None
     if arm.two_level:
         first = Call("gradient reduce-scatter (node)", "reduce_scatter", "node", bucket * w.reduce_bytes, buckets,
@@ -215,7 +222,7 @@ def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
             return [_owner_reduces(w.moved, w, cluster, w.reduce_bucket, "gradient reduces to owners")]
         return [Call("gradient reduce-scatter", "reduce_scatter", "world", bucket * w.reduce_bytes, buckets,
                      "backward")]
-    if (w.quantized_order or w.order) == "contiguous":  # every rank sends the whole bucket to its one owner
+    if w.order == "contiguous":  # every rank sends the whole bucket to its one owner
         return [Call("quantized gradient all-to-all (incast)", "all_to_all", "world", bucket * q, buckets,
                      "backward", incast=True)]
     return [Call("quantized gradient all-to-all", "all_to_all", "world", bucket / P * q, buckets, "backward")]
