@@ -28,16 +28,17 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: for _support
 
-import qzero  # noqa: E402
-from _support.distributed import run_distributed  # noqa: E402
+from _support.distributed import run_distributed
+
+import qzero
 
 NAME = "checkpoint_v1"
 WORLD = 2
 STEPS = 3
-CONFIG = dict(stage=2, zero_quantized_weights=True, zero_quantized_weights_format="int8",
-              zero_quantized_weights_group_size=16, zero_quantized_gradients=True,
-              zero_quantized_gradients_format="int8", zero_quantized_gradients_group_size=16,
-              zero_quantized_gradients_error_feedback=True, small_param_numel=8, reduce_dtype="fp32")
+CONFIG = {"stage": 2, "zero_quantized_weights": True, "zero_quantized_weights_format": "int8",
+          "zero_quantized_weights_group_size": 16, "zero_quantized_gradients": True,
+          "zero_quantized_gradients_format": "int8", "zero_quantized_gradients_group_size": 16,
+          "zero_quantized_gradients_error_feedback": True, "small_param_numel": 8, "reduce_dtype": "fp32"}
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
