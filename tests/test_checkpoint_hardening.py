@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 import qzero
 import qzero.wire.chunks as chunks
-from qzero.optim.checkpoint import logical_pieces
+from qzero.optim.checkpoint.logical import logical_pieces
 
 TIMEOUT = 90.0
 

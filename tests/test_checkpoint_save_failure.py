@@ -13,7 +13,7 @@ import torch
 import qzero
 from _support.checkpoints import ADAMW, small_model, train
 from _support.distributed import run_distributed
-from qzero.optim import checkpoint_save as ckpt
+from qzero.optim.checkpoint import save as ckpt
 
 
 def _saver(rank, world, root, where):

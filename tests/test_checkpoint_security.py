@@ -34,15 +34,15 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
 import qzero
-from qzero.optim.checkpoint import logical_pieces
-from qzero.optim.checkpoint_index import (
+from qzero.optim.checkpoint.index import (
     INDEX_DTYPES,
     INDEX_GLOBALS,
     IndexUnpickler,
     read_index,
     rebuild_index,
 )
-from qzero.optim.checkpoint_reader import IndexedReader
+from qzero.optim.checkpoint.logical import logical_pieces
+from qzero.optim.checkpoint.reader import IndexedReader
 
 MODULE = __name__
 
@@ -319,7 +319,7 @@ def test_the_unpickler_hands_out_inert_records_only():
     up = IndexUnpickler(io.BytesIO(b""), "test")
     for module, name in INDEX_GLOBALS:
         got = up.find_class(module, name)
-        assert got.__module__ == "qzero.optim.checkpoint_index" and got in up.kinds
+        assert got.__module__ == "qzero.optim.checkpoint.index" and got in up.kinds
     assert not callable(up.find_class("torch", "float32"))
     for module, name in [("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp"), ("builtins", "getattr"),
                          ("torch", "load"), ("collections", "OrderedDict"), (MODULE, "canary")]:

@@ -373,7 +373,7 @@ def test_residuals_follow_the_fp16_loss_scale():
 def ckpt_worker(rank, world, path, mode, order="contiguous"):
     from test_optim import make_model, train_steps
 
-    from qzero.optim.checkpoint import logical_pieces_between
+    from qzero.optim.checkpoint.logical import logical_pieces_between
 
     model = make_model(seed=rank if mode == "save" else rank + 10)
     cfg = qzero.ZeroConfig(reduce_dtype="fp32", small_param_numel=40, flat_order=order, zero_quantized_gradients=True,

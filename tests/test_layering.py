@@ -13,11 +13,21 @@ Imports are read with ``ast`` from every ``.py`` file, at any depth (top level, 
 functions, under ``if TYPE_CHECKING``): ``import``, ``from ... import`` (relative and
 absolute), ``importlib.import_module("...")`` and ``__import__("...")`` with a literal name,
 and the lazy tables of ``qzero/__init__.py``.
+
+[Note: no import circle]
+Inside a package, too, imports go one way: the modules of ``src/qzero`` with the imports
+above as edges form no cycle (:func:`import_cycles`). An import deferred into a function or
+hidden under ``TYPE_CHECKING`` counts like any other: it still says that the two modules
+know each other. (A package's ``__init__`` runs before any of its modules is imported; that
+is Python's order, not an import a module writes, so it is no edge.) So the checkpoint code
+knows the optimizer only through protocols (``qzero/optim/checkpoint/protocol.py``), and
+``optim/zero.py`` imports it, never the other way round.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import importlib.util
 import os
 import pathlib
@@ -171,6 +181,138 @@ def test_a_sibling_import_is_reported():
     path = SRC / "qzero" / "fsdp" / "group.py"
     edges = [("qzero.fsdp.group", path, 1, "qzero.integrations.deepspeed")]
     assert violations(edges) == ["qzero/fsdp/group.py:1: qzero.fsdp.group -> qzero.integrations.deepspeed (its own floor)"]
+
+
+def import_cycles(edges) -> list[str]:
+    """Every import circle among ``edges`` (``(importer, path, line, imported)``), one line
+    each: a shortest cycle through each strongly connected set of modules, every edge with
+    the file and line that makes it ([Note: no import circle]). Empty when there is none."""
+    graph: dict[str, dict[str, str]] = collections.defaultdict(dict)
+    for importer, path, line, imported in edges:
+        if importer != imported:
+            graph[importer].setdefault(imported, f"{path.relative_to(SRC)}:{line}")
+    return sorted(_describe_cycle(graph, sorted(component)) for component in _strongly_connected(graph)
+                  if len(component) > 1)
+
+
+def _strongly_connected(graph: dict[str, dict[str, str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components, iteratively (no recursion limit to hit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, {}))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.add(top)
+                        if top == node:
+                            break
+                    out.append(component)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, {})))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def _describe_cycle(graph: dict[str, dict[str, str]], component: list[str]) -> str:
+    """The shortest cycle from the first module of ``component`` back to it (breadth first,
+    inside the component): ``a -> b -> a (a.py:3, b.py:7)``, and the component's other modules."""
+    start, inside = component[0], set(component)
+    came_from: dict[str, str] = {}
+    queue = collections.deque([start])
+    while queue:
+        node = queue.popleft()
+        for child in sorted(graph.get(node, {})):
+            if child not in inside:
+                continue
+            if child == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                path = path[::-1] + [start]
+                where = ", ".join(graph[a][b] for a, b in zip(path, path[1:]))
+                others = [m for m in component if m not in path]
+                also = f"; in the same circle: {', '.join(others)}" if others else ""
+                return f"{' -> '.join(path)} ({where}){also}"
+            if child not in came_from:
+                came_from[child] = node
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start} inside {component}")
+
+
+def test_no_import_circle():
+    edges = all_imports()
+    assert len(edges) > 100, f"only {len(edges)} imports found: the scan is broken"
+    found = import_cycles(edges)
+    assert not found, "import circles in src/qzero ([Note: no import circle] in tests/test_layering.py):\n" + \
+        "\n".join(found)
+
+
+def _edges_of(sources: dict[str, str]):
+    """The edges of ``{path under src/qzero: source}``, read as if the files were there."""
+    out = []
+    for rel, source in sources.items():
+        path = SRC / "qzero" / rel
+        out += [(module_name(path), path, line, m) for line, m in imports_of(path, source)]
+    return out
+
+
+def test_a_circle_is_found_however_the_import_hides():
+    """The checkpoint modules as they once were: ``zero.py`` imported the checkpoint code inside its
+    methods, and the checkpoint code imported ``zero.py`` under ``TYPE_CHECKING`` for its types."""
+    old = {
+        "optim/zero.py": "def save_checkpoint(self, path):\n    from .checkpoint_save import save_checkpoint\n",
+        "optim/checkpoint_save.py": "from typing import TYPE_CHECKING\nfrom .checkpoint import module_state\n"
+                                    "if TYPE_CHECKING:\n    from .zero import ZeroOptimizer\n",
+        "optim/checkpoint.py": "from . import error_feedback\n",
+        "optim/error_feedback.py": "def pieces(layout):\n    from .checkpoint import logical_pieces_between\n",
+    }
+    assert import_cycles(_edges_of(old)) == [
+        "qzero.optim.checkpoint -> qzero.optim.error_feedback -> qzero.optim.checkpoint "
+        "(qzero/optim/checkpoint.py:1, qzero/optim/error_feedback.py:2)",
+        "qzero.optim.checkpoint_save -> qzero.optim.zero -> qzero.optim.checkpoint_save "
+        "(qzero/optim/checkpoint_save.py:4, qzero/optim/zero.py:2)"]
+    # a package and its own module: ``from . import NAME`` of a name its __init__ defines
+    package = {"fsdp/__init__.py": "NAME = 1\nfrom .group import install\n",
+               "fsdp/group.py": "def check(model):\n    from . import NAME\n"}
+    assert import_cycles(_edges_of(package)) == [
+        "qzero.fsdp -> qzero.fsdp.group -> qzero.fsdp (qzero/fsdp/__init__.py:2, qzero/fsdp/group.py:2)"]
+    assert import_cycles(_edges_of({"optim/checkpoint/save.py": "from ..delta import LoopState\n",
+                                    "optim/zero.py": "from .checkpoint.save import save_checkpoint\n"})) == []
+
+
+def test_the_checkpoint_package_only_looks_down():
+    """``optim/zero.py`` imports the checkpoint package; nothing in it imports ``zero.py`` or
+    ``qzero.optim`` (whose ``__init__`` imports ``zero.py``) at any depth ([Note: checkpoints
+    know the optimizer by its protocol] in qzero/optim/checkpoint/protocol.py)."""
+    edges = all_imports()
+    inside = "qzero.optim.checkpoint"
+    assert any(i == "qzero.optim.zero" and m.startswith(inside + ".") for i, _, _, m in edges), \
+        "optim/zero.py no longer imports the checkpoint package: the check below proves nothing"
+    up = [f"{p.relative_to(SRC)}:{line}: {i} -> {m}" for i, p, line, m in edges
+          if (i == inside or i.startswith(inside + ".")) and m in ("qzero", "qzero.optim", "qzero.optim.zero")]
+    assert not up, "the checkpoint package imports the optimizer:\n" + "\n".join(up)
 
 
 #: The modules of the planner (``qzero.layout``), lowest first: each imports only those before it.

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from _support.distributed import run_distributed
 
 import qzero
-from qzero.optim.checkpoint import logical_pieces
+from qzero.optim.checkpoint.logical import logical_pieces
 
 # ------------------------------------------------------------------ a tiny model, fp32 compute on bf16/fp16 weights
 

@@ -45,8 +45,8 @@ from torch import nn
 from ..config import ZeroConfig
 from ..wire.comm import local_outcome
 from ..layout.flat_layout import is_small_param
-from ._comms import (DeferredAgreement, agree_install, distributed, installer_config, log_report, mesh_group,
-                     settings_of, stored_report)
+from ._comms import (GATHER_REPORT_ATTR, DeferredAgreement, agree_install, distributed, installer_config, log_report,
+                     mesh_group, settings_of, stored_report)
 from .guards import StrippedCheck, rewrap_assigned, watch_optimizers
 from .tensor import GatherFormat, GatherRecord, GatherState, QuantizedGatherTensor, carries
 
@@ -63,7 +63,6 @@ __all__ = [
     "quantize_weight_gathers",
 ]
 
-_REPORT_ATTR = "_qzero_gather_report"
 _STRIPPED = "stripped: replaced by a plain tensor after quantize_weight_gathers, so FSDP2 gathers it plainly"
 
 from .group import GroupGatherReport, group_gather_report, quantize_group_gathers  # noqa: E402
@@ -189,7 +188,7 @@ def quantize_weight_gathers(
     check = StrippedCheck(model, slots)
     model.register_forward_pre_hook(check)
     watch_optimizers()
-    setattr(model, _REPORT_ATTR, _Conversion(tuple(records), tuple(plain), world, check))
+    setattr(model, GATHER_REPORT_ATTR, _Conversion(tuple(records), tuple(plain), world, check))
     log_report(gather_report(model))
     return model
 
@@ -198,7 +197,7 @@ def gather_report(model: nn.Module) -> GatherReport:
     """What FSDP2 gathers quantized in ``model`` (converted by :func:`quantize_weight_gathers`):
     read from the parameters as they are now and from their last all-gather, so a parameter
     a framework replaced by a plain tensor counts as plain ("stripped")."""
-    conversion: _Conversion = stored_report(model, _REPORT_ATTR, "quantize_weight_gathers")
+    conversion: _Conversion = stored_report(model, GATHER_REPORT_ATTR, "quantize_weight_gathers")
     stripped = set(conversion.check.stripped())
     quantized, plain, pending = [], list(conversion.plain), []
     for record in conversion.records:

@@ -51,6 +51,9 @@ GRADIENT_RENAMED = {**RENAMED, "fmt": "zero_quantized_gradients_format",
 #: names only, and those names.
 WEIGHT_RENAMED = {"kernels": "quant_kernels", "fmt": "zero_quantized_weights_format",
                   "group_size": "zero_quantized_weights_group_size"}
+#: Where :func:`qzero.fsdp.quantize_weight_gathers` leaves its record on the model (the group
+#: gather refuses a model that carries it).
+GATHER_REPORT_ATTR = "_qzero_gather_report"
 
 
 def installer_config(function, model, extra: dict, given: dict, *, switch: str,

@@ -45,8 +45,8 @@ from ..config import ZeroConfig
 from ..quant import kernels_for
 from ..vocabulary import refuse_renamed
 from .nodes import exchange_group_hosts, shard_topology, warn_once
-from ._comms import (WEIGHT_RENAMED, agree_install, groups_to_convert, install_group, installer_config, keep_report,
-                     settings_of, stored_report)
+from ._comms import (GATHER_REPORT_ATTR, WEIGHT_RENAMED, agree_install, groups_to_convert, install_group,
+                     installer_config, keep_report, settings_of, stored_report)
 
 __all__ = ["GroupGather", "GroupGatherReport", "GroupQuantizedAllGather", "quantize_group_gathers"]
 
@@ -292,10 +292,9 @@ def group_plan(sizes, small, world: int, elem_size: int, group_size: int, fmt: s
 def _check_not_per_parameter(model: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
-    from . import _REPORT_ATTR
     from .tensor import QuantizedGatherTensor
 
-    if getattr(model, _REPORT_ATTR, None) is not None:
+    if getattr(model, GATHER_REPORT_ATTR, None) is not None:
         raise ValueError("this model already gathers per parameter (qzero.fsdp.quantize_weight_gathers); the two "
                          "cannot be combined; nothing was changed")
     for name, p in model.named_parameters():

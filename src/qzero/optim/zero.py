@@ -34,6 +34,9 @@ from ..wire.engine import DEPTH as OVERLAP_DEPTH
 from ..wire.engine import CommContext
 from ..wire.labels import STEP, UPDATE, label
 from ..wire.overlap import GatherAhead
+from .checkpoint.form import sharded_state_dict
+from .checkpoint.load import load_checkpoint as load_from
+from .checkpoint.save import save_checkpoint as save_to
 from .error_feedback import ErrorFeedback
 from ..quant.reference import NOT_REFUSED
 from .delta import refusal_error
@@ -451,24 +454,18 @@ class ZeroOptimizer:
     def save_checkpoint(self, path: str) -> None:
         """Save fp32 masters, optimizer state and loss scale with torch.distributed.checkpoint
         (reshardable: load at any world size). Collective: call on every rank."""
-        from .checkpoint_save import save_checkpoint
-
         self.wait_for_weights()
-        save_checkpoint(self, path)
+        save_to(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint` at any world size, then
         rebuild the flat buffers from the masters. Collective: call on every rank."""
-        from .checkpoint_load import load_checkpoint
-
         self.wait_for_weights()
-        load_checkpoint(self, path)
+        load_from(self, path)
         self.guard.snapshot()
 
     def state_dict(self) -> dict:
         """A torch.distributed.checkpoint state dict: sharded fp32 masters and optimizer state."""
-        from .checkpoint import sharded_state_dict
-
         self.wait_for_weights()
         return sharded_state_dict(self)
 

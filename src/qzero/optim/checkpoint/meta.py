@@ -2,11 +2,11 @@
 
 It records, per parameter group, the parameter names and shapes, the optimizer state's keys
 (dtype, shape, sharded or not) and the hyperparameters, plus the loss scaler and the module
-state (:func:`qzero.optim.checkpoint_save.save_checkpoint` writes it; its presence marks a
+state (:func:`qzero.optim.checkpoint.save.save_checkpoint` writes it; its presence marks a
 complete checkpoint). Read bounded (no link, no FIFO, at most :data:`MAX_META_BYTES`), as JSON
 nested at most :data:`MAX_META_DEPTH` deep with integers inside 64 bits, then checked field by
 field against its schema: a refusal is a ``ValueError`` naming the field. What it is checked
-against (the optimizer loading it) is :mod:`qzero.optim.checkpoint_checks`'s.
+against (the optimizer loading it) is :mod:`qzero.optim.checkpoint.checks`'s.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from . import error_feedback
-from .checkpoint_index import read_regular_file, show
+from . import residuals
+from .index import read_regular_file, show
 
 META_FILE = "qzero.json"
 FORMAT_VERSION = 1
@@ -128,7 +128,7 @@ def _check_schema(meta: dict, path: str) -> None:
     scale = scaler.get("scale")
     if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
         raise fail(("loss_scaler", "scale"), scale, "a positive number")
-    error_feedback.check_metadata(meta, path)
+    residuals.check_metadata(meta, path)
 
 
 def write_metadata(directory: str, meta: dict) -> None:

@@ -2,7 +2,7 @@
 ``qzero.json`` checked against this optimizer (model, grouping, optimizer class and
 hyperparameters; [Note: the state an optimizer keeps]), its DCP index against both. Nothing
 here changes the optimizer, so a checkpoint refused here changes nothing
-(:mod:`qzero.optim.checkpoint_load`, [Note: all or nothing])."""
+(:mod:`qzero.optim.checkpoint.load`, [Note: all or nothing])."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import error_feedback
-from .checkpoint import OLD_SUFFIX, check_loop_state, module_state, replica_key, restores_replica
-from .checkpoint_index import INDEX_FILE, read_index, show
-from .checkpoint_meta import META_FILE, STATE_DTYPES
-from .checkpoint_reader import castable
+from . import residuals
+from .form import OLD_SUFFIX, check_loop_state, module_state, replica_key, restores_replica
+from .index import INDEX_FILE, read_index, show
+from .meta import META_FILE, STATE_DTYPES
+from .reader import castable
 
 if TYPE_CHECKING:
-    from .flat import FlatGroup
-    from .zero import ZeroOptimizer
+    from .protocol import Checkpointable, CheckpointGroup
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -39,7 +38,7 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def read_checked_index(path: str):
-    """The DCP index of ``path`` (read safely: see :mod:`qzero.optim.checkpoint_index`) and its
+    """The DCP index of ``path`` (read safely: see :mod:`qzero.optim.checkpoint.index`) and its
     raw bytes, after making sure every file it names is a regular file long enough."""
     index, raw = read_index(path)
     need: dict[str, int] = {}
@@ -57,7 +56,7 @@ def read_checked_index(path: str):
     return index, raw
 
 
-def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> None:
+def check_index_matches(opt: Checkpointable, meta: dict, index, path: str) -> None:
     """Every tensor the load will read is in the index with the size this optimizer expects,
     in a dtype that can be copied into where it goes."""
     expected = {k: (list(v.shape), v.dtype) for k, v in module_state(opt).items()}
@@ -73,11 +72,11 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                         f"{path!r}: {META_FILE} declares state {show(key)} of group {i} larger than its group"
                     )
                 expected[f"group{i}.state.{key}"] = (spec["shape"], dtype)
-        if restores_replica(g, saved):  # [Note: the replica in a checkpoint] in checkpoint.py
+        if restores_replica(g, saved):  # [Note: the replica in a checkpoint] in form.py
             check_loop_state(saved["delta"], f"{path!r}: {META_FILE} groups[{i}].delta", g.world_size)
             expected[replica_key(i)] = ([g.layout.used_numel], g.dtype)
-    expected.update(error_feedback.expected_entries(opt, meta))
-    error_feedback.check_index(opt, meta, index, path)  # before the sizes: a chunk per saved row
+    expected.update(residuals.expected_entries(opt, meta))
+    residuals.check_index(opt, meta, index, path)  # before the sizes: a chunk per saved row
     for fqn, (shape, dtype) in expected.items():
         entry = index.state_dict_metadata.get(fqn)
         if entry is None:
@@ -92,7 +91,7 @@ def check_index_matches(opt: ZeroOptimizer, meta: dict, index, path: str) -> Non
                              f"{entry.properties.dtype}, which cannot be loaded into {dtype}")
 
 
-def check_compatible(opt: ZeroOptimizer, meta: dict, path: str) -> None:
+def check_compatible(opt: Checkpointable, meta: dict, path: str) -> None:
     """Refuse a checkpoint of another model, grouping or optimizer, naming the difference."""
     if len(meta["groups"]) != len(opt.groups):
         raise ValueError(f"{path!r} has {len(meta['groups'])} parameter groups, this optimizer has {len(opt.groups)}")
@@ -174,7 +173,7 @@ def resumed_hyperparameters(pg: dict, saved: dict) -> dict:
 # for it; without either the load is refused.
 
 
-def _trial_state(opt: ZeroOptimizer, group: FlatGroup, hyper: dict) -> tuple[dict, torch.Tensor]:
+def _trial_state(opt: Checkpointable, group: CheckpointGroup, hyper: dict) -> tuple[dict, torch.Tensor]:
     """The inner optimizer's state after one trial step, and the parameter it was taken on."""
     inner = opt.optimizer
     param = torch.zeros(2, dtype=group.master.dtype, device=group.master.device)
@@ -191,7 +190,7 @@ def _trial_state(opt: ZeroOptimizer, group: FlatGroup, hyper: dict) -> tuple[dic
     return {k: v for k, v in probe.state[param].items() if isinstance(v, torch.Tensor)}, param
 
 
-def kept_state(opt: ZeroOptimizer, meta: dict, path: str) -> list[dict[str, dict]]:
+def kept_state(opt: Checkpointable, meta: dict, path: str) -> list[dict[str, dict]]:
     """Per group, what the inner optimizer keeps with the checkpoint's hyperparameters: key ->
     ``{"sharded", "shape", "dtype", "device"}`` ([Note: the state an optimizer keeps])."""
     name = type(opt.optimizer).__name__
@@ -215,7 +214,7 @@ def kept_state(opt: ZeroOptimizer, meta: dict, path: str) -> list[dict[str, dict
     return out
 
 
-def check_state(opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]], path: str) -> None:
+def check_state(opt: Checkpointable, meta: dict, kept: list[dict[str, dict]], path: str) -> None:
     """The checkpoint's optimizer state is what the inner optimizer keeps, or none at all."""
     name = type(opt.optimizer).__name__
     for i, (saved, want) in enumerate(zip(meta["groups"], kept)):

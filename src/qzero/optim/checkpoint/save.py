@@ -12,17 +12,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..wire.comm import peer_failure
-from . import error_feedback
-from .checkpoint import OLD_SUFFIX, TMP_SUFFIX, layout_key, module_state, saved_deviations, sharded_state_dict
-from .checkpoint_meta import FORMAT_VERSION, write_metadata
+from ...wire.comm import peer_failure
+from . import residuals
+from .form import OLD_SUFFIX, TMP_SUFFIX, layout_key, module_state, saved_deviations, sharded_state_dict
+from .meta import FORMAT_VERSION, write_metadata
 
 if TYPE_CHECKING:
-    from .flat import FlatGroup
-    from .zero import ZeroOptimizer
+    from .protocol import Checkpointable, CheckpointGroup
 
 
-def _state_keys(opt: ZeroOptimizer, group: FlatGroup) -> dict[str, dict]:
+def _state_keys(opt: Checkpointable, group: CheckpointGroup) -> dict[str, dict]:
     """Inner optimizer state of one group: which keys are sharded, which are scalars."""
     out = {}
     for key, value in opt.optimizer.state.get(group.master, {}).items():
@@ -33,7 +32,7 @@ def _state_keys(opt: ZeroOptimizer, group: FlatGroup) -> dict[str, dict]:
     return out
 
 
-def _metadata(opt: ZeroOptimizer) -> dict:
+def _metadata(opt: Checkpointable) -> dict:
     groups = []
     deviations = saved_deviations(opt)  # [Note: the replica in a checkpoint]
     for g, pg, deviation in zip(opt.groups, opt.optimizer.param_groups, deviations):
@@ -58,9 +57,9 @@ def _metadata(opt: ZeroOptimizer) -> dict:
         "module_state": {k: list(v.shape) for k, v in module_state(opt).items()},
         "groups": groups,
     }
-    residuals = error_feedback.metadata(opt)
-    if residuals is not None:
-        meta[error_feedback.META_KEY] = residuals
+    saved_residuals = residuals.metadata(opt)
+    if saved_residuals is not None:
+        meta[residuals.META_KEY] = saved_residuals
     return meta
 
 
@@ -72,7 +71,7 @@ def _json_default(v):
     raise TypeError(f"hyperparameter value {v!r} cannot be saved as JSON")
 
 
-def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
+def save_checkpoint(opt: Checkpointable, path: str) -> None:
     """Write aside, then rename into place: a save killed at any point leaves the previous
     checkpoint at ``path`` (or, between the two renames, at ``path + ".replaced"``, which
     :func:`load_checkpoint` falls back to). What rank 0 does on its own (clearing a killed
@@ -108,7 +107,7 @@ def save_checkpoint(opt: ZeroOptimizer, path: str) -> None:
                f"putting {path!r} in place")
 
 
-def _on_rank_0(opt: ZeroOptimizer, work, failed: str, what: str) -> None:
+def _on_rank_0(opt: Checkpointable, work, failed: str, what: str) -> None:
     """Run ``work`` on rank 0 alone, then let every rank learn whether it succeeded (one
     1-element all-reduce, in place of a barrier): rank 0 raises its own error, every other
     rank a ``RuntimeError`` saying ``failed``."""

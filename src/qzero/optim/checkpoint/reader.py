@@ -1,11 +1,11 @@
 """The tensor files of a checkpoint, read as untrusted input: DCP's storage reader over the
-index :mod:`qzero.optim.checkpoint_index` has read and rebuilt.
+index :mod:`qzero.optim.checkpoint.index` has read and rebuilt.
 
 :class:`IndexedReader` gives DCP that rebuilt index (the file is not read again) and reads
 each tensor with ``torch.load(weights_only=True)`` from the byte range the index names,
 refusing any read that is not a dense CPU tensor of the dtype the index gives, castable into
 its target (:func:`castable`), on every supported torch. Tensor files are opened like every
-checkpoint file (:data:`qzero.optim.checkpoint_index.OPEN_FLAGS`: no link, no waiting).
+checkpoint file (:data:`qzero.optim.checkpoint.index.OPEN_FLAGS`: no link, no waiting).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from .checkpoint_index import OPEN_FLAGS, show
+from .index import OPEN_FLAGS, show
 
 
 def _dtypes(*names: str) -> frozenset:
@@ -78,7 +78,7 @@ class IndexedReader(dcp.FileSystemReader):
     which ``copy_`` can convert into its target, of the expected size) and copies it into
     its target. A failure raises: DCP gathers every rank's outcome and raises on all of
     them. Whatever was copied before it is put back by the loader ([Note: all or nothing]
-    in :mod:`qzero.optim.checkpoint_load`).
+    in :mod:`qzero.optim.checkpoint.load`).
     """
 
     def __init__(self, directory: str, index: _dcp_md.Metadata) -> None:

@@ -1,6 +1,6 @@
-"""Loading a checkpoint into a ZeroOptimizer, all of it on every rank or nothing on any
-([Note: all or nothing]): the checks of :mod:`qzero.optim.checkpoint_checks`, the ranks'
-agreement, DCP's read through :class:`qzero.optim.checkpoint_reader.IndexedReader`, the checks
+"""Loading a checkpoint into a Checkpointable, all of it on every rank or nothing on any
+([Note: all or nothing]): the checks of :mod:`qzero.optim.checkpoint.checks`, the ranks'
+agreement, DCP's read through :class:`qzero.optim.checkpoint.reader.IndexedReader`, the checks
 of what was read, then the optimizer's state replaced and the weights gathered."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..wire.agreement import digest
-from ..wire.comm import peer_failure
-from . import error_feedback
-from .checkpoint import logical_pieces, logical_shards, module_state, replica_deviation, replica_key, restores_replica
-from .checkpoint_checks import (
+from ...wire.agreement import digest
+from ...wire.comm import peer_failure
+from . import residuals
+from .checks import (
     check_compatible,
     check_index_matches,
     check_state,
@@ -27,12 +26,14 @@ from .checkpoint_checks import (
     resolve_checkpoint,
     resumed_hyperparameters,
 )
-from .checkpoint_index import show
-from .checkpoint_meta import STATE_DTYPES, read_metadata
-from .checkpoint_reader import IndexedReader
+from .form import module_state, replica_deviation, replica_key, restores_replica
+from .index import show
+from .logical import logical_pieces, logical_shards
+from .meta import STATE_DTYPES, read_metadata
+from .reader import IndexedReader
 
 if TYPE_CHECKING:
-    from .zero import ZeroOptimizer
+    from .protocol import Checkpointable
 
 
 # [Note: all or nothing]
@@ -52,9 +53,9 @@ if TYPE_CHECKING:
 # weights gathered.
 
 
-def load_checkpoint(opt: ZeroOptimizer, path: str) -> None:
+def load_checkpoint(opt: Checkpointable, path: str) -> None:
     """See [Note: all or nothing]."""
-    from ..wire.comm import agree_or_raise
+    from ...wire.comm import agree_or_raise
 
     error, fields, meta, index, load = None, None, None, None, None
     try:
@@ -102,7 +103,7 @@ def _bounded(e: ValueError, limit: int = 1000) -> ValueError:
 class _PendingLoad:
     """What one load reads into, and how it is put in place or undone ([Note: all or nothing])."""
 
-    def __init__(self, opt: ZeroOptimizer, meta: dict, kept: list[dict[str, dict]]):
+    def __init__(self, opt: Checkpointable, meta: dict, kept: list[dict[str, dict]]):
         """Allocate (local only: no collective, it runs before the ranks agree)."""
         self.opt, self.meta = opt, meta
         self.states: list[dict[str, torch.Tensor]] = []
@@ -115,9 +116,9 @@ class _PendingLoad:
                     shape, device = spec["shape"], kept[i][key]["device"]
                 state[key] = torch.zeros(shape, dtype=STATE_DTYPES[spec["dtype"]], device=device)
             self.states.append(state)
-        self.residuals = error_feedback.ResidualLoad(opt, meta)
+        self.residuals = residuals.ResidualLoad(opt, meta)
         # delta gathers: the groups whose replica the checkpoint restores ([Note: the replica in a
-        # checkpoint] in checkpoint.py)
+        # checkpoint] in form.py)
         self.replicas = [restores_replica(g, saved) for g, saved in zip(opt.groups, meta["groups"])]
         # what is read in place, copied aside (to the host) to be put back on a refusal
         self._in_place = ([g.master for g in opt.groups] + list(module_state(opt).values())
@@ -147,7 +148,7 @@ class _PendingLoad:
         """Finite masters, state and error-feedback residuals; the same replicated tensors on
         every rank (one exchange, [Note: agreement] in qzero/wire/agreement.py: a differing
         tensor is named by its details)."""
-        from ..wire.comm import agree_or_raise
+        from ...wire.comm import agree_or_raise
 
         replicated = dict(module_state(self.opt))
         for i, state in enumerate(self.states):
@@ -171,7 +172,7 @@ class _PendingLoad:
 
     def _replica_distances(self) -> dict[int, tuple[float, float | None]]:
         """Per group whose replica is to be restored with a recorded deviation: this rank's
-        deviation as read, and as saved ([Note: the replica in a checkpoint] in checkpoint.py)."""
+        deviation as read, and as saved ([Note: the replica in a checkpoint] in form.py)."""
         out = {}
         for i, (g, saved, restore) in enumerate(zip(self.opt.groups, self.meta["groups"], self.replicas)):
             if restore and saved["delta"].get("deviation") is not None:
@@ -182,7 +183,7 @@ class _PendingLoad:
         """Every rank learns which ranks read a replica farther from its rounded masters than at
         save (one all-gather; the same groups on every rank: the metadata is agreed); those groups'
         replicas are not restored but resynced exactly, and every rank warns."""
-        from ..wire.comm import all_gather_into, peer_failure
+        from ...wire.comm import all_gather_into, peer_failure
 
         if not distances:
             return
@@ -242,7 +243,7 @@ class _PendingLoad:
             grads.zero()
         # The configured gather, as after a step: resuming at the same world size is bit-exact.
         # Delta gathers: the saved replica, or an exact resync ([Note: the replica in a checkpoint]
-        # in checkpoint.py).
+        # in form.py).
         with torch.no_grad():
             for g, saved, restore in zip(opt.groups, self.meta["groups"], self.replicas):
                 if restore:

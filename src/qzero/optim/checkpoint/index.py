@@ -24,7 +24,7 @@ from someone else, so the index is read in three steps:
    shorter than a byte per element of its chunk (``torch.save`` stores them uncompressed),
    so the size an entry claims is backed by its tensor files (their lengths are checked
    before reading).
-3. :class:`qzero.optim.checkpoint_reader.IndexedReader` gives DCP that rebuilt index (the
+3. :class:`qzero.optim.checkpoint.reader.IndexedReader` gives DCP that rebuilt index (the
    file is not read again) and reads each tensor with ``torch.load(weights_only=True)`` from
    the byte range the index names, checking it before it is copied.
 
