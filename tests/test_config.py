@@ -1,9 +1,5 @@
 """ZeroConfig: DeepSpeed key names, validation, from_dict."""
 
-import dataclasses
-import os
-import re
-
 import pytest
 
 from qzero import ZeroConfig

@@ -22,7 +22,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from _support.distributed import run_distributed
 from test_grad_quant import (ADAMW, GS, HAVE_KERNELS, SHAPES, SMALL, Chosen, assert_kernels_match_reference, coeffs,
                              contributions, grad_worker)

@@ -257,7 +257,8 @@ def _saver(path, conn):
     while True:
         step += 1
         opt.backward((model(torch.randn(8, 64).bfloat16()).float() ** 2).mean())
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         opt.save_checkpoint(path)
         conn.send(step)
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..vocabulary import BACKENDS, PRECISIONS, REDUCE_DTYPES, WEIGHT_FORMATS, ZERO_ALIASES
+from ..vocabulary import BACKENDS, PRECISIONS, ZERO_ALIASES
 
 if TYPE_CHECKING:
     from .train import TrainSettings

@@ -27,11 +27,9 @@ import torch.distributed as dist
 
 from ..config import ZeroConfig
 from ..layout.flat_layout import DEFAULT_SMALL_PARAM_NUMEL
+from ..vocabulary import BACKENDS, PRECISIONS, RENAMED_SETTINGS, ZERO_ALIASES, refuse_renamed
 
 SAMPLE_SIZE = 4096
-
-
-from ..vocabulary import BACKENDS, PRECISIONS, RENAMED_SETTINGS, ZERO_ALIASES, refuse_renamed
 
 
 @refuse_renamed(**RENAMED_SETTINGS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, ZeroConfig, _as_int, refuse_renamed_keys
+from ..config import DEFAULT_GROUP_SIZE, ZeroConfig, _as_int, refuse_renamed_keys
 from .deepspeed_grads import GradientReductionSettings
 
 # The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.

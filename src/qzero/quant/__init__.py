@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ..vocabulary import KERNELS
-from . import reference
 from .formats import FORMATS, SCALE_BYTES, QuantFormat, check_group_size, get_format
 from .kernel_set import REFERENCE_KERNELS, GatherKernels, GradientKernels
 from .reference import dequantize, quantize

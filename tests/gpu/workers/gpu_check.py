@@ -39,7 +39,7 @@ if SHARE_GPU:  # benchmarks/scripts/one_gpu.py, loaded by its path (the scripts 
     route_collectives()
 
 import qzero  # noqa: E402
-from qzero.app.workload import build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import build_model, global_batch, load_corpus, model_config  # noqa: E402
 
 
 #: Set by install_delays: wraps each optimizer's collective (CommContext.all_gather).

@@ -135,7 +135,7 @@ class ByteAccountant:
             self._book("send", dst, _nbytes(a.get(0, "tensor")))
 
     def _all_to_all_single(self, a: _Args) -> None:
-        out, inp = a.get(0, "output"), a.get(1, "input")
+        inp = a.get(1, "input")
         splits = a.get(3, "input_split_sizes")
         ranks = self._ranks(a.group())
         n = len(ranks)
