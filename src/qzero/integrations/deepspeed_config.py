@@ -184,7 +184,8 @@ def _settings_from(zero: dict) -> QuantizedWeightsSettings:
         raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
 
 
-def _check_gradient_keys(zero: dict, stage: int, settings: QuantizedWeightsSettings) -> GradientReductionSettings | None:
+def _check_gradient_keys(zero: dict, stage: int,
+                         settings: QuantizedWeightsSettings) -> GradientReductionSettings | None:
     """Validate the quantized-gradient keys (as :class:`qzero.ZeroConfig` does) and pop qzero's
     own ones from ``zero`` (a copy). At stage 2, ``zero_quantized_gradients=true`` is qzero's
     quantized gradient reduction (:mod:`qzero.integrations.deepspeed_grads`; the key is popped

@@ -63,7 +63,8 @@ def kernels_for(device: torch.device, choice="auto"):
     triton = _triton_kernels()
     if choice == "triton":
         if triton is None:
-            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
+            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed "
+                             "or cannot run here")
         return triton
     return triton if device.type == "cuda" and triton is not None else REFERENCE_KERNELS
 

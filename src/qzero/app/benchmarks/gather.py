@@ -43,7 +43,8 @@ MiB = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None):
-    ap = argparse.ArgumentParser(prog="qzero bench gather", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="qzero bench gather", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2048Mi,256Mi", help="flat sizes in parameters, e.g. 2048Mi,256Mi")
     ap.add_argument("--formats", default="int8,fp8,int4")
     ap.add_argument("--zero-quantized-weights-group-size", dest="group_size", type=int, default=64,
@@ -245,7 +246,8 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     return bool(torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
 
 
-def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> tuple[list[dict], KernelTuning]:
+def tune(n: int, fmt: str, gs: int, dtype: torch.dtype,
+         shapes: list[tuple[int, int]]) -> tuple[list[dict], KernelTuning]:
     """Sweep launch shapes for payloads without and with exact elements: the rows, and the
     :class:`~qzero.quant.triton_launch.KernelTuning` with the fastest (pack + unpack) of each."""
     rows, best = [], DEFAULT_TUNING
@@ -256,8 +258,9 @@ def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, 
             r = kernel_case(n, fmt, gs, dtype, exact, tuned(dataclasses.replace(best, **fields)))
             rows.append({"exact": exact, "block_elems": block, "num_warps": warps, **r})
         top = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
-        best = dataclasses.replace(best, **(dict(exact_block_elems=top["block_elems"], exact_num_warps=top["num_warps"])
-                                            if exact else dict(block_elems=top["block_elems"], num_warps=top["num_warps"])))
+        best = dataclasses.replace(best, **(
+            dict(exact_block_elems=top["block_elems"], exact_num_warps=top["num_warps"])
+            if exact else dict(block_elems=top["block_elems"], num_warps=top["num_warps"])))
     return rows, best
 
 
@@ -385,11 +388,14 @@ def single_markdown(res: dict) -> str:
             ref_txt = f"{ref['pack_ms']:.2f} / {ref['unpack_ms']:.2f}" if ref else "-"
             lines.append(
                 f"| {size_label(e['numel'])} | {fmt} | {k['pack_ms']:.3f} | {k['pack_GBps']:.0f} | "
-                f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | {k['unpack_frac_copy']:.0%} | "
+                f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | "
+                f"{k['unpack_frac_copy']:.0%} | "
                 f"{x['pack_ms']:.3f} / {x['unpack_ms']:.3f} | {ref_txt} | "
                 f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} | "
-                f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / {e['plain_gather'].get('api_ms', float('nan')):.2f} | "
-                f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / {e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
+                f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / "
+                f"{e['plain_gather'].get('api_ms', float('nan')):.2f} | "
+                f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / "
+                f"{e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
             )
     delta_rows = [(e, fmt, r) for e in res["sizes"] for fmt, r in e["formats"].items() if "delta_kernel" in r]
     if delta_rows:
@@ -399,7 +405,8 @@ def single_markdown(res: dict) -> str:
             "slice (bf16/fp16) and writes the payload; the unpack reads every rank's payload of a DP2 chunk and adds "
             "it into the replica in place (reads and writes it). 'size' is one rank's slice.",
             "",
-            "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy | pack/unpack ms, exact |",
+            "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy "
+            "| pack/unpack ms, exact |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for e, fmt, r in delta_rows:
@@ -487,7 +494,8 @@ def size_entry(numel: int, element_size: int, times: dict[str, list[float]]) -> 
 def multi_gpu(args) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     formats = args.formats.split(",")
-    out = multi_header(dist.get_world_size(), regime_label(args), args.group_size, args.dtype, args.bucket, versions())
+    out = multi_header(dist.get_world_size(), regime_label(args), args.group_size, args.dtype, args.bucket,
+                       versions())
     for n in (parse_size(s) for s in args.sizes.split(",")):
         out["sizes"].append(multi_gpu_size(args, n, dtype, formats))
     return out
