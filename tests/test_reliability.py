@@ -1,4 +1,5 @@
-"""Reliability: non-finite weights, dead ranks, killed checkpoint saves (tampered checkpoints: test_checkpoint_security.py)."""
+"""Reliability: non-finite weights, dead ranks, killed checkpoint saves (tampered checkpoints:
+test_checkpoint_security.py)."""
 
 import datetime
 import functools
