@@ -81,7 +81,8 @@ def main():
             loss = loss.detach()
             dist.all_reduce(loss)
             if rank == 0:
-                print(f"step {step:3d}  loss {loss.item() / world:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
+                print(f"step {step:3d}  loss {loss.item() / world:.4f}  ({time.perf_counter() - start:.1f} s)",
+                      flush=True)
     if rank == 0:
         mode = ("INT8 g64 per FSDP module" if args.per_group else "INT8 g64") if args.quant else "plain"
         print(f"{args.steps} steps, {mode} gather: {time.perf_counter() - start:.1f} s")

@@ -60,7 +60,8 @@ def tiny_llama3_config(dim: int = 64, layers: int = 2, heads: int = 4):
     config = llama3.Llama3Model.Config(
         dim=dim,
         vocab_size=BYTE_VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=BYTE_VOCAB, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        tok_embeddings=Embedding.Config(num_embeddings=BYTE_VOCAB, embedding_dim=dim,
+                                        param_init=llama3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=BYTE_VOCAB, param_init=llama3._output_linear_init(dim)),
         layers=llama3._build_llama3_layers(

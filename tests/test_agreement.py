@@ -9,7 +9,8 @@ leaving the process group usable.
 * the inner optimizer of ``ZeroOptimizer``: its class and every hyperparameter of every
   parameter group as constructed (tensors, None, bools, tuples, floats by their exact bits);
 * ``qzero.fsdp``'s settings (by ZeroConfig's names: the format, the group size,
-  ``small_param_numel``, the rotation block, what is quantized; given by their short names here), at install when a process group exists, else at the first forward;
+  ``small_param_numel``, the rotation block, what is quantized; given by their short names
+  here), at install when a process group exists, else at the first forward;
 * the public gathers and the constructor: an argument that cannot enter the exchange
   (``allgather_bucket_size=2**70``) or a local failure of any exception type on one rank.
 """
@@ -77,13 +78,15 @@ def _meta_flat(rank, world):
 
 
 case("quantized: allgather_bucket_size 2**70 on one rank", "gather",
-     _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**70 if r == 0 else 2**20),
+     _gather("quantized_all_gather", lambda r, w: _flat(w),
+             allgather_bucket_size=lambda r, w: 2**70 if r == 0 else 2**20),
      rf"allgather_bucket_size 1180591620717411303424 is out of range.*64-bit|{rejected(0)}")
 case("quantized: allgather_bucket_size 2**70 on every rank", "gather",
      _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**70),
      r"allgather_bucket_size 1180591620717411303424 is out of range")
 case("quantized: group_size 2**70 (and a bucket to hold it) on the last rank", "gather",
-     _gather("quantized_all_gather", lambda r, w: _flat(w), allgather_bucket_size=lambda r, w: 2**80 if r == w - 1 else 2**20,
+     _gather("quantized_all_gather", lambda r, w: _flat(w),
+             allgather_bucket_size=lambda r, w: 2**80 if r == w - 1 else 2**20,
              zero_quantized_weights_group_size=lambda r, w: 2**70 if r == w - 1 else 64),
      r"zero_quantized_weights_group_size (1180591620717411303424 is out of range|must be at most 2\*\*48)"
      r"|rank\(s\) \[[12]\] rejected")
@@ -109,7 +112,8 @@ class Net(torch.nn.Module):
 
     def loss(self):
         x = torch.linspace(-1, 1, 16).view(2, 8)
-        return ((torch.nn.functional.linear(x, self.lin.weight.float(), self.lin.bias.float()) * self.norm.float()) ** 2).mean()
+        return ((torch.nn.functional.linear(x, self.lin.weight.float(), self.lin.bias.float())
+                 * self.norm.float()) ** 2).mean()
 
 
 def _opt(factory_of, config=None, groups_of=None):
@@ -162,7 +166,8 @@ case("AdamW on rank 0, SGD on the others", "optimizer",
      r"torch\.optim\.sgd\.SGD \(ranks? 1")
 case("learning rate differs on the last rank", "optimizer",
      _opt(lambda r, w: _adamw(r, w, lr=2e-2 if r == w - 1 else 1e-2)),
-     r"a hyperparameter of the inner optimizer differs between ranks: param group 0 'lr': 0\.01 \(ranks? 0.*0\.02 \(rank [12]\)")
+     r"a hyperparameter of the inner optimizer differs between ranks: "
+     r"param group 0 'lr': 0\.01 \(ranks? 0.*0\.02 \(rank [12]\)")
 case("learning rate one float step apart", "optimizer",
      _opt(lambda r, w: _adamw(r, w, lr=1e-2 if r else float.__new__(float, 0.010000000000000002))),
      r"param group 0 'lr': 0\.010000000000000002 \(rank 0\), 0\.01 \(ranks? 1")

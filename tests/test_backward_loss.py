@@ -31,7 +31,8 @@ def x():
 
 BAD = [
     ("None (an HF model called without labels)", lambda m: None, TypeError, r"got NoneType.*without labels"),
-    ("a model output", lambda m: Output(m(x()).float().mean()), TypeError, r"got Output \(a model output: pass its \.loss\)"),
+    ("a model output", lambda m: Output(m(x()).float().mean()), TypeError,
+     r"got Output \(a model output: pass its \.loss\)"),
     ("a float", lambda m: 3.0, TypeError, r"loss must be a torch\.Tensor, got float"),
     ("an integer tensor", lambda m: torch.tensor(3), TypeError, r"floating-point tensor, got dtype torch\.int64"),
     ("not a scalar", lambda m: m(x()).float().sum(dim=1), ValueError, r"scalar \(one element\), got shape \(4,\)"),

@@ -99,7 +99,8 @@ def _write_index(path, md) -> None:
 
 
 def _rewrite(path, fqn, change, dtype=None) -> None:
-    """Every chunk of ``fqn`` replaced by ``change(chunk, offset)`` (in ``dtype``, declared so), in files of their own."""
+    """Every chunk of ``fqn`` replaced by ``change(chunk, offset)`` (in ``dtype``, declared so), in
+    files of their own."""
     md = _index(path)
     for k, key in enumerate(sorted((k for k in md.storage_data if k.fqn == fqn), key=lambda k: tuple(k.offset))):
         info = md.storage_data[key]
@@ -148,7 +149,8 @@ def _claim_ranks(ranks, also_world_size, stored_bytes=None):
         length = (ranks - 2) * N * 2 if stored_bytes is None else stored_bytes
         with open(os.path.join(path, "__claimed.distcp"), "wb") as f:
             f.truncate(length)
-        md.storage_data[dcp_md.MetadataIndex(RESIDUALS, extra.offsets)] = dcp_fs._StorageInfo("__claimed.distcp", 0, length)
+        md.storage_data[dcp_md.MetadataIndex(RESIDUALS, extra.offsets)] = dcp_fs._StorageInfo(
+            "__claimed.distcp", 0, length)
         _write_index(path, md)
     return tamper
 
@@ -158,7 +160,8 @@ AT = 100  # a logical element of 'emb.weight'
 
 TAMPER = {
     "genuine": lambda path: None,
-    "residual NaN in rank 1's row": lambda path: _rewrite(path, RESIDUALS, lambda c, o: _poke(float("nan"), AT)(c, o) if o >= N else c),
+    "residual NaN in rank 1's row": lambda path: _rewrite(path, RESIDUALS,
+                                                          lambda c, o: _poke(float("nan"), AT)(c, o) if o >= N else c),
     "residual Inf": lambda path: _rewrite(path, RESIDUALS, _poke(float("inf"), AT)),
     "residual 1e300 in float64": lambda path: _rewrite(path, RESIDUALS, _poke(1e300, AT), torch.float64),
     "16384 ranks claimed": _claim_ranks(16384, also_world_size=False),

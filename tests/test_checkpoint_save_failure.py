@@ -55,5 +55,6 @@ def test_a_save_failing_on_rank_0_raises_on_every_rank(tmp_path, world, where):
     rank0, *others = results
     assert rank0[0] is not None and ("No space left" in rank0[0] or "Permission denied" in rank0[0]), rank0
     for raised, _ in others:
-        assert raised is not None and raised.startswith("RuntimeError: save_checkpoint(") and "rank 0 could not" in raised
+        assert (raised is not None and raised.startswith("RuntimeError: save_checkpoint(")
+                and "rank 0 could not" in raised)
     assert all(same for _, same in results), results  # the checkpoint at path is the previous one

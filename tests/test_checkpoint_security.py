@@ -26,7 +26,8 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint.format_utils as format_utils
-from _support.checkpoints import ADAMW, Attempt, Call, assert_same, files_under, fresh, save_genuine, small_model, snapshot, train
+from _support.checkpoints import (ADAMW, Attempt, Call, assert_same, files_under, fresh, save_genuine, small_model,
+                                  snapshot, train)
 from _support.distributed import run_distributed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -416,7 +417,8 @@ def _check_attempt(box: Attempt, genuine_state: dict, data: bytes) -> None:
 
 
 FUZZ = dict(deadline=None, max_examples=120, derandomize=True,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                   HealthCheck.data_too_large])
 
 
 @settings(**FUZZ)

@@ -38,7 +38,8 @@ def test_qualify_end_to_end_writes_a_report(tmp_path):
     assert report["gates"]["baseline_reproducible"] and report["gates"]["candidate_reproducible"]
     assert report["arms"][1]["bytes_sent_per_step"] < 0.6 * report["arms"][0]["bytes_sent_per_step"]
     assert report["environment"]["command"].startswith("qzero qualify")
-    assert report["differing_settings"] == {"overlap_param_gather": [False, True], "zero_quantized_weights": [False, True]}
+    assert report["differing_settings"] == {"overlap_param_gather": [False, True],
+                                            "zero_quantized_weights": [False, True]}
     for name in ("report.md", "loss.png", "step_times.png", "bytes.png"):
         assert (out / name).stat().st_size > 0
     assert all(log.stat().st_size > 0 for log in out.glob("arm*.log"))  # empty logs are not left behind
@@ -114,10 +115,14 @@ def test_train_runs_and_records(tmp_path):
         (["qualify", "--repeats", "0"], "^qzero: error: --repeats must be at least 1, got 0$"),
         (["qualify", "--tolerance", "-1"], "--tolerance must be a finite number >= 0, got -1.0"),
         (["qualify", "--max-loss-diff", "nan"], "--max-loss-diff must be a finite number >= 0, got nan"),
-        (["qualify", "--candidate", "quantised=true"], "unknown setting 'quantised' .not a workload setting, ZeroConfig field or short name.; did you mean quantized"),
+        (["qualify", "--candidate", "quantised=true"],
+         "unknown setting 'quantised' .not a workload setting, ZeroConfig field or short name.; "
+         "did you mean quantized"),
         (["qualify", "--candidate", "quantized"], "expected KEY=VALUE"),
         (["qualify", "--baseline", "quantized=true", "--candidate", "quantized=true"], "no difference configured"),
-        (["qualify", "--candidate", "fmt=int4"], "--candidate zero_quantized_weights_format=...: does nothing while this arm.s zero_quantized_weights is false"),
+        (["qualify", "--candidate", "fmt=int4"],
+         "--candidate zero_quantized_weights_format=...: "
+         "does nothing while this arm.s zero_quantized_weights is false"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -194,7 +199,8 @@ def test_special_files_and_impossible_models_are_refused_before_any_rank_starts(
     results = json.loads(res.stdout.strip().splitlines()[-1])
     expected = [f"data {fifo} is a pipe, not a regular file", f"model config {fifo} is a pipe",
                 r"data /dev/fd/\d+ is a pipe", "model config /dev/zero is a character device",
-                r"2,\d{3},\d{3},\d{3},\d{3} parameters need at least .* TiB a rank", "--out /proc/run.json: cannot create a file"]
+                r"2,\d{3},\d{3},\d{3},\d{3} parameters need at least .* TiB a rank",
+                "--out /proc/run.json: cannot create a file"]
     for (rc, err), message in zip(results, expected):
         assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("qzero: error: "), err
         assert re.search(message, err), err
@@ -287,12 +293,14 @@ def test_arm_settings_take_zero_config_names_and_short_names():
     assert (b.zero.overlap_param_gather, c.zero.overlap_param_gather) == (False, True)
     assert b.zero.small_param_numel == c.zero.small_param_numel == 1024  # the tiny preset's threshold
     assert base.zero == b.zero
-    _, b, c = arms("--no-overlap-param-gather", "--preset", "small", "--baseline", "fmt=int4", "--baseline", "quantized=true",
+    _, b, c = arms("--no-overlap-param-gather", "--preset", "small", "--baseline", "fmt=int4",
+                   "--baseline", "quantized=true",
                    "--candidate", "zero_quantized_weights_format=fp8", "--candidate", "group-size=128",
                    "--candidate", "small_param_numel=0", "--candidate", "quantized=true")
     assert (b.zero.zero_quantized_weights_format, c.zero.zero_quantized_weights_format) == ("int4", "fp8")
     assert c.zero.zero_quantized_weights_group_size == 128 and b.zero.zero_quantized_weights_group_size == 64
-    assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather  # --no-overlap-param-gather holds for both
+    # --no-overlap-param-gather holds for both
+    assert not b.zero.overlap_param_gather and not c.zero.overlap_param_gather
     assert (b.zero.small_param_numel, c.zero.small_param_numel) == (4096, 0)
     _, b, c = arms("--small-param-numel", "7", "--allgather-bucket-size", "5e7", "--candidate", "overlap=false")
     assert b.zero.small_param_numel == c.zero.small_param_numel == 7
@@ -333,8 +341,10 @@ def test_the_parameter_count_is_a_real_builds_and_the_memory_bound_is_its_formul
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys\nfrom qzero.app.cli import main\nfor argv in (['--help'], ['train', '--help'], ['qualify', '--help']):\n"
-            "    try:\n        main(argv)\n    except SystemExit:\n        pass\nprint('torch imported:', 'torch' in sys.modules)")
+    code = ("import sys\nfrom qzero.app.cli import main\n"
+            "for argv in (['--help'], ['train', '--help'], ['qualify', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch imported:', 'torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "zero_quantized_weights=true" in res.stdout and "qwen3-125m-byte" in res.stdout

@@ -1,9 +1,5 @@
 """ZeroConfig: DeepSpeed key names, validation, from_dict."""
 
-import dataclasses
-import os
-import re
-
 import pytest
 
 from qzero import ZeroConfig
@@ -65,9 +61,12 @@ def test_int4_gradients_default_to_groups_of_256_and_the_8_bit_formats_to_64():
     """zero_quantized_gradients_group_size left as None resolves by format (the README's
     "64 (256 for int4)"); a value given is kept for every format."""
     assert ZeroConfig().zero_quantized_gradients_group_size == 64
-    assert ZeroConfig(zero_quantized_gradients=True, zero_quantized_gradients_format="int4").zero_quantized_gradients_group_size == 256
-    assert ZeroConfig(zero_quantized_gradients=True, zero_quantized_gradients_format="fp8").zero_quantized_gradients_group_size == 64
-    assert ZeroConfig(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=64).zero_quantized_gradients_group_size == 64
+    assert ZeroConfig(zero_quantized_gradients=True,
+                      zero_quantized_gradients_format="int4").zero_quantized_gradients_group_size == 256
+    assert ZeroConfig(zero_quantized_gradients=True,
+                      zero_quantized_gradients_format="fp8").zero_quantized_gradients_group_size == 64
+    assert ZeroConfig(zero_quantized_gradients_format="int4",
+                      zero_quantized_gradients_group_size=64).zero_quantized_gradients_group_size == 64
     assert ZeroConfig.from_dict({"zero_quantized_gradients_format": "int4"}).zero_quantized_gradients_group_size == 256
     with pytest.raises(ValueError, match="zero_quantized_gradients_group_size"):
         ZeroConfig(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=12)

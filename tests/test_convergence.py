@@ -297,7 +297,8 @@ def test_world_size_1_quantizes_the_weights(fmt, group):
     masters = quant.master.to(torch.bfloat16)
     assert torch.equal(params(plain, plain.flat), params(quant, masters))
     # the small parameters, and the groups cheaper sent verbatim than coded ([Note: exact groups])
-    exact = torch.from_numpy(side_mask(masters.numel(), 1, group, quant.layout.exact_ranges, fmt, 2)).nonzero().flatten()
+    exact = torch.from_numpy(side_mask(masters.numel(), 1, group, quant.layout.exact_ranges, fmt, 2)
+                             ).nonzero().flatten()
     values, scales = quantize(masters, group, fmt, exact)
     expected = dequantize(values, scales, masters.numel(), group, fmt, torch.bfloat16)
     expected[exact] = masters[exact]
@@ -380,7 +381,8 @@ def test_from_arms_rebuilds_the_study_from_per_arm_records(tmp_path):
     assert study["note"] == "INT8 g8192's record was lost" and study["wall_s"] == 188
     assert study["date"] == "2026-11-30T14:08+00:00" and study["environment"]["torch"] == "2.11.0+cu130"
     assert study["complete"] and study["steps"] == steps and study["micro_batch"] == 8 and study["clip"] == 1.0
-    assert study["params"] == 125_456_640 and study["settings"]["fp8-g64"]["zero"]["zero_quantized_weights_format"] == "fp8"
+    assert (study["params"] == 125_456_640
+            and study["settings"]["fp8-g64"]["zero"]["zero_quantized_weights_format"] == "fp8")
     assert study["summary"] == json.loads(json.dumps(conv.final_losses(losses, "bf16", last=10)))
     assert study["target"]["verdict"].startswith("INT8 g64 vs bf16: +0.20% — within")
     for arm in study["arms"].values():
@@ -501,9 +503,11 @@ def test_heldout_losses_are_tabled_plotted_and_kept(tmp_path):
                   "bytes_sent_per_step": 1000 if name == "bf16" else 531, "plain_bytes_per_step": 1000}
         (src / f"arm_{name}.json").write_text(json.dumps(record))
     out = tmp_path / "out"
-    assert conv.main(["--from-arms", str(src), "--arms", "bf16,int8-g64,fp8-g64", "--last", "10", "--out", str(out)]) == 0
+    assert conv.main(["--from-arms", str(src), "--arms", "bf16,int8-g64,fp8-g64", "--last", "10",
+                      "--out", str(out)]) == 0
     study = json.loads((out / "convergence.json").read_text())
-    assert study["arms"]["int8-g64"]["heldout_losses"] == held["int8-g64"] and study["arms"]["fp8-g64"]["heldout_losses"] is None
+    assert (study["arms"]["int8-g64"]["heldout_losses"] == held["int8-g64"]
+            and study["arms"]["fp8-g64"]["heldout_losses"] is None)
     assert study["heldout_summary"]["step"] == 40
     assert study["heldout_summary"]["arms"]["int8-g64"]["diff_pct"] == pytest.approx(1.0)
     md = (out / "convergence.md").read_text()
@@ -544,4 +548,5 @@ def test_committed_records_without_heldout_losses_still_render(tmp_path):
 def test_the_shared_gpu_note_names_the_arms_world_size():
     conv = bench_scripts.load("convergence")
     assert "at world size 4," in conv.world_note(4, shared=True)
-    assert "at world size 2," in conv.world_note(2, shared=True) and "world size 2," not in conv.world_note(4, shared=True)
+    assert ("at world size 2," in conv.world_note(2, shared=True)
+            and "world size 2," not in conv.world_note(4, shared=True))

@@ -108,7 +108,8 @@ def test_an_arm_is_set_against_the_floor_and_the_reference_across_seeds(tmp_path
     assert d["p_more"] == pytest.approx(cs.f_sf(d["ratio"] ** 2, 4, 3)) and d["p_more"] < 0.05
     across = res["reference_across_seeds"]
     losses = [1.0, 1.01, 1.02, 1.03]
-    assert across["seeds"] == 4 and across["sd_pct"] == pytest.approx(100 * statistics.stdev(losses) / statistics.fmean(losses))
+    assert across["seeds"] == 4 and across["sd_pct"] == pytest.approx(
+        100 * statistics.stdev(losses) / statistics.fmean(losses))
     text = cs.markdown(res)
     assert "Spread against the floor, REP (4 runs" in text and "| DELTA | 5 |" in text
     assert "from seed to seed (4 seeds" in text
@@ -150,7 +151,7 @@ wrote /x/convergence.json, convergence.md, convergence.png (wall 12 s)
 |---|---|---|---|---|---|---|---|
 | bf16 (plain gather) | 1.0000 | — | — | — | 2.0000 | — | 1.000 |
 | DELTA | 1.0011 | +0.0011 | {delta} | 0.0010 | 2.0000 | -0.37% | 0.258 |
-"""
+"""  # noqa: E501 (a log as the study prints it: its header and table lines are that long)
 
 
 def test_a_run_is_read_from_the_log_it_printed(tmp_path):
@@ -234,7 +235,8 @@ def test_the_difference_over_the_run_is_per_window_and_paired(tmp_path):
     assert [(w["first"], w["last"]) for w in over["windows"]] == [(1, 2), (3, 4), (5, 6)]
     assert [w["mean"] for w in over["windows"]] == pytest.approx([10.0, 2.5, 0.0], abs=1e-9)
     half = 12.706 * statistics.stdev([0.0, 5.0]) / math.sqrt(2)
-    assert (over["windows"][1]["lo"], over["windows"][1]["hi"]) == (pytest.approx(2.5 - half), pytest.approx(2.5 + half))
+    assert (over["windows"][1]["lo"], over["windows"][1]["hi"]) == (pytest.approx(2.5 - half),
+                                                                    pytest.approx(2.5 + half))
     text = cs.markdown(res)
     assert "| steps | DELTA (2 runs) |" in text and "| 1–2 | +10.00% [" in text
     with pytest.raises(ValueError, match="--window must be at least 1 step, got 0"):

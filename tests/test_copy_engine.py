@@ -110,7 +110,8 @@ def test_this_cpu_build_names_every_missing_piece():
     if torch.cuda.is_available() or dist.is_nccl_available():
         pytest.skip("a CUDA/NCCL build: the pieces are there")
     said = _missing("cpu")
-    for piece in ("CUDA tensors", "none is initialized", "reports no NCCL", "has no torch.distributed.ProcessGroupNCCL"):
+    for piece in ("CUDA tensors", "none is initialized", "reports no NCCL",
+                  "has no torch.distributed.ProcessGroupNCCL"):
         assert piece in said, said
 
 

@@ -186,7 +186,7 @@ def test_cpu_offload_is_bitwise_the_adapter_without_it(runs):
         assert torch.equal(a, b), "replicas differ"
 
 
-# ------------------------------------------------------------------ which module waits for which chunks (no process group)
+# ------------------------------------------------------ which module waits for which chunks (no process group)
 
 
 class _Handle:
@@ -246,9 +246,11 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
     "kwargs, words",
     [(dict(backend="qzero", offload_optimizer="cpu"), "setting of the deepspeed backend"),
      (dict(backend="deepspeed", offload_optimizer="nvme"), "none, cpu, cpu_pinned"),
-     (dict(backend="deepspeed", zero={"stage": 1, "zero_quantized_gradients": True}), "needs ZeRO stage 2, got stage 1"),
+     (dict(backend="deepspeed", zero={"stage": 1, "zero_quantized_gradients": True}),
+      "needs ZeRO stage 2, got stage 1"),
      (dict(backend="deepspeed", zero={"stage": 2, "zero_quantized_gradients": True,
-                                      "zero_quantized_gradients_error_feedback": True}), "setting of the qzero backend")],
+                                      "zero_quantized_gradients_error_feedback": True}),
+      "setting of the qzero backend")],
 )
 def test_train_settings_offload_is_checked(kwargs, words):
     from qzero.app.train import TrainSettings, validate

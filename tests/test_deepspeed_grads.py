@@ -42,7 +42,8 @@ def local_gradients(engine, x, y):
 
 def partitions(opt):
     """This rank's reduced gradient partition of every flat group, as DeepSpeed holds it before step."""
-    return [torch.cat([t.reshape(-1) for t in opt.averaged_gradients[i]]).float() for i in sorted(opt.averaged_gradients)]
+    return [torch.cat([t.reshape(-1) for t in opt.averaged_gradients[i]]).float()
+            for i in sorted(opt.averaged_gradients)]
 
 
 def reference(engine, grads_by_rank, rank, world):
@@ -52,7 +53,8 @@ def reference(engine, grads_by_rank, rank, world):
     out = []
     for i, params in enumerate(opt.round_robin_bit16_groups):
         p = int(opt.partition_size[i])
-        pre = [{n: (g[n].reshape(-1) / float(world)).float() for n in g} for g in grads_by_rank]  # bf16 div, as DeepSpeed
+        # bf16 div, as DeepSpeed
+        pre = [{n: (g[n].reshape(-1) / float(world)).float() for n in g} for g in grads_by_rank]
         absmax = [max(float(d[names[id(q)]].abs().max()) for q in params) for d in pre]
         mean, bound, small = torch.zeros(p), torch.zeros(p), torch.zeros(p, dtype=torch.bool)
         for param, offset in zip(params, opt.round_robin_bit16_offsets[i]):
@@ -94,7 +96,8 @@ def check_against_reference(engine, rank, world):
             has_small=bool(small.any()), has_large=bool((~small).any()),
         ))
     reduction = deepspeed_grads.installed(engine.optimizer)
-    return dict(facts=facts, calls=dict(reduction.calls), in_place=[(k[3], r.in_place) for k, r in reduction._routes.items()])
+    return dict(facts=facts, calls=dict(reduction.calls),
+                in_place=[(k[3], r.in_place) for k, r in reduction._routes.items()])
 
 
 PATHS = {"multi_rank": dict(use_multi_rank_bucket_allreduce=True, overlap_comm=False),
@@ -122,7 +125,8 @@ def accumulate(engine, rank):
 def world2_worker(rank, world):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = {"reduce": check_against_reference(
-        build(qds.initialize, ds_config(**GRADS, use_multi_rank_bucket_allreduce=False, overlap_comm=False)), rank, world)}
+        build(qds.initialize, ds_config(**GRADS, use_multi_rank_bucket_allreduce=False, overlap_comm=False)),
+        rank, world)}
     ga = {"gradient_accumulation_steps": 2, "train_batch_size": 16}
     out["ga_plain"] = accumulate(build(deepspeed.initialize, {**ds_config(reduce_bucket_size=BUCKET), **ga}), rank)
     engine = build(qds.initialize, {**ds_config(**GRADS), **ga})
@@ -148,7 +152,8 @@ def world2_worker(rank, world):
     mine = ds_config(**GRADS) if rank == 0 else ds_config(reduce_bucket_size=BUCKET)
     out["differs_on"] = expect_error(lambda: build(qds.initialize, mine), "zero_quantized_gradients differs")
     mine = ds_config(**{**GRADS, "zero_quantized_gradients_group_size": 32 * (rank + 1)})
-    out["differs_group"] = expect_error(lambda: build(qds.initialize, mine), "zero_quantized_gradients_group_size differs")
+    out["differs_group"] = expect_error(lambda: build(qds.initialize, mine),
+                                        "zero_quantized_gradients_group_size differs")
     torch.distributed.barrier()
     return out
 

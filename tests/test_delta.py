@@ -31,7 +31,8 @@ def step_record(opt, before: list[torch.Tensor]) -> dict:
     its own partition is from bf16(master), in units of each group's quantization step."""
     cfg = opt.config
     qmax = QMAX[cfg.zero_quantized_weights_format]
-    out = {"payload": [s.payload for s in opt.last_gather], "bytes_per_param": [s.bytes_per_param for s in opt.last_gather],
+    out = {"payload": [s.payload for s in opt.last_gather],
+           "bytes_per_param": [s.bytes_per_param for s in opt.last_gather],
            "flats": [g.flat.clone() for g in opt.groups], "steps": [], "exact_ok": True, "resynced": []}
     for g, prev in zip(opt.groups, before):
         t = g.master.to(g.dtype)

@@ -305,8 +305,8 @@ def ptx(fn, sig, const):
 pack = ptx(qd._pack_delta_kernel,
            dict(target_ptr="*fp32", replica_ptr="*i16", values_ptr="*u8", scales_ptr="*fp32", side_ptr="*fp32",
                 idx_ptr="*fp32", blk_ptr="*fp32", runs_ptr="*fp32", n="i64", n_runs="i32", run_steps="i32"),
-           dict(IS_BF16=True, SOFT=False, FMT=2, QMAX=7.0, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16, HAS_EXACT=False, STEPS=11,
-                RUNS=False))
+           dict(IS_BF16=True, SOFT=False, FMT=2, QMAX=7.0, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16, HAS_EXACT=False,
+                STEPS=11, RUNS=False))
 unpack = ptx(qt._unpack_ranks_kernel,
              dict(buf_ptr="*u8", flat_ptr="*i16", refused_ptr="*i64", n="i32", offset="i32", partition="i32",
                   payload_bytes="i32", scales_offset="i32", runs_ptr="*u8", row_len="i32", n_runs="i32",

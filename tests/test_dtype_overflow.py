@@ -32,7 +32,8 @@ def _run(rank, world, ahead):
             with torch.no_grad():
                 model.weight[0, 0] = 65280.0  # fp16 holds it; 65,520 and up round to Inf
             cfg = qzero.ZeroConfig(stage=2, loss_scale=1.0, small_param_numel=4, overlap_param_gather=ahead, **extra)
-            opt = qzero.ZeroOptimizer(model, functools.partial(getattr(torch.optim, inner), lr=lrs[0], weight_decay=0.0), config=cfg)
+            opt = qzero.ZeroOptimizer(model, functools.partial(getattr(torch.optim, inner), lr=lrs[0],
+                                                               weight_decay=0.0), config=cfg)
 
             def step():
                 # the gradient of weight[0, 0] is -1 on every rank: the update raises it by about lr

@@ -475,8 +475,8 @@ def test_a_resumed_matrix_runs_only_what_is_missing(tmp_path):
     """One round, then the same command with two rounds and --resume: one more run, both in the
     matrix (rounds 0 and 1), the first one's numbers unchanged."""
     out = tmp_path / "out"
-    args = ("--steps", "2", "--warmup", "0", "--links", "pcie:time_scale=1e-3", "--arm", "int8:quantized=true,overlap=false",
-            "--out", str(out))
+    args = ("--steps", "2", "--warmup", "0", "--links", "pcie:time_scale=1e-3",
+            "--arm", "int8:quantized=true,overlap=false", "--out", str(out))
     first = bench_scripts.run_emulated_matrix(tmp_path, *args, "--rounds", "1")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     path = next(out.glob("*/pcie_time_scale1e-3/matrix.json"))

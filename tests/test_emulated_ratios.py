@@ -29,7 +29,8 @@ def write(tmp_path, arms):
 
 
 def test_a_pair_is_the_ratio_of_pooled_medians_with_run_medians_and_an_interval(tmp_path, capsys):
-    out = write(tmp_path, {"slow": [[0.50, 0.52, 0.51], [0.60, 0.61, 0.59]], "fast": [[0.40, 0.41, 0.39], [0.42, 0.43, 0.44]]})
+    out = write(tmp_path, {"slow": [[0.50, 0.52, 0.51], [0.60, 0.61, 0.59]],
+                           "fast": [[0.40, 0.41, 0.39], [0.42, 0.43, 0.44]]})
     runs = er.arm_runs(json.loads(next(out.rglob("matrix.json")).read_text()))
     assert set(runs) == {"slow", "fast"}  # an arm with no run is left out
     r = er.compare(runs, "slow", "fast")
@@ -77,7 +78,8 @@ def test_host_excess_bounds_a_ratio_by_each_arms_calls(tmp_path, capsys):
     d = tmp_path / "out" / "cell" / "pcie"
     d.mkdir(parents=True)
     (d / "matrix.json").write_text(json.dumps(m))
-    emulated = {"mode": "emulated", "host_us_per_call": {"all_gather_into_tensor": 130.0, "reduce_scatter_tensor": 130.0,
+    emulated = {"mode": "emulated", "host_us_per_call": {"all_gather_into_tensor": 130.0,
+                                                         "reduce_scatter_tensor": 130.0,
                                                          "all_to_all_single": 120.0, "all_reduce": 110.0}}
     nccl = {"mode": "nccl", "host_us_per_call": {"all_gather_into_tensor": 30.0, "reduce_scatter_tensor": 50.0,
                                                  "all_to_all_single": 40.0, "all_reduce": 30.0}}
@@ -122,14 +124,16 @@ def test_every_named_emulated_arm_is_a_valid_arm_of_the_matrix():
 def test_fastest_compares_each_arms_fastest_run_alone(tmp_path, capsys):
     """A run the host slowed (the second of "slow") drops out; the other arm's fastest run is
     its second; the interval then resamples steps of those two runs only."""
-    out = write(tmp_path, {"slow": [[0.50, 0.52, 0.51], [0.70, 0.71, 0.69]], "fast": [[0.45, 0.46, 0.44], [0.40, 0.41, 0.39]]})
+    out = write(tmp_path, {"slow": [[0.50, 0.52, 0.51], [0.70, 0.71, 0.69]],
+                           "fast": [[0.45, 0.46, 0.44], [0.40, 0.41, 0.39]]})
     runs = er.arm_runs(json.loads(next(out.rglob("matrix.json")).read_text()))
     r = er.compare(runs, "slow", "fast", fastest=True)
     assert r["base_runs_ms"] == pytest.approx([510.0]) and r["cand_runs_ms"] == pytest.approx([400.0])
     assert r["ratio"] == pytest.approx(510.0 / 400.0)
     lo, hi = r["ci95"]
     assert 500.0 / 410.0 <= lo <= r["ratio"] <= hi <= 520.0 / 390.0
-    assert er.compare(runs, "slow", "fast")["ratio"] == pytest.approx(statistics.median([500, 510, 520, 690, 700, 710]) / 425.0)
+    assert er.compare(runs, "slow", "fast")["ratio"] == pytest.approx(
+        statistics.median([500, 510, 520, 690, 700, 710]) / 425.0)
     assert er.main([str(out), "--pair", "slow/fast", "--fastest"]) == 0
     text = capsys.readouterr().out
     assert "each arm's fastest run" in text and "| 510.0 (510.0) | 400.0 (400.0) | 1.275×" in text

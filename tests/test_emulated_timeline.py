@@ -201,7 +201,8 @@ def test_the_host_lead_is_the_gpu_stamp_against_its_enqueue_on_the_host_clock(mo
         et.table(rec["median"])
     row = {"cell": "c", "link": "pcie", "arm": "a", "timeline": rec["median"]}
     assert et.markdown([row]).rstrip().endswith("| 4.5 / 5.0 / 6.9 |")
-    cpu = et.StepStamps(el.Link(el.parse_link("pcie"), clock=FakeClock(), sleep=lambda dt: None), torch.device("cpu"), 1)
+    cpu = et.StepStamps(el.Link(el.parse_link("pcie"), clock=FakeClock(), sleep=lambda dt: None),
+                        torch.device("cpu"), 1)
     for point in (et.START, et.FORWARD_END, et.BACKWARD_END, et.STEP_END):
         cpu.mark(0, point)
     crec = cpu.record(first=0)
@@ -217,7 +218,8 @@ def test_the_matrix_with_timeline_on_the_cpu_and_its_chart(tmp_path):
     summary's table; a PNG from the plot script."""
     out = tmp_path / "out"
     proc = bench_scripts.run_emulated_matrix(
-        tmp_path, "--grad-accum", "2", "--steps", "3", "--warmup", "1", "--links", "pcie:time_scale=1e-2", "--rounds", "1",
+        tmp_path, "--grad-accum", "2", "--steps", "3", "--warmup", "1", "--links", "pcie:time_scale=1e-2",
+        "--rounds", "1",
         "--arm", "ahead:quantized=true,overlap=true", "--timeline", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = next(p for p in out.iterdir() if p.is_dir() and p.name != "logs")

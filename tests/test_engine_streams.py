@@ -155,7 +155,8 @@ def test_step_profile_no_wait_arm_enqueues_without_waiting(monkeypatch):
     sp = bench_scripts.load("step_profile")
     log = []
     streams, state = fake_cuda(monkeypatch.setattr, log)
-    real_hook, real_wait_for, real_wait = overlap.GatherAhead._hook, overlap.GatherAhead.wait_for, engine._Streamed.wait_until
+    real_hook, real_wait_for, real_wait = (overlap.GatherAhead._hook, overlap.GatherAhead.wait_for,
+                                           engine._Streamed.wait_until)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
     plan = plan_gather(64 * 24, 1, zero_quantized_weights_format="int8", zero_quantized_weights_group_size=16,
                        allgather_bucket_size=64 * 4)

@@ -121,7 +121,8 @@ def all_small_step_worker(rank, world):
     opt.backward(model(x).float().logsumexp(-1).mean())
     opt.step()
     opt.wait_for_weights()
-    return [(s.bytes_sent, s.plain_bytes) for s in opt.last_gather], torch.nn.utils.parameters_to_vector(model.parameters())
+    return ([(s.bytes_sent, s.plain_bytes) for s in opt.last_gather],
+            torch.nn.utils.parameters_to_vector(model.parameters()))
 
 
 def test_all_small_model_trains_with_plain_bytes_and_identical_replicas():
@@ -233,7 +234,8 @@ def mixed_worker(rank, world):
     p = lay.partition_numel
     flat = torch.full_like(truth, float("nan"))
     flat[rank * p : (rank + 1) * p] = truth[rank * p : (rank + 1) * p]
-    stats = qzero.quantized_all_gather(flat, exact_ranges=lay.exact_ranges, allgather_bucket_size=lay.gather.allgather_bucket_size)
+    stats = qzero.quantized_all_gather(flat, exact_ranges=lay.exact_ranges,
+                                       allgather_bucket_size=lay.gather.allgather_bucket_size)
     return flat, stats, truth
 
 

@@ -66,7 +66,8 @@ def test_accelerate_cpu_recipe_saves_state_through_fsdp2(runs):
     for r in runs:
         kind, files = r["saved"]
         assert kind == "DistributedType.FSDP", kind
-        assert any(f.startswith("pytorch_model_fsdp") for f in files) and any(f.startswith("optimizer") for f in files), files
+        assert (any(f.startswith("pytorch_model_fsdp") for f in files)
+                and any(f.startswith("optimizer") for f in files)), files
 
 
 def _check_quantized_arm(runs, arm):

@@ -483,7 +483,8 @@ def _unsupported_sharding_run(rank, world, kind):
     from qzero.fsdp import quantize_weight_gathers
 
     torch.manual_seed(0)
-    model = quantize_weight_gathers(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)), small_param_numel=100)
+    model = quantize_weight_gathers(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)),
+                                    small_param_numel=100)
     kwargs = ({"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else Shard(0)} if kind == "Shard(1)"
               else {"reshard_after_forward": 2})
     for layer in (model[0], model[2]):
@@ -501,5 +502,6 @@ def test_sharding_the_per_parameter_gather_cannot_carry_is_refused_by_name(kind,
     """Not FSDP2's shape or dtype error from inside its all-gather: a qzero error on every
     rank naming the parameter and what to use instead."""
     for raised in run_distributed(_unsupported_sharding_run, world, kind):
-        assert raised is not None and raised.startswith("qzero.fsdp: parameter '") and "quantize_group_gathers" in raised
+        assert (raised is not None and raised.startswith("qzero.fsdp: parameter '")
+                and "quantize_group_gathers" in raised)
         assert ("Shard(0) only" if kind == "Shard(1)" else "reshard_after_forward=True or False") in raised

@@ -5,8 +5,8 @@ The weights every rank computes with (captured by forward pre-hooks) are checked
 bit against the reference quantizer applied, independently of the engine, to what plain
 FSDP2 gathers: each rank's padded shards of a group's parameters back to back in the
 compute dtype, quantized in groups of 64 from the start of that input, small parameters
-exact (and the groups that cost less sent verbatim than coded). World sizes 2 and 3 (with unevenly sharded, padded parameters), bf16 and fp32
-compute, both reshard modes.
+exact (and the groups that cost less sent verbatim than coded). World sizes 2 and 3 (with
+unevenly sharded, padded parameters), bf16 and fp32 compute, both reshard modes.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def group_worker(rank, world, reshard, dtype, steps):
             for m in model.modules():
                 if hasattr(m, "_get_fsdp_state"):
                     m._get_fsdp_state()._fsdp_param_group._all_gather_comm.allocate = (
-                        lambda size, *, dtype, device: torch.full(tuple(size), float("nan"), dtype=dtype, device=device))
+                        lambda size, *, dtype, device: torch.full(tuple(size), float("nan"), dtype=dtype,
+                                                                  device=device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
         seen = {}
         for name, m in model.named_children():
@@ -304,7 +305,8 @@ def test_fsdp2_group_arm_of_qzero_train():
          "fsdp_quantize must be one of parameter, group, got 'layer'"),
         (dict(backend="qzero", fsdp_quantize="group", zero={"zero_quantized_weights": True}),
          "fsdp_quantize=group is a setting of the fsdp2 backend with quantized=true, not of backend 'qzero'"),
-        (dict(backend="fsdp2", fsdp_quantize="group"), "with quantized=true, not of backend 'fsdp2' with quantized=false"),
+        (dict(backend="fsdp2", fsdp_quantize="group"),
+         "with quantized=true, not of backend 'fsdp2' with quantized=false"),
     ],
 )
 def test_fsdp_quantize_setting_is_validated(kwargs, match):

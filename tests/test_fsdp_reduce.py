@@ -177,8 +177,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("world,reshard,reduce_dtype,variant", CASES,
-                         ids=["w2-reshard-fp32-avg", "w3-keep-bf16-avg", "w3-keep-fp32-avg", "w3-reshard-fp32-premul+gathers",
-                              "w2-keep-bf16-sum"])
+                         ids=["w2-reshard-fp32-avg", "w3-keep-bf16-avg", "w3-keep-fp32-avg",
+                              "w3-reshard-fp32-premul+gathers", "w2-keep-bf16-sum"])
 def test_group_reduce_against_reference_and_plain(world, reshard, reduce_dtype, variant):
     steps = 3
     results = run_distributed(train_worker, world, reshard, reduce_dtype, variant, steps)
@@ -227,8 +227,9 @@ def test_group_reduce_against_reference_and_plain(world, reshard, reduce_dtype, 
 
 
 def test_group_reduce_int4_with_the_rotation():
-    """``zero_quantized_gradients_format="int4"`` (the Hadamard rotation by default): each output is the gradient reference's
-    rank-ordered sum of the recorded inputs (rotated, summed, rotated back), bit for bit."""
+    """``zero_quantized_gradients_format="int4"`` (the Hadamard rotation by default): each output is
+    the gradient reference's rank-ordered sum of the recorded inputs (rotated, summed, rotated
+    back), bit for bit."""
     from qzero.layout import aligned_layout
     from qzero.quant import gradients
     from qzero.quant.formats import get_format

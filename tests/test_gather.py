@@ -207,8 +207,10 @@ BAD_INPUTS = {
                        f"{FORMAT}: unknown quantization format 'int2'"),
     "2-D flat": (lambda r, w: (torch.zeros(w, 64, dtype=torch.bfloat16), {}), "1-D"),
     "non-contiguous": (lambda r, w: (torch.zeros(128 * w, dtype=torch.bfloat16)[::2], {}), "contiguous"),
-    "bucket 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 0}), "allgather_bucket_size"),
-    "bucket float": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 1e6}), "allgather_bucket_size"),
+    "bucket 0": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 0}),
+                 "allgather_bucket_size"),
+    "bucket float": (lambda r, w: (torch.zeros(64 * w, dtype=torch.bfloat16), {"allgather_bucket_size": 1e6}),
+                     "allgather_bucket_size"),
     "not a tensor": (lambda r, w: ([0.0] * 64 * w, {}), "torch.Tensor"),
     # distributed mismatches: each must raise on every rank, never hang
     "numel differs": (lambda r, w: (torch.zeros(64 * w * (1 + r), dtype=torch.bfloat16), {}), "differs between ranks"),

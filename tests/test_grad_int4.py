@@ -22,7 +22,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from _support.distributed import run_distributed
 from test_grad_quant import (ADAMW, GS, HAVE_KERNELS, SHAPES, SMALL, Chosen, assert_kernels_match_reference, coeffs,
                              contributions, grad_worker)
@@ -207,7 +206,8 @@ def test_int4_rotated_shards_within_half_a_step_of_fp64(world, order, stage):
     for res in results:
         (sent, plain, collectives, quantized, _), = res["stats"]
         assert quantized and collectives == res["units"] * (1 if stage == 1 else micro)
-        assert 0 < sent < 0.6 * plain  # 0.5 + 4/16 bytes an element, not 2; plus exact elements and the sections' alignment
+        # 0.5 + 4/16 bytes an element, not 2; plus exact elements and the sections' alignment
+        assert 0 < sent < 0.6 * plain
 
 
 def test_int4_without_rotation_within_half_a_step():
@@ -434,12 +434,14 @@ def test_residuals_resume_bit_exactly_and_reshard():
     (dict(zero_quantized_gradients_rotation_block=1), "rotation_block must be a power of two"),
     (dict(zero_quantized_gradients_rotation_block=True), "rotation_block must be a power of two"),
     (dict(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=16,
-          zero_quantized_gradients_rotation_block=32), "rotation_block 32 is larger than zero_quantized_gradients_group_size 16"),
+          zero_quantized_gradients_rotation_block=32),
+     "rotation_block 32 is larger than zero_quantized_gradients_group_size 16"),
     (dict(zero_quantized_gradients_group_size=24, zero_quantized_gradients_rotation="hadamard",
           zero_quantized_gradients_rotation_block=16), "rotation_block 16 does not divide"),
     (dict(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=12), "multiple of 8"),
     (dict(zero_quantized_gradients_rotation="fourier"), "zero_quantized_gradients_rotation must be one of"),
-    (dict(zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=True), "needs zero_quantized_gradients=true"),
+    (dict(zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=True),
+     "needs zero_quantized_gradients=true"),
     (dict(zero_quantized_gradients_error_feedback=1), "zero_quantized_gradients_error_feedback must be true or false"),
 ])
 def test_bad_settings_are_refused(bad, match):
@@ -513,7 +515,8 @@ def test_report_shows_bits_per_parameter_for_weights_and_gradients():
     for a in arms:
         a.update(bytes_sent_per_step=int(1.0625 * 2**20), plain_bytes_per_step=2 * 2**20)
     base = TrainSettings(device="cuda")
-    cand = TrainSettings(device="cuda", zero={"zero_quantized_gradients": True, "zero_quantized_gradients_format": "int4"})
+    cand = TrainSettings(device="cuda", zero={"zero_quantized_gradients": True,
+                                              "zero_quantized_gradients_format": "int4"})
     r = analyse(arms, base, base, cand, "BC", Thresholds())
     r["environment"] = {"link_regime": "test"}
     text = markdown(r)
@@ -548,7 +551,8 @@ def test_qualify_refuses_a_gradient_refinement_without_quantized_gradients(capsy
 
     code = main(["qualify", "--candidate", 'zero_quantized_gradients_format="int4"', "--out", "/nonexistent/qz"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("qzero: error: --candidate zero_quantized_gradients_format")
+    assert (code == 2 and len(err) == 1
+            and err[0].startswith("qzero: error: --candidate zero_quantized_gradients_format"))
     assert "add --candidate zero_quantized_gradients=true" in err[0]
 
 

@@ -24,7 +24,8 @@ def torchrun(nproc: int, *argv: str, cwd) -> subprocess.CompletedProcess:
                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
     for name in [k for k in env if k.startswith("TORCHELASTIC_")] + ["RANK", "WORLD_SIZE", "LOCAL_RANK"]:
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           *argv]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=cwd)
     except subprocess.TimeoutExpired:

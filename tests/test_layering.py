@@ -91,7 +91,8 @@ def imports_of(path: pathlib.Path, source: str | None = None) -> list[tuple[int,
             for a in node.names:  # ``from . import chunks`` imports the module qzero.wire.chunks
                 sub = f"{base}.{a.name}"
                 spec_path = SRC / sub.replace(".", "/")
-                found.append((node.lineno, sub if spec_path.with_suffix(".py").exists() or spec_path.is_dir() else base))
+                is_module = spec_path.with_suffix(".py").exists() or spec_path.is_dir()
+                found.append((node.lineno, sub if is_module else base))
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str):
             func = node.func
@@ -149,7 +150,8 @@ def test_every_package_has_a_floor():
 
 def test_the_library_never_imports_the_app():
     edges = all_imports()
-    assert any(package_of(i) == "app" for _, _, _, i in edges), "found no import of qzero.app at all: the scan is broken"
+    assert any(package_of(i) == "app" for _, _, _, i in edges), \
+        "found no import of qzero.app at all: the scan is broken"
     bad = [f"{p.relative_to(SRC)}:{line}: {importer} -> {imported}" for importer, p, line, imported in edges
            if package_of(importer) not in APP and package_of(imported) in APP]
     assert not bad, "the library imports the application:\n" + "\n".join(bad)
@@ -180,7 +182,8 @@ def test_the_scan_finds_every_form_of_import(source, found):
 def test_a_sibling_import_is_reported():
     path = SRC / "qzero" / "fsdp" / "group.py"
     edges = [("qzero.fsdp.group", path, 1, "qzero.integrations.deepspeed")]
-    assert violations(edges) == ["qzero/fsdp/group.py:1: qzero.fsdp.group -> qzero.integrations.deepspeed (its own floor)"]
+    assert violations(edges) == [
+        "qzero/fsdp/group.py:1: qzero.fsdp.group -> qzero.integrations.deepspeed (its own floor)"]
 
 
 def import_cycles(edges) -> list[str]:

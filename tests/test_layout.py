@@ -230,7 +230,8 @@ def test_interleaved_order_follows_the_model_in_every_partition(world):
     q = contiguous.partition_numel
     straddler = next((s for s in contiguous.slots if s.start < q < s.stop), None)
     if straddler is not None:
-        assert last_chunk_needed(contiguous.gather, straddler.start, straddler.stop) == len(contiguous.gather.chunks) - 1
+        assert (last_chunk_needed(contiguous.gather, straddler.start, straddler.stop)
+                == len(contiguous.gather.chunks) - 1)
 
 
 def test_interleaved_with_one_rank_is_contiguous():

@@ -1,5 +1,5 @@
-"""``qzero bench memory`` (qzero.app.benchmarks.memory): the peak replay and its reports on synthetic allocator snapshots
-(no GPU needed)."""
+"""``qzero bench memory`` (qzero.app.benchmarks.memory): the peak replay and its reports on
+synthetic allocator snapshots (no GPU needed)."""
 
 import contextlib
 import io
@@ -137,7 +137,8 @@ def test_keys():
     assert mp.site_key([]) == mp.NO_USER_FRAME
     assert mp.coarse_key([TORCH_CALL, TRAIN]) == ("qzero: qzero/app/train.py train_worker", "qzero")
     assert mp.coarse_key([TORCH_CALL]) == ("other", "other")
-    checkout = {"filename": "/home/me/qzero/src/qzero/app/cli.py", "line": 1, "name": "main"}  # the command line around it
+    # the command line around it
+    checkout = {"filename": "/home/me/qzero/src/qzero/app/cli.py", "line": 1, "name": "main"}
     assert mp.coarse_key([TORCH_CALL, checkout]) == ("other", "other")
     ds = {"filename": f"{SITE}/deepspeed/runtime/zero/stage_1_and_2.py", "line": 9, "name": "step"}
     assert mp.coarse_key([ds, GATHER]) == ("deepspeed: runtime/zero/stage_1_and_2.py step", "deepspeed")

@@ -28,7 +28,8 @@ def spy(*a, **k):
     seen.update(world=e.opt.world_size, partition=g.hi - g.lo, numel=g.layout.numel)
     return e
 backends.make_backend = spy
-settings = TrainSettings(preset="tiny", seq_len=32, micro_batch=2, steps=2, warmup=0, lr=1e-4, world_size=int(sys.argv[2]),
+settings = TrainSettings(preset="tiny", seq_len=32, micro_batch=2, steps=2, warmup=0, lr=1e-4,
+                         world_size=int(sys.argv[2]),
                          device="cpu", zero={"zero_quantized_weights": True, "check_finite": False,
                                              "allgather_bucket_size": 200_000, "reduce_bucket_size": 100_000})
 result = train_worker(settings, None, show_progress=False)

@@ -580,7 +580,8 @@ def landing_run(rank, world, cfg_kwargs, landing, steps=3, micro=2, dtype=torch.
             tokens, targets = batch(step, m)
             opt.backward(model(rank_slice(tokens, rank, world), rank_slice(targets, rank, world)) / micro)
             shards.append([g.grad.clone() for g in opt.groups])
-            assert all(grads.reducer._landing_shard is None for grads in opt.grads), "the landing shard outlived backward"
+            assert all(grads.reducer._landing_shard is None for grads in opt.grads), \
+                "the landing shard outlived backward"
         opt.step()
         opt.zero_grad()
         masters.append([g.master.clone() for g in opt.groups])

@@ -52,6 +52,7 @@ def test_an_error_of_the_optimizer_factory_is_the_users_with_one_line_of_ours():
     def factory(groups):
         raise Broken("my factory's own message")
 
-    with pytest.raises(ValueError, match=r"the optimizer factory .*factory raised Broken .*my factory's own message") as e:
+    with pytest.raises(ValueError,
+                       match=r"the optimizer factory .*factory raised Broken .*my factory's own message") as e:
         qzero.ZeroOptimizer(_model(), factory)
     assert isinstance(e.value.__cause__, Broken)

@@ -60,7 +60,8 @@ def install_delays(opt, seed):
 def run(rank, world, cfg_kwargs, steps, reverse=False, delays=False):
     torch.manual_seed(rank)
     model = Net(reverse).bfloat16()
-    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=qzero.ZeroConfig(**cfg_kwargs))
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2),
+                              config=qzero.ZeroConfig(**cfg_kwargs))
     if delays:
         install_delays(opt, 1000 + rank)
     losses, pending_seen = [], False
@@ -199,7 +200,8 @@ def test_close_finishes_the_gather_and_removes_the_hooks():
     opt.close()
     assert not opt.ahead.busy
     assert all(not m._forward_pre_hooks for m in model.modules())
-    assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if p._post_accumulate_grad_hooks is not None)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
+               if p._post_accumulate_grad_hooks is not None)
 
 
 class AttnNet(torch.nn.Module):
@@ -222,10 +224,12 @@ class AttnNet(torch.nn.Module):
 def attn_run(rank, world, cfg_kwargs, steps):
     torch.manual_seed(0)
     model = AttnNet().bfloat16()
-    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config=qzero.ZeroConfig(**cfg_kwargs))
+    opt = qzero.ZeroOptimizer(model, functools.partial(torch.optim.AdamW, lr=1e-2),
+                              config=qzero.ZeroConfig(**cfg_kwargs))
     losses = []
     for step in range(steps):
-        tokens = torch.randint(0, 41, (world * 2, 9), generator=torch.Generator().manual_seed(step))[rank * 2 : rank * 2 + 2]
+        tokens = torch.randint(0, 41, (world * 2, 9),
+                               generator=torch.Generator().manual_seed(step))[rank * 2 : rank * 2 + 2]
         loss = F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 41), tokens[:, 1:].reshape(-1))
         opt.backward(loss)
         opt.step()
@@ -299,5 +303,6 @@ def test_a_gather_lookahead_that_differs_across_ranks_is_refused_on_every_rank()
     """Ranks that enqueue their chunks at different points would order a collective the user
     issues during the forward differently (and hang): refused at construction, on every rank."""
     for message, unchanged in run_distributed(lookahead_on_one_rank, 3):
-        assert message is not None and "config differs between ranks: gather_lookahead: 0 (ranks 0, 1), 4 (rank 2)" in message, message
+        assert message is not None and (
+            "config differs between ranks: gather_lookahead: 0 (ranks 0, 1), 4 (rank 2)" in message), message
         assert unchanged

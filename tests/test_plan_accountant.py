@@ -40,28 +40,32 @@ def make_model():
     return torch.nn.Sequential(*layers).to(torch.bfloat16)
 
 
+def arm_bytes(x, ranks_per_node, settings):
+    """What one arm's second step sends (its optimizer goes with the return, before the next arm)."""
+    model = make_model()
+    cfg = qzero.ZeroConfig(flat_order="interleaved", small_param_numel=SMALL, reduce_bucket_size=10**8,
+                           allgather_bucket_size=10**8, ranks_per_node=ranks_per_node, **settings)
+    # entered before the optimizer is built: its gather engine keeps the collective it was made with
+    with ByteAccountant(ranks_per_node) as acct:
+        opt = qzero.ZeroOptimizer(model, lambda p: torch.optim.SGD(p, lr=1e-3), config=cfg)
+
+        def step():
+            opt.backward(model(x).float().square().mean())
+            opt.step()
+            opt.wait_for_weights()
+            opt.zero_grad()
+
+        step()  # the first gather of delta gathers is an exact resync
+        acct.reset()
+        step()
+    return {"sent": dict(acct.sent), "by_op": dict(acct.by_op)}
+
+
 def accountant_worker(rank, world, ranks_per_node):
     out = {}
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     for arm, settings in {**FLAT, **TWO_LEVEL}.items():
-        model = make_model()
-        cfg = qzero.ZeroConfig(flat_order="interleaved", small_param_numel=SMALL, reduce_bucket_size=10**8,
-                               allgather_bucket_size=10**8, ranks_per_node=ranks_per_node, **settings)
-        # entered before the optimizer is built: its gather engine keeps the collective it was made with
-        with ByteAccountant(ranks_per_node) as acct:
-            opt = qzero.ZeroOptimizer(model, lambda p: torch.optim.SGD(p, lr=1e-3), config=cfg)
-
-            def step():
-                opt.backward(model(x).float().square().mean())
-                opt.step()
-                opt.wait_for_weights()
-                opt.zero_grad()
-
-            step()  # the first gather of delta gathers is an exact resync
-            acct.reset()
-            step()
-        out[arm] = {"sent": dict(acct.sent), "by_op": dict(acct.by_op)}
-        del opt
+        out[arm] = arm_bytes(x, ranks_per_node, settings)
     # the accountant's own attribution, on known collectives
     with ByteAccountant(ranks_per_node) as acct:
         t = torch.zeros(1000, dtype=torch.bfloat16)

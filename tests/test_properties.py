@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from _support.simulate import bits, expected_gather, poisoned_copy, simulate_gather
 
-from qzero.buckets import owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, scatter_window_numel, solo_slots
+from qzero.buckets import (owners, plan_reduce_buckets, plan_scatter_buckets, scatter_pieces, scatter_window_numel,
+                           solo_slots)
 from qzero.layout import PAYLOAD_ALIGN, PayloadKind, plan_flat_layout, plan_gather
 from qzero.quant.formats import SCALE_BYTES, get_format
 

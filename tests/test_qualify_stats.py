@@ -42,7 +42,8 @@ def arm(role, i, losses, times, sample, alloc=100, replicas=True, hash_=None):
         "arm": f"{role[0].upper()}{i}", "role": role, "losses": losses, "grad_norms": [1.0] * len(losses),
         "step_times": times, "sample": sample, "sample_hash": hash_ or str(sample), "replicas_identical": replicas,
         "peak_allocated_bytes": alloc, "peak_reserved_bytes": alloc, "device_memory_bytes": 10_000,
-        "memory_kind": "cuda allocator", "bytes_sent_per_step": 100 if role == "baseline" else 53, "plain_bytes_per_step": 100,
+        "memory_kind": "cuda allocator", "bytes_sent_per_step": 100 if role == "baseline" else 53,
+        "plain_bytes_per_step": 100,
         "params": 10, "world_size": 2, "skipped_steps": 0,
     }
 
@@ -54,7 +55,8 @@ def synthetic(device="cuda", **changes):
     arms = [
         arm("baseline", 1, b["losses"], b["times"], b["sample"]),
         arm("candidate", 2, c["losses"], c["times"], c["sample"], c.get("alloc", 100), c.get("replicas", True)),
-        arm("candidate", 3, c.get("losses2", c["losses"]), c.get("times2", c["times"]), c["sample"], c.get("alloc", 100)),
+        arm("candidate", 3, c.get("losses2", c["losses"]), c.get("times2", c["times"]), c["sample"],
+            c.get("alloc", 100)),
         arm("baseline", 4, b["losses"], c.get("base_times2", b["times"]), b["sample"]),
     ]
     settings = TrainSettings(device=device)

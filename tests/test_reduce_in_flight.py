@@ -12,7 +12,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from _support.distributed import run_distributed
 
 import qzero

@@ -1,4 +1,5 @@
-"""Reliability: non-finite weights, dead ranks, killed checkpoint saves (tampered checkpoints: test_checkpoint_security.py)."""
+"""Reliability: non-finite weights, dead ranks, killed checkpoint saves (tampered checkpoints:
+test_checkpoint_security.py)."""
 
 import datetime
 import functools
@@ -257,7 +258,8 @@ def _saver(path, conn):
     while True:
         step += 1
         opt.backward((model(torch.randn(8, 64).bfloat16()).float() ** 2).mean())
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         opt.save_checkpoint(path)
         conn.send(step)
 

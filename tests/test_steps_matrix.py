@@ -226,7 +226,8 @@ def test_parse_arm_values_like_json_and_typed_like_trainsettings():
         "int8_ahead", {"zero_quantized_weights": True, "overlap_param_gather": True})
     assert sm.parse_arm("zero1:stage=1,quantized=true") == ("zero1", {"stage": 1, "zero_quantized_weights": True})
     assert sm.parse_arm("ds:backend=deepspeed")[1] == {"backend": "deepspeed"}
-    name, o = sm.parse_arm("b:allgather_bucket=5e7,fmt=int4,check_finite=false,flat_order=contiguous,gradient_clipping=1")
+    name, o = sm.parse_arm("b:allgather_bucket=5e7,fmt=int4,check_finite=false,flat_order=contiguous,"
+                           "gradient_clipping=1")
     assert o == {"allgather_bucket_size": 50_000_000, "zero_quantized_weights_format": "int4",
                  "check_finite": False, "flat_order": "contiguous", "gradient_clipping": 1.0}
     assert isinstance(o["allgather_bucket_size"], int) and isinstance(o["gradient_clipping"], float)
@@ -254,7 +255,8 @@ def _cli(*args, env=None, timeout=600):
     # the children (run_arm's fresh processes) import the same qzero as this test
     src = os.path.dirname(os.path.dirname(os.path.abspath(qzero.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, "-m", "qzero", "bench", "steps", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "qzero", "bench", "steps", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 TINY = ["--device", "cpu", "--world-size", "2", "--preset", "tiny", "--seq-len", "32", "--micro-batch", "2",
@@ -265,7 +267,8 @@ TINY = ["--device", "cpu", "--world-size", "2", "--preset", "tiny", "--seq-len",
     (["--arm", "plain:", "--arm", "x:quantized=true,colour=blue"], "colour"),
     (["--arm", "plain:", "--arm", "x:backend=nope"], "backend"),
     (["--arm", "plain:", "--arm", "x:engine=deepspeed"], "x: setting 'engine' is now 'backend'"),
-    (["--arm", "plain:", "--arm", "x:group_size=12"], "x: zero_quantized_weights_group_size must be a positive multiple of 8"),
+    (["--arm", "plain:", "--arm", "x:group_size=12"],
+     "x: zero_quantized_weights_group_size must be a positive multiple of 8"),
     (["--arm", "plain:", "--arm", "plain:quantized=true"], "twice"),
     (["--arm", "plain:", "--reference", "other"], "other"),
     (["--arm", "plain:", "--peers", "deepspeed"], "deepspeed"),
@@ -319,8 +322,8 @@ def test_main_runs_order_balanced_and_records_a_failed_arm(tmp_path, monkeypatch
     assert (out / "steps.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "matrix.md").read_text()
     assert stdout.rstrip().endswith(md.rstrip().splitlines()[-1])  # the table is printed last
-    assert ('| int8 | zero_quantized_weights=true, overlap_param_gather=true, env={"NCCL_ALGO": "1"} | 500.0 | — | 2.000 ['
-            in md)
+    assert ('| int8 | zero_quantized_weights=true, overlap_param_gather=true, env={"NCCL_ALGO": "1"} '
+            '| 500.0 | — | 2.000 [' in md)
     assert m["settings"]["zero"]["zero_quantized_weights"] is False and "stage 2, buckets 5e+08/5e+08" in md
 
 
@@ -358,7 +361,8 @@ def test_end_to_end_on_the_cpu(tmp_path):
     a = m["analysis"]
     assert [r["arm"] for r in a["arms"]] == ["plain", "ahead"]
     for r in a["arms"]:
-        assert r["status"] == "ok" and r["runs_ok"] == 2 and r["measured_steps"] == 2  # (3 steps - 1 warm-up - the last) x 2
+        # (3 steps - 1 warm-up - the last) x 2
+        assert r["status"] == "ok" and r["runs_ok"] == 2 and r["measured_steps"] == 2
         assert r["reproducible"] is True and r["replicas_identical"] is True
         assert r["param_agreement"]["tolerance_violations"] == 0
         assert r["max_loss_diff"] < 0.05

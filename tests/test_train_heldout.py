@@ -88,7 +88,8 @@ def test_training_windows_never_reach_the_heldout_part(heldout, seq_len):
     assert int(ends.max()) > split - 200  # and the draw does reach the end of the training part
     windows = heldout_windows(held, 7, seq_len)
     starts = windows[:, 0].tolist()
-    assert windows.shape == (7, seq_len + 1) and torch.equal(windows - windows[:, :1], torch.arange(seq_len + 1).expand(7, -1))
+    assert windows.shape == (7, seq_len + 1) and torch.equal(windows - windows[:, :1],
+                                                             torch.arange(seq_len + 1).expand(7, -1))
     assert starts[0] == split and starts[-1] + seq_len == corpus.numel() - 1  # first token to last window
     gaps = {b - a for a, b in zip(starts, starts[1:])}
     assert max(gaps) - min(gaps) <= 1  # evenly spaced
@@ -159,8 +160,9 @@ def capture(rank, world, runs):
             def snapshot():
                 done()
                 backend.finish()
-                snaps.append({n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).to(torch.bfloat16, copy=True)
-                              for n, p in backend.model.named_parameters()})
+                snaps.append({
+                    n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).to(torch.bfloat16, copy=True)
+                    for n, p in backend.model.named_parameters()})
             backend.forward_only_done = snapshot
             return backend, corpus
 
@@ -190,7 +192,8 @@ def heldout_reference(snapshot: dict, s: TrainSettings) -> float:
     corpus = load_corpus(s.data)
     split = corpus.numel() - int(s.heldout * corpus.numel())
     room = corpus.numel() - split - (s.seq_len + 1)
-    starts = [split + (i * room // (s.eval_sequences - 1) if s.eval_sequences > 1 else 0) for i in range(s.eval_sequences)]
+    starts = [split + (i * room // (s.eval_sequences - 1) if s.eval_sequences > 1 else 0)
+              for i in range(s.eval_sequences)]
     return reference(model, torch.stack([corpus[a : a + s.seq_len + 1] for a in starts]))
 
 
@@ -211,7 +214,8 @@ def test_measuring_changes_no_training_loss_and_reads_the_current_weights_with_g
     assert ahead["losses"] == last_only["losses"] == plain["losses"]
     assert ahead["grad_norms"] == last_only["grad_norms"] == plain["grad_norms"]
     assert [s for s, _ in ahead["heldout_losses"]] == [2, 4] and [s for s, _ in last_only["heldout_losses"]] == [4]
-    assert ahead["heldout_losses"] == plain["heldout_losses"] and ahead["heldout_losses"][-1] == last_only["heldout_losses"][-1]
+    assert (ahead["heldout_losses"] == plain["heldout_losses"]
+            and ahead["heldout_losses"][-1] == last_only["heldout_losses"][-1])
     # steps 0 and 2 are timed (1 is followed by a measurement, 3 is the last)
     assert len(ahead["step_times"]) == 2 and len(last_only["step_times"]) == 3 and ahead["heldout_seconds"] > 0
     refs = [heldout_reference(w, every2) for w in snaps]

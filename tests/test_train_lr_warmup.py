@@ -79,4 +79,5 @@ def test_the_cli_takes_lr_warmup_and_refuses_a_bad_one_in_one_line(capsys):
     assert cli._train_settings(cli.build_parser().parse_args(["train"])).lr_warmup == 0
     assert cli.main(["train", "--device", "cpu", "--steps", "4", "--lr-warmup", "5"]) == cli.EXIT_BAD_ARGS
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0] == "qzero: error: lr_warmup must be a whole number of steps from 0 to steps (4), got 5"
+    assert len(err) == 1 and err[0] == ("qzero: error: lr_warmup must be a whole number of steps from 0 to steps (4), "
+                                        "got 5")

@@ -279,7 +279,8 @@ def test_pack_compiles_to_a_plain_multiply(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "scripts", "kernel_asm.py"), "--out", str(tmp_path)],
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "scripts", "kernel_asm.py"),
+                    "--out", str(tmp_path)],
                    env=env, check=True, capture_output=True, timeout=600)
     per_thread = kernels.tuning.block_elems // (kernels.tuning.num_warps * 32)
     for fmt in FORMATS:
@@ -426,7 +427,8 @@ def test_gpu_soft_e4m3_matches_hardware():
             tuned(soft_casts=soft).unpack_payload(payload, dst, layout, 8, "fp8", None)
             outs.append(dst.view(torch.int16).cpu())
         bad = (outs[0] != outs[1]).nonzero().flatten()
-        assert bad.numel() == 0, f"{dtype}: codes {codes.cpu()[bad[:8]].tolist()} hw {outs[0][bad[:8]].tolist()} soft {outs[1][bad[:8]].tolist()}"
+        assert bad.numel() == 0, (f"{dtype}: codes {codes.cpu()[bad[:8]].tolist()} hw {outs[0][bad[:8]].tolist()} "
+                                  f"soft {outs[1][bad[:8]].tolist()}")
 
 
 def test_exact_tables_are_reused_and_follow_in_place_changes():

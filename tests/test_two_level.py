@@ -220,7 +220,8 @@ def training_worker(rank, world, kw, ckpt):
              zero_quantized_weights_delta_resync_steps=2, zero_quantized_gradients=True,
              zero_quantized_gradients_error_feedback=True)),
     # Hadamard-rotated INT4 gradients: their error must not reach the padding ([Note: padding stays zero])
-    (4, dict(stage=2, zero_quantized_weights=True, zero_quantized_gradients=True, zero_quantized_gradients_format="int4")),
+    (4, dict(stage=2, zero_quantized_weights=True, zero_quantized_gradients=True,
+             zero_quantized_gradients_format="int4")),
     (6, dict(stage=1, zero_quantized_weights=True, zero_quantized_gradients=True, overlap_param_gather=False)),
 ])
 def test_replicas_identical_resume_exact_and_flat_unchanged(world, kw, tmp_path):

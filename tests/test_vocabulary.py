@@ -177,7 +177,8 @@ def test_the_fsdp2_communication_objects_take_zero_config_fields_only():
                                      small_param_numel=7, quant_kernels="reference", name="layer")
     assert (gather.zero_quantized_weights_group_size, gather.zero_quantized_weights_format, gather.small_param_numel,
             gather.quant_kernels) == (32, "int4", 7, "reference")
-    reduce = GroupQuantizedReduceScatter([], zero_quantized_gradients_group_size=64, zero_quantized_gradients_format="int8",
+    reduce = GroupQuantizedReduceScatter([], zero_quantized_gradients_group_size=64,
+                                         zero_quantized_gradients_format="int8",
                                          small_param_numel=7, quant_kernels="reference", name="layer",
                                          zero_quantized_gradients_rotation="hadamard",
                                          zero_quantized_gradients_rotation_block=16)
@@ -344,8 +345,8 @@ def test_the_backend_setting_is_named_backend_and_engine_is_refused(capsys):
 #: Flags of ``qzero train``/``qualify`` that are not ZeroConfig settings, by destination: the
 #: workload (TrainSettings' fields), ``train --quantized`` (zero_quantized_weights, on by
 #: default there: the command's switch), and the commands' own.
-COMMAND_FLAGS = {"quantized", "out", "oversubscribe", "force", "baseline", "candidate", "order", "repeats", "max_loss_diff", "tolerance",
-                 "help", "renamed_flag"}
+COMMAND_FLAGS = {"quantized", "out", "oversubscribe", "force", "baseline", "candidate", "order", "repeats",
+                 "max_loss_diff", "tolerance", "help", "renamed_flag"}
 
 
 def _subparser(command: str):
@@ -410,7 +411,8 @@ def test_each_enumeration_is_spelled_out_once():
                 values = {e.value for e in node.elts}
                 hits = [n for n, s in enums.items() if len(values) >= 2 and values <= s]
                 if hits:
-                    found.append(f"{path.relative_to(SRC)}:{node.lineno}: {sorted(values)} (qzero.vocabulary.{hits[0]})")
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}: {sorted(values)} "
+                                 f"(qzero.vocabulary.{hits[0]})")
     assert not found, "enumerations spelled out again:\n" + "\n".join(found)
 
 

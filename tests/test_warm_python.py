@@ -73,7 +73,8 @@ def test_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path, code, want
 
 def test_scripts_of_one_call_run_at_once_and_a_deadline_kills_them(tmp_path):
     # each waits for the other's file: only scripts running at the same time both finish
-    wait = "import os, sys, time\nopen(sys.argv[1], 'w').close()\nwhile not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+    wait = ("import os, sys, time\nopen(sys.argv[1], 'w').close()\n"
+            "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n")
     script = tmp_path / "wait.py"
     script.write_text(wait)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")

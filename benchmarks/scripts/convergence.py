@@ -6,7 +6,8 @@ Arms (default): ``bf16`` (plain gather, ``quantized=false``), ``int8-g64``, ``in
 optionally followed by ``+gq-<fmt>-g<group size>``, the quantized gradient reduction
 (``zero_quantized_gradients=true`` with that format, int8, fp8 or int4, and group size; then
 ``-h<block>`` for the Hadamard rotation or ``-noh`` for none, which int4 must state, and
-``-ef`` for error feedback), e.g. ``int8-g64+gq-int8-g64`` or ``int8-g64+gq-int4-g64-h32-ef``. Every arm trains the same randomly initialised Qwen3-shaped
+``-ef`` for error feedback), e.g. ``int8-g64+gq-int8-g64`` or ``int8-g64+gq-int4-g64-h32-ef``.
+Every arm trains the same randomly initialised Qwen3-shaped
 model (preset ``qwen3-125m-byte``: hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64,
 MLP 3840, byte vocabulary, 125,456,640 parameters) on the same batches of real text (by
 default :func:`qzero.app.workload.load_corpus`: this Python's standard-library ``*.py`` sources,
@@ -113,7 +114,8 @@ GRAD_MARK = "@@gerr"  # gradient-error lines (step, reduced and payload error, g
 REPLICA_MARK = "@@rerr"  # replica-error lines (step, ||replica - bf16(master)|| / ||bf16(master)||)
 GROUPS_NOTE = (
     "qzero quantizes the rank's own partition at world size 1 exactly as each rank does at DP2, with DP2's "
-    "groups (preset qwen3-125m-byte): the g64 arms' groups are each matrix's aligned 64-element blocks in either flat order; the g8192 "
+    "groups (preset qwen3-125m-byte): the g64 arms' groups are each matrix's aligned 64-element blocks in "
+    "either flat order; the g8192 "
     "arm's groups are those of DP2 in the contiguous flat order (DP2's interleaved order cuts the 8192-element "
     "groups at other places)."
 )
@@ -162,8 +164,10 @@ class Arm:
                    f"{self.fmt.upper()}{' delta' if self.delta else ''} g{self.group_size}")
         if not self.grad_quantized:
             return weights
-        return (("bf16 gather" if not self.quantized else weights) + f" + grad {self.grad_fmt.upper()} g{self.grad_group_size}"
-                + (f" H{self.grad_rotation}" if self.grad_rotation else "") + (" +EF" if self.grad_error_feedback else ""))
+        return (("bf16 gather" if not self.quantized else weights)
+                + f" + grad {self.grad_fmt.upper()} g{self.grad_group_size}"
+                + (f" H{self.grad_rotation}" if self.grad_rotation else "")
+                + (" +EF" if self.grad_error_feedback else ""))
 
     def zero_fields(self) -> dict:
         """The arm's own ZeroConfig fields (every other setting is shared by all arms)."""
@@ -204,7 +208,8 @@ def parse_arm(name: str) -> Arm:
     ``bf16+gq-int8-g256``, ``int8-g64+gq-int4-g64-h32``, ``int8-g64+gq-int4-g64-noh``,
     ``int8-g64+gq-int4-g64-h32-ef``. A suffix ``@L<k>`` runs the arm with two-level collectives
     over pseudo-nodes of ``k`` ranks (``ranks_per_node=k``, ``hierarchical_collectives=true``),
-    e.g. ``int4-delta-g64+gq-int4-g256-h32@L2`` at world size 4: 2 nodes of 2. A suffix ``-rep<k>`` (``bf16-rep2``) names a replicate:
+    e.g. ``int4-delta-g64+gq-int4-g256-h32@L2`` at world size 4: 2 nodes of 2. A suffix ``-rep<k>``
+    (``bf16-rep2``) names a replicate:
     the same settings, seed and batches as the arm without it, trained again beside it, so
     the report's difference between the two is the run-to-run spread of the GPU's
     nondeterministic kernels alone, the floor under every other arm's difference."""
@@ -393,7 +398,8 @@ def markdown_table(summary: dict, arms: list[Arm], payload: dict[str, float] | N
             row += f" {ratio:.3f} |" if ratio is not None else " — |"
         if grad is not None:
             ratio, err = grad.get(arm.name, (None, None))
-            row += (f" {ratio:.3f} |" if ratio is not None else " — |") + (f" {err:.4f} |" if err is not None else " — |")
+            row += ((f" {ratio:.3f} |" if ratio is not None else " — |")
+                    + (f" {err:.4f} |" if err is not None else " — |"))
         lines.append(row)
     return "\n".join(lines)
 
@@ -465,12 +471,14 @@ def plot(path: str, losses: dict[str, list[float]], arms: list[Arm], reference: 
 
     for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
         axis_formatter(ScalarFormatter())
-    ax.set_ylabel("training loss (raw: faint; smoothed: bold)" + ("; held-out: dashed" if heldout and any(heldout.values()) else ""))
+    ax.set_ylabel("training loss (raw: faint; smoothed: bold)"
+                  + ("; held-out: dashed" if heldout and any(heldout.values()) else ""))
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     dx.axhline(0.0, color="black", linewidth=0.8)
-    dx.set_ylabel(f"smoothed loss − {reference}" + ("\n(held-out: dashed)" if heldout and any(heldout.values()) else ""))
+    dx.set_ylabel(f"smoothed loss − {reference}"
+                  + ("\n(held-out: dashed)" if heldout and any(heldout.values()) else ""))
     dx.set_xlabel("step")
     dx.grid(alpha=0.3)
     if len(arms) > 1:
@@ -866,7 +874,8 @@ def parse_args(argv=None):
     ap.add_argument("--share-gpu", action="store_true",
                     help="with --world-size N > 1 on CUDA: all ranks of an arm on one GPU (arms spread over the "
                          "GPUs), their collectives through each other's device memory (NCCL refuses two ranks on "
-                         "one GPU; benchmarks/scripts/one_gpu.py). The same numerics as on N GPUs; step times not comparable")
+                         "one GPU; benchmarks/scripts/one_gpu.py). The same numerics as on N GPUs; "
+                         "step times not comparable")
     ap.add_argument("--preset", default="qwen3-125m-byte")
     ap.add_argument("--data", default=None, help="text file to train on (default: the stdlib sources corpus)")
     ap.add_argument("--steps", type=int, default=2000)
@@ -1183,7 +1192,8 @@ def world_note(world: int, shared: bool = False) -> str:
 def estimate_basis(per_device, world: int) -> str:
     return (f"6 * params * tokens/step/rank FLOPs at {EFFECTIVE_FLOPS:.3g} FLOP/s per GPU, {per_device} arms "
             f"sharing the busiest device"
-            + (f", plus plain bf16 gradient + weight bytes per rank at {LINK_BYTES_PER_S:.3g} B/s" if world > 1 else ""))
+            + (f", plus plain bf16 gradient + weight bytes per rank at {LINK_BYTES_PER_S:.3g} B/s"
+               if world > 1 else ""))
 
 
 def arm_entry(arm: Arm, record: dict, *, losses, exit_code, step_seconds) -> dict:
@@ -1251,7 +1261,8 @@ def study_from_records(records: dict[str, dict], arm_order: list[Arm], *, gpus: 
                 if k not in own and s.get(k, defaults.get(k)) != f.get(k, defaults.get(k))]
         if diff or records[arm.name].get("params") != first.get("params"):
             raise ValueError(f"arm {arm.name}: its record differs from {present[0].name}'s in {diff or ['params']}")
-        q, fmt, group = s["zero_quantized_weights"], s["zero_quantized_weights_format"], s["zero_quantized_weights_group_size"]
+        q, fmt, group = (s["zero_quantized_weights"], s["zero_quantized_weights_format"],
+                         s["zero_quantized_weights_group_size"])
         delta = bool(s.get("zero_quantized_weights_delta", False))
         if bool(q) != arm.quantized or (arm.quantized and (fmt, group, delta) != (arm.fmt, arm.group_size, arm.delta)):
             raise ValueError(f"arm {arm.name}: its record's settings are quantized={q} fmt={fmt} group_size={group} "
@@ -1354,7 +1365,8 @@ def render(study: dict, out: str) -> None:
              {a.name: study["arms"][a.name].get("heldout_losses") for a in arms})
         plotted = "Curves: `convergence.png`"
     except ImportError as e:  # no matplotlib here: render the plot elsewhere with --render
-        print(f"no plot ({e}); run benchmarks/scripts/convergence.py --render {out}/convergence.json where matplotlib is installed")
+        print(f"no plot ({e}); run benchmarks/scripts/convergence.py --render {out}/convergence.json "
+              "where matplotlib is installed")
         plotted = "No plot (matplotlib missing)"
     md = [
         f"# Convergence: quantized weight gather{' and gradient reduction' if world > 1 else ''} vs bf16 "
@@ -1423,13 +1435,14 @@ def replica_error_lines(study: dict, out: str) -> list[str]:
     rows = {name: a for name, a in study["arms"].items() if (a.get("replica_error") or {}).get("steps")}
     if not rows:
         return []
-    lines = [f"Replica error, {REPLICA_ERROR_NOTE} Measured every {next(iter(rows.values()))['replica_error']['every']} "
-             "steps:", ""]
+    lines = [f"Replica error, {REPLICA_ERROR_NOTE} "
+             f"Measured every {next(iter(rows.values()))['replica_error']['every']} steps:", ""]
     for name, a in rows.items():
         e = a["replica_error"]["rel_err"]
         per_param = a.get("weight_bytes_per_param")
         lines.append(f"- {a['label']}: mean {sum(e) / len(e):.3e}, first {e[0]:.3e}, last {e[-1]:.3e}, max "
-                     f"{max(e):.3e}" + (f"; {per_param:.3f} weight-gather bytes per parameter per step" if per_param else ""))
+                     f"{max(e):.3e}"
+                     + (f"; {per_param:.3f} weight-gather bytes per parameter per step" if per_param else ""))
     try:
         import matplotlib
 

@@ -172,7 +172,8 @@ def load_run(path: str) -> dict:
         run = json.load(f)
     summary = run.get("summary")
     if not isinstance(summary, dict) or "arms" not in summary or "reference" not in summary:
-        raise ValueError(f"{file}: not a benchmarks/scripts/convergence.py study (no summary with arms and a reference)")
+        raise ValueError(f"{file}: not a benchmarks/scripts/convergence.py study "
+                         "(no summary with arms and a reference)")
     run.setdefault("lr_warmup", 0)  # a study recorded before the setting existed ran without warmup
     run["_file"] = file
     return run
@@ -382,7 +383,8 @@ def markdown(result: dict) -> str:
         iv = "—" if d["lo"] is None else f"[{d['lo']:+.2f}%, {d['hi']:+.2f}%]"
         sd = "—" if d["sd"] is None else f"{d['sd']:.2f}%"
         h = a["heldout_diff_pct"]
-        held = "—" if h is None else (_pct(h["mean"]) + ("" if h["lo"] is None else f" [{h['lo']:+.2f}%, {h['hi']:+.2f}%]"))
+        held = "—" if h is None else (_pct(h["mean"])
+                                      + ("" if h["lo"] is None else f" [{h['lo']:+.2f}%, {h['hi']:+.2f}%]"))
         need = a["runs_needed"]
         runs_for = "—" if d["sd"] is None else " / ".join("none" if k is None else str(k)
                                                           for k in (need["at_zero"], need["at_mean"]))
@@ -402,9 +404,10 @@ def markdown(result: dict) -> str:
     over = result.get("over_steps") or {}
     if over:
         names = list(over)
-        lines += ["", f"Over the run: Δ % of each {over[names[0]]['window']} steps' mean loss from {ref}'s over the same "
-                  "steps, mean over the runs with their per-step losses [95% interval]:", "",
-                  "| steps | " + " | ".join(f"{result['arms'][n]['label']} ({over[n]['runs']} runs)" for n in names) + " |",
+        lines += ["", f"Over the run: Δ % of each {over[names[0]]['window']} steps' mean loss from {ref}'s "
+                  "over the same steps, mean over the runs with their per-step losses [95% interval]:", "",
+                  "| steps | " + " | ".join(f"{result['arms'][n]['label']} ({over[n]['runs']} runs)" for n in names)
+                  + " |",
                   "|---|" + "---|" * len(names)]
         for k, w in enumerate(over[names[0]]["windows"]):
             cells = []
@@ -417,7 +420,8 @@ def markdown(result: dict) -> str:
         names = list(held)
         lines += ["", f"Held-out loss over the run: Δ % from {ref}'s at each evaluation, mean over the runs [95% "
                   "interval]; last row: each run's mean Δ over its last evaluations:", "",
-                  "| after step | " + " | ".join(f"{result['arms'][n]['label']} ({held[n]['runs']} runs)" for n in names)
+                  "| after step | "
+                  + " | ".join(f"{result['arms'][n]['label']} ({held[n]['runs']} runs)" for n in names)
                   + " |", "|---|" + "---|" * len(names)]
 
         def cell(v):
@@ -433,9 +437,11 @@ def markdown(result: dict) -> str:
         spans = {n: f"{held[n]['last']['evaluations']} ({held[n]['last']['first_step']}–{held[n]['last']['last_step']})"
                  for n in names}
         if len(set(spans.values())) == 1:
-            lines.append(f"| mean of the last {spans[names[0]]} | " + " | ".join(cell(held[n]["last"]) for n in names) + " |")
+            lines.append(f"| mean of the last {spans[names[0]]} | "
+                         + " | ".join(cell(held[n]["last"]) for n in names) + " |")
         else:  # the arms share different evaluations
-            lines.append("| mean of the last | " + " | ".join(f"{spans[n]}: {cell(held[n]['last'])}" for n in names) + " |")
+            lines.append("| mean of the last | "
+                         + " | ".join(f"{spans[n]}: {cell(held[n]['last'])}" for n in names) + " |")
     fl = result.get("spread_against_floor")
     if fl:
         floor_label = result["arms"][fl["floor"]]["label"]
@@ -518,8 +524,8 @@ def plot_over_steps(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of benchmarks/scripts/convergence.py runs, or the log a "
-                    "run printed (a .log file: for a run whose convergence.json was not kept)")
+    ap.add_argument("runs", nargs="+", help="folders (or convergence.json files) of benchmarks/scripts/convergence.py "
+                    "runs, or the log a run printed (a .log file: for a run whose convergence.json was not kept)")
     ap.add_argument("--target", type=float, default=0.5, help="percent (default 0.5)")
     ap.add_argument("--floor", default=None, help="an arm that replicates the reference (e.g. bf16-rep2): set every "
                     "other arm's spread of Δ against it")

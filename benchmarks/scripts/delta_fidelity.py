@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
@@ -120,7 +119,8 @@ def main() -> None:
     layout = plan_flat_layout([tuple(p.shape) for p in params], 1, zero_quantized_weights_group_size=8,
                               small_param_numel=preset.small_param_numel,
                               zero_quantized_weights_format="int8")
-    exact = torch.cat([torch.arange(a, b) for a, b in layout.exact_ranges]) if layout.exact_ranges else torch.empty(0, dtype=torch.long)
+    exact = (torch.cat([torch.arange(a, b) for a, b in layout.exact_ranges]) if layout.exact_ranges
+             else torch.empty(0, dtype=torch.long))
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     opt = torch.optim.AdamW(masters, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     corpus = load_corpus()
@@ -150,7 +150,8 @@ def main() -> None:
             p.data.copy_(m.detach())
             p.grad = None
         logits = model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
         loss.backward()
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
@@ -184,7 +185,8 @@ def main() -> None:
                          rel_err_last_tenth=mean(rep.trace[-max(1, args.steps // 10):]),
                          lag_mean=mean(rep.lags[tail]), held_mean=mean(rep.held[tail])))
     direct_rows = [dict(fmt=fmt, group_size=g, bytes_per_param=bytes_per_param(fmt, g, "fp32"),
-                        rel_err_mean=mean(t[tail]), rel_err_max=max(t[tail]), lag_mean=mean(direct_lags[(fmt, g)][tail]))
+                        rel_err_mean=mean(t[tail]), rel_err_max=max(t[tail]),
+                        lag_mean=mean(direct_lags[(fmt, g)][tail]))
                    for (fmt, g), t in direct.items()]
     result = dict(
         preset=args.preset, params=sum(p.numel() for p in params), exact_params=int(exact.numel()),
@@ -208,15 +210,19 @@ def main() -> None:
 
 def markdown(r: dict) -> str:
     lines = [
-        f"# Delta gathers: bytes against error, {r['preset']} ({r['params']:,} parameters, {r['exact_params']:,} exact), "
+        f"# Delta gathers: bytes against error, {r['preset']} ({r['params']:,} parameters, "
+        f"{r['exact_params']:,} exact), "
         f"AdamW lr {r['lr']:g}, {r['steps']} steps",
         "",
-        f"Loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}. Mean step update ||bf16(m_t) - bf16(m_t-1)|| / ||bf16(m_t)||: "
-        f"{r['update_rel_mean']:.2e}. Error: ||replica - bf16(master)|| / ||bf16(master)|| after each step, mean (and max) "
+        f"Loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}. "
+        "Mean step update ||bf16(m_t) - bf16(m_t-1)|| / ||bf16(m_t)||: "
+        f"{r['update_rel_mean']:.2e}. Error: ||replica - bf16(master)|| / ||bf16(master)|| after each step, "
+        "mean (and max) "
         f"over steps {r['steps'] // 3 + 1}-{r['steps']}; bytes per parameter exclude exact parameters and alignment.",
         "",
         "Lag: how far the error lies behind along the step's update, ``-<replica - target, update> / |update|^2``, in",
-        "updates (0: uncorrelated with it; 1: the replica is where the target was a step before); held: of the elements",
+        "updates (0: uncorrelated with it; 1: the replica is where the target was a step before); "
+        "held: of the elements",
         "whose target moved in a step, the share whose replica did not move. Means over the same steps.",
         "",
         "| payload | scale | group | bytes/param | rel. error mean | max | first third | last tenth | lag | held |",
@@ -224,7 +230,8 @@ def markdown(r: dict) -> str:
     ]
     for row in sorted(r["delta"], key=lambda x: (x["fmt"], x["scale_dtype"], x["resync"], x["group_size"])):
         resync = f", resync every {row['resync']}" if row["resync"] else ""
-        lines.append(f"| {row['fmt']} delta{resync} | {row['scale_dtype']} | {row['group_size']} | {row['bytes_per_param']:.4f} | "
+        lines.append(f"| {row['fmt']} delta{resync} | {row['scale_dtype']} | {row['group_size']} | "
+                     f"{row['bytes_per_param']:.4f} | "
                      f"{row['rel_err_mean']:.2e} | {row['rel_err_max']:.2e} | {row['rel_err_first_third']:.2e} | "
                      f"{row['rel_err_last_tenth']:.2e} | {row['lag_mean']:.3f} | {row['held_mean']:.3f} |")
     for row in r["direct"]:

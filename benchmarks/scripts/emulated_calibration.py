@@ -118,38 +118,42 @@ ARMS = {
     # the same two enqueuing 4 chunks past the one a forward waits for: the optimizer step (which DeepSpeed
     # ends after a host synchronization) enqueues 4, the forward's hooks the rest
     "ds_int8_ahead_lazy": "backend=deepspeed,quantized=true,overlap=true,gather_lookahead=4",
-    "ds_int8_ahead_qgrad_lazy": "backend=deepspeed,quantized=true,overlap=true,zero_quantized_gradients=true,gather_lookahead=4",
+    "ds_int8_ahead_qgrad_lazy": "backend=deepspeed,quantized=true,overlap=true,zero_quantized_gradients=true,"
+                                "gather_lookahead=4",
     # the 4-bit payloads (no real two-GPU result yet: emulated only). The delta arms name their group:
     # groups of 256 in these (what their recorded results ran; the default is 64 since), 64 in delta64_*
-    "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_weights_group_size=256",
-    "delta_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_weights_group_size=256,"
-                         "zero_quantized_gradients=true",
-    "delta64_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_weights_group_size=64",
-    "delta64_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_weights_group_size=64,"
-                           "zero_quantized_gradients=true",
+    "delta_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
+                   "zero_quantized_weights_group_size=256",
+    "delta_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
+                         "zero_quantized_weights_group_size=256,zero_quantized_gradients=true",
+    "delta64_ahead": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
+                     "zero_quantized_weights_group_size=64",
+    "delta64_ahead_qgrad": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
+                           "zero_quantized_weights_group_size=64,zero_quantized_gradients=true",
     "delta64_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
                                  "zero_quantized_weights_group_size=64,zero_quantized_gradients=true,"
                                  "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256",
     # INT4 gradients name their group size: groups of 64 here (the default is 256 since these arms were first run)
-    "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
-                         "zero_quantized_gradients_group_size=64",
-    "delta_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_weights_group_size=256,"
-                          "zero_quantized_gradients=true,"
+    "int8_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_gradients=true,"
+                         "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=64",
+    "delta_ahead_qgrad4": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
+                          "zero_quantized_weights_group_size=256,zero_quantized_gradients=true,"
                           "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=64",
     # INT4 gradients in larger groups: fewer scale bits (4 + 32/G bits an element)
-    "int8_ahead_qgrad4_g128": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
-                              "zero_quantized_gradients_group_size=128",
-    "int8_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
-                              "zero_quantized_gradients_group_size=256",
-    "delta_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_weights_delta=true,zero_quantized_weights_group_size=256,"
-                               "zero_quantized_gradients=true,"
+    "int8_ahead_qgrad4_g128": "quantized=true,overlap=true,zero_quantized_gradients=true,"
+                              "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=128",
+    "int8_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_gradients=true,"
+                              "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256",
+    "delta_ahead_qgrad4_g256": "quantized=true,overlap=true,zero_quantized_weights_delta=true,"
+                               "zero_quantized_weights_group_size=256,zero_quantized_gradients=true,"
                                "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256",
     # more gradient buckets left in flight before the backward waits for the oldest (default 2)
     "int8_ahead_if4": "quantized=true,overlap=true,reduce_buckets_in_flight=4",
     "int8_ahead_if8": "quantized=true,overlap=true,reduce_buckets_in_flight=8",
     "int8_ahead_qgrad_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,reduce_buckets_in_flight=8",
-    "int8_ahead_qgrad4_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,zero_quantized_gradients_format=int4,"
-                             "zero_quantized_gradients_group_size=64,reduce_buckets_in_flight=8",
+    "int8_ahead_qgrad4_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,"
+                             "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=64,"
+                             "reduce_buckets_in_flight=8",
     "int8_ahead_qgrad4_g256_if8": "quantized=true,overlap=true,zero_quantized_gradients=true,"
                                   "zero_quantized_gradients_format=int4,zero_quantized_gradients_group_size=256,"
                                   "reduce_buckets_in_flight=8",

@@ -7,16 +7,18 @@ world (``--world-size``) whose collectives hold an emulated link. Every arm of e
 (odd rounds reversed); inside one arm's process the links run one after another, each for
 ``--steps`` steps back to back (the first ``--warmup`` warm up; then ``wall ms/step`` is the
 measured steps between two device-wide synchronizations, and the per-step medians are
-timed on the compute stream as in ``qzero bench steps`` (``qzero.app.benchmarks.steps``)), the link order reversed in odd
-rounds too. ``--budget`` seconds: no run starts that would not end inside it (a cut run
+timed on the compute stream as in ``qzero bench steps`` (``qzero.app.benchmarks.steps``)), the
+link order reversed in odd rounds too. ``--budget`` seconds: no run starts that would not end inside it (a cut run
 leaves what it measured).
 
-    python3 benchmarks/scripts/emulated_matrix.py --presets qwen3-4b --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 \\
+    python3 benchmarks/scripts/emulated_matrix.py --presets qwen3-4b --allgather-bucket-sizes 5e7 \\
+        --reduce-bucket-sizes 2.6e7 \\
         --links pcie,ethernet --world-size 2 --steps 6 --warmup 2 --rounds 1 \\
         --arm gpu1:world_size=1 --arm plain: --arm int8_ahead:quantized=true,overlap=true \\
         --arm fsdp2:backend=fsdp2 --reference plain --peers fsdp2 --out OUT
 
-Writes ``OUT/PRESET_agAG_rsRS/LINK/matrix.{json,md}`` and ``steps.png`` (``qzero bench steps`` (``qzero.app.benchmarks.steps``)'s
+Writes ``OUT/PRESET_agAG_rsRS/LINK/matrix.{json,md}`` and ``steps.png`` (``qzero bench steps``
+(``qzero.app.benchmarks.steps``)'s
 tables and plot, titled "emulated link"), and ``OUT/summary.{json,md}``: per cell, link and arm
 the median and wall step, the exposed communication against the ``world_size=1`` arm when
 there is one, and the link's modelled and measured busy time per step. Every figure is of an
@@ -389,7 +391,8 @@ def summarize(done: dict, floor_arm: str | None, cell_info: dict | None = None) 
                 "link_busy_ms_measured": statistics.median(busy_m) if busy_m else None,
                 "finite": all(r.get("finite") for r in ok) if ok else None,
                 "error": next((r.get("error", "")[-300:] for r in runs if r.get("failed")), None),
-                "timeline": emulated_timeline.medians([x for r in ok if r.get("timeline") for x in r["timeline"]["steps"]]),
+                "timeline": emulated_timeline.medians([x for r in ok if r.get("timeline")
+                                                       for x in r["timeline"]["steps"]]),
             })
     return {"floor_arm": floor_arm, "rows": rows}
 
@@ -425,8 +428,10 @@ def build_parser():
     p.prog, p.description = "emulated_matrix.py", __doc__.split("\n\n")[0]
     e = p.add_argument_group("emulated link")
     e.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
-    e.add_argument("--allgather-bucket-sizes", default=None, help="comma-separated gather buckets (default: --allgather-bucket-size)")
-    e.add_argument("--reduce-bucket-sizes", default=None, help="comma-separated reduce buckets (default: --reduce-bucket-size)")
+    e.add_argument("--allgather-bucket-sizes", default=None,
+                   help="comma-separated gather buckets (default: --allgather-bucket-size)")
+    e.add_argument("--reduce-bucket-sizes", default=None,
+                   help="comma-separated reduce buckets (default: --reduce-bucket-size)")
     e.add_argument("--links", default="pcie",
                    help="comma-separated links, each REGIME or REGIME:key=value;... (';' between a link's keys), "
                         "regimes: none, pcie, ethernet, nvlink (benchmarks/scripts/emulated_link.py)")
@@ -438,8 +443,9 @@ def build_parser():
                         "The whole grid then takes several invocations of one command, each within its --budget")
     e.add_argument("--timeline", action="store_true",
                    help="stamp each step's forward, backward and optimizer step on the compute stream and join them "
-                        "with the link's transfers: rec['timeline'], a table in summary.md (benchmarks/scripts/emulated_timeline.py "
-                        "draws it); off by default, the steps' timing as without it")
+                        "with the link's transfers: rec['timeline'], a table in summary.md "
+                        "(benchmarks/scripts/emulated_timeline.py draws it); off by default, the steps' timing as "
+                        "without it")
     return p
 
 
@@ -451,8 +457,9 @@ def split_links(text: str) -> list[str]:
 def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
     """What an earlier invocation left in ``out`` for this matrix: its runs as ``done``
     (``{(cell, link): {arm: [records]}}``) and the set of ``(round, cell, arm)`` whose every
-    link has a run that did not fail; only those runs are kept, the others run again whole. Raises ``ValueError`` naming the first
-    arm whose settings differ from the planned ones (a different matrix in the same folder)."""
+    link has a run that did not fail; only those runs are kept, the others run again whole. Raises
+    ``ValueError`` naming the first arm whose settings differ from the planned ones (a different
+    matrix in the same folder)."""
     done: dict = {(c, link): {n: [] for n in plans[c][1]} for c in plans for link in links}
     for c, (_, arms, *_rest) in plans.items():
         for link in links:
@@ -558,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(emulated_timeline.table(rec["timeline"]["median"]), end="", flush=True)
             except (ArmFailed, OSError, ValueError) as e:
                 for link in run_links:
-                    done[(c, link)][name].append({"failed": True, "round": r, "index": kept + i, "error": str(e)[-3000:]})
+                    done[(c, link)][name].append({"failed": True, "round": r, "index": kept + i,
+                                                  "error": str(e)[-3000:]})
                 print(f"emulated_matrix:   FAILED: {steps_matrix._last_line(str(e))[:200]} (log {log})", flush=True)
             last = time.monotonic() - t0
             _write_all(args, plans, links, done, env, reference, peers, floor_arm, kept + i + 1, kept + len(schedule),

@@ -7,8 +7,8 @@ bootstrap interval of :func:`qzero.app.qualify.stats.bootstrap_ci_arms` (runs re
 steps within runs: with two rounds it shows the spread between them, with one it is only the
 step-to-step noise). Every figure is of an emulated link.
 
-    python3 benchmarks/scripts/emulated_ratios.py OUT [OUT ...] --pair fsdp2/int8_ahead --pair int8_ahead_qgrad/int8_ahead_qgrad4 \\
-        [--out ratios.md]
+    python3 benchmarks/scripts/emulated_ratios.py OUT [OUT ...] --pair fsdp2/int8_ahead \\
+        --pair int8_ahead_qgrad/int8_ahead_qgrad4 [--out ratios.md]
 
 prints (and writes) one row per pair, cell and link where both arms ran. The runs of one arm on
 one cell and link (the link's full name, its time scale and contention included) are pooled
@@ -88,7 +88,8 @@ def host_excess_us(emulated: dict, nccl: dict) -> dict[str, float]:
     """Per link op: microseconds of host time an emulated call costs more than NCCL's, from two
     ``collective_host_cost.py`` results (``mode`` ``emulated`` and ``nccl``)."""
     if emulated.get("mode") != "emulated" or nccl.get("mode") != "nccl":
-        raise ValueError("--host-excess takes an emulated and then an NCCL result of benchmarks/scripts/collective_host_cost.py, "
+        raise ValueError("--host-excess takes an emulated and then an NCCL result of "
+                         "benchmarks/scripts/collective_host_cost.py, "
                          f"got modes {emulated.get('mode')!r} and {nccl.get('mode')!r}")
     e, n = emulated["host_us_per_call"], nccl["host_us_per_call"]
     return {op: e[name] - n[name] for op, name in HOST_COST_OF.items() if name in e and name in n}
@@ -140,7 +141,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         runs = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
-        line = (f"| {r['cell']} | {r['link']} | {r['base']} | {r['cand']} | {r['base_ms']:.1f} ({runs(r['base_runs_ms'])}) | "
+        line = (f"| {r['cell']} | {r['link']} | {r['base']} | {r['cand']} | "
+                f"{r['base_ms']:.1f} ({runs(r['base_runs_ms'])}) | "
                 f"{r['cand_ms']:.1f} ({runs(r['cand_runs_ms'])}) | {r['ratio']:.3f}× | "
                 f"{r['ci95'][0]:.3f}–{r['ci95'][1]:.3f} |")
         if excess:

@@ -243,7 +243,8 @@ def table(med: dict) -> str:
         lines.append(f"  {name:8s} | {r['ms']:.1f} | {_ops(r['busy_ms'])} | {r['idle_ms']:.1f}")
     lines.append(f"  tail after the backward: {_ops(med['tail_ms'])}; after the step's end: {_ops(med['after_ms'])}")
     if med.get("host_lead_ms"):
-        lines.append("  host lead (GPU behind the host) at " + ", ".join(f"{n} {v:.1f}" for n, v in med["host_lead_ms"].items()))
+        lines.append("  host lead (GPU behind the host) at "
+                     + ", ".join(f"{n} {v:.1f}" for n, v in med["host_lead_ms"].items()))
     return "\n".join(lines) + "\n"
 
 
@@ -356,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         drawn += 1
     if not drawn:
-        p.error(f"{a.source}: no run record with a timeline (run benchmarks/scripts/emulated_matrix.py with --timeline)")
+        p.error(f"{a.source}: no run record with a timeline "
+                "(run benchmarks/scripts/emulated_matrix.py with --timeline)")
     return 0
 
 

@@ -183,7 +183,8 @@ def main() -> None:
         contexts = {arm: CommContext(device, kernels=TritonKernels(Launcher(KernelTuning(fast_launch=arm == "fast"))))
                     for arm in ("fast", "jit")}
     arms = tuple(contexts)
-    results = {"numel": layout.numel, "world": world, "fake_world": bool(a.fake_world), "bucket": int(a.bucket), "fmt": a.fmt, "device": a.device,
+    results = {"numel": layout.numel, "world": world, "fake_world": bool(a.fake_world), "bucket": int(a.bucket),
+               "fmt": a.fmt, "device": a.device,
                "schedule": context.schedule, "kernels": getattr(context.kernels, "name", str(context.kernels)),
                "exact_ranges": len(plan.exact_ranges), "arms": {}}
     busy_ms = 2000.0

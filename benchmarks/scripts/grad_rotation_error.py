@@ -171,10 +171,12 @@ def main(argv=None) -> int:
             ("int4", 64, 0), ("int4", 64, 16), ("int4", 64, 32), ("int4", 64, 64),
             ("int4", 128, 0), ("int4", 128, 32), ("int4", 128, 128)]
     if args.arms:
-        arms = [(f, int(g), int(h)) for f, g, h in (a.replace("-g", " ").replace("-h", " ").split() for a in args.arms.split(","))]
+        arms = [(f, int(g), int(h)) for f, g, h in (a.replace("-g", " ").replace("-h", " ").split()
+                                                    for a in args.arms.split(","))]
     rows = []
     for fmt, group, rotation in arms:
-        row = {"format": fmt, "group_size": group, "rotation_block": rotation, **measure(grads, fmt, group, rotation, ef_steps, names)}
+        row = {"format": fmt, "group_size": group, "rotation_block": rotation,
+               **measure(grads, fmt, group, rotation, ef_steps, names)}
         row["bits_per_element"] = (4 if fmt == "int4" else 8) + 32 / group
         rows.append(row)
         print(f"{fmt} g{group} H{rotation or '-'}: reduced {row['reduced_rel_err']:.4f}", file=sys.stderr, flush=True)
@@ -186,12 +188,14 @@ def main(argv=None) -> int:
               f"{r['payload_rel_err']:.4f} | {r['reduced_rel_err']:.4f} | {r['cumulative_rel_err']:.4f} | "
               f"{r['cumulative_rel_err_ef']:.4f} |")
     if args.by_parameter:
-        print("\n| parameter | " + " | ".join(f"{r['format']} g{r['group_size']} H{r['rotation_block'] or '-'} err / crest"
-                                          for r in rows) + " |")
+        print("\n| parameter | "
+              + " | ".join(f"{r['format']} g{r['group_size']} H{r['rotation_block'] or '-'} err / crest" for r in rows)
+              + " |")
         print("|---|" + "---|" * len(rows))
         for n in names:
-            print(f"| {n} | " + " | ".join(f"{r['reduced_rel_err_by_parameter'][n]:.4f} / {r['crest_by_parameter'][n]:.2f}"
-                                         for r in rows) + " |")
+            print(f"| {n} | "
+                  + " | ".join(f"{r['reduced_rel_err_by_parameter'][n]:.4f} / {r['crest_by_parameter'][n]:.2f}"
+                               for r in rows) + " |")
     record = {
         "what": "gradient relative error of the quantized reduction vs rotation block (torch reference, CPU)",
         "settings": vars(args), "parameters_measured": names,

@@ -35,7 +35,8 @@ class HostBreakdown:
              ("wire.overlap", "GatherAhead._hook"), ("wire.overlap", "GatherAhead.wait_for"),
              # the gradient reduction, stage 2: the hook per parameter (staging its gradient;
              # it launches a full bucket), each bucket's launch and the finish of the oldest
-             ("optim.grads", "Stage2Grads._on_grad", "grad_hook"), ("optim.grads", "Stage2Grads._launch", "reduce_launch"),
+             ("optim.grads", "Stage2Grads._on_grad", "grad_hook"),
+             ("optim.grads", "Stage2Grads._launch", "reduce_launch"),
              ("optim.grads", "Stage2Grads._finish_oldest", "reduce_finish"),
              # inside those with quantized gradients: pack + all-to-all, and dequantize + sum
              ("wire.quantized_reduce", "QuantizedExchange.launch", "quantized_launch"),

@@ -83,7 +83,8 @@ def mix(kernel, out_dir, name, per_thread):
         with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
             f.write(text)
     memory = collections.Counter(re.findall(r"\b((?:ld|st)\.global[.a-z0-9]*)", ptx))
-    ops = collections.Counter(i.split(".")[0] for i in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    ops = collections.Counter(i.split(".")[0]
+                              for i in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
     print(f"{name}: shared {kernel.metadata.shared} B; global accesses {dict(memory)}; "
           f"div.rn {ptx.count('div.rn.f32')}; SASS {sum(ops.values())} static: {ops.most_common(12)}")
     ptx_ops = collections.Counter(re.findall(r"^\s+((?:mul|fma|add)(?:\.rn)?(?:\.ftz)?\.f32)\s", ptx, re.M))

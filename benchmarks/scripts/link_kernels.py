@@ -5,8 +5,9 @@ The hold kernel runs on the link's stream after a collective's delivery. Each of
 reads the GPU's global timer; the transfer's start is the later of the previous transfer's
 end (kept on the device) and the first CTA's start less the delivery's estimated time (the
 CTAs agree on it through an atomic minimum, so one that gets its SM late holds to the same
-end instead of stretching the transfer); each CTA moves its share of the paced HBM traffic (copies through a scratch buffer, each piece not
-before its due time), then waits until ``start + duration`` (in short naps, or reading the
+end instead of stretching the transfer); each CTA moves its share of the paced HBM traffic
+(copies through a scratch buffer, each piece not before its due time), then waits until
+``start + duration`` (in short naps, or reading the
 timer without a pause: ``LinkModel.spin``, warps that keep issuing as NCCL's copy loops do),
 and records its end. When no CTA gets an SM (the GPU full of compute), the transfer starts late, as NCCL's do
 when their kernels are scheduled late. ``ctas == 0``: one one-warp CTA holds the link (no

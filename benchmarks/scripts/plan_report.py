@@ -3,11 +3,13 @@
 For each world size: the flat order ``auto`` picks and its padding, the weight gather's
 chunks and receive buffers (synchronous and gather-ahead), the gradient buckets, and the
 largest reduce staging a backward holds (with ``--solo-reduce``, as with
-``ZeroConfig.solo_reduce``, solo parameters need none: their own gradient is reduced), found by replaying the backward's gradient order
-(reverse model order; a tied embedding's gradient arrives last) over the bucket plan.
+``ZeroConfig.solo_reduce``, solo parameters need none: their own gradient is reduced), found by
+replaying the backward's gradient order (reverse model order; a tied embedding's gradient
+arrives last) over the bucket plan.
 Model shapes come from a ``transformers`` config on the meta device (nothing is allocated).
 
-    python benchmarks/scripts/plan_report.py --preset qwen3-4b --worlds 2,4,8 --allgather-bucket-size 5e7 --reduce-bucket-size 2.6e7
+    python benchmarks/scripts/plan_report.py --preset qwen3-4b --worlds 2,4,8 --allgather-bucket-size 5e7 \\
+        --reduce-bucket-size 2.6e7
 """
 
 from __future__ import annotations

@@ -88,10 +88,11 @@ ARMS = {
     # DeepSpeed ZeRO-2, the adapter with INT8 + gather-ahead, and with its quantized gradient reduction
     "deepspeed": {"backend": "deepspeed"},
     "ds_int8_ahead": {"backend": "deepspeed", "quantized": True, "overlap": True},
-    "ds_int8_ahead_qgrad": {"backend": "deepspeed", "quantized": True, "overlap": True, "zero_quantized_gradients": True},
+    "ds_int8_ahead_qgrad": {"backend": "deepspeed", "quantized": True, "overlap": True,
+                            "zero_quantized_gradients": True},
     "ds_int8_ahead_lazy": {"backend": "deepspeed", "quantized": True, "overlap": True, "gather_lookahead": 4},
-    "ds_int8_ahead_qgrad_lazy": {"backend": "deepspeed", "quantized": True, "overlap": True, "zero_quantized_gradients": True,
-                                 "gather_lookahead": 4},
+    "ds_int8_ahead_qgrad_lazy": {"backend": "deepspeed", "quantized": True, "overlap": True,
+                                 "zero_quantized_gradients": True, "gather_lookahead": 4},
 }
 #: Arms whose forward pre-hooks enqueue the gather without waiting for it.
 NO_WAIT = {"int8_ahead_nowait"}
@@ -175,7 +176,8 @@ def main() -> None:
     ap.add_argument("--profile-rows", type=int, default=14, metavar="N",
                     help="operations listed by host and by device time with --profile")
     ap.add_argument("--cprofile", action="store_true",
-                    help="one more step of each arm under cProfile: the Python functions with the most time of their own")
+                    help="one more step of each arm under cProfile: the Python functions with the most time of "
+                         "their own")
     ap.add_argument("--host-breakdown", action="store_true",
                     help="per phase: host time of the gather's launches, packs, unpacks, hooks and reads; "
                          "synchronizing CUDA calls; allocator device allocations/frees/retries; gc (see HostBreakdown)")
@@ -186,11 +188,12 @@ def main() -> None:
                     help="one process as rank 0 of N under torch's fake process group (one GPU): every arm's "
                          "local work at DP-N (its kernels, launches and update on its partition), no traffic")
     ap.add_argument("--emulated-world", type=int, default=0, metavar="N",
-                    help="the same with benchmarks/scripts/emulated_link.py's collectives on no link: every output written "
-                         "(each rank sends what rank 0 sends), so quantized payloads decode (delta gathers, "
+                    help="the same with benchmarks/scripts/emulated_link.py's collectives on no link: every output "
+                         "written (each rank sends what rank 0 sends), so quantized payloads decode (delta gathers, "
                          "DeepSpeed's gradients) at the host cost of an emulated call")
-    ap.add_argument("--link", default="none", help="with --emulated-world: the link (benchmarks/scripts/emulated_link.py's text, "
-                                                   "e.g. 'nvlink:ctas=0,time_scale=0.9534'; default none)")
+    ap.add_argument("--link", default="none",
+                    help="with --emulated-world: the link (benchmarks/scripts/emulated_link.py's text, "
+                         "e.g. 'nvlink:ctas=0,time_scale=0.9534'; default none)")
     a = ap.parse_args()
     for name in a.arms.split(","):  # every arm checked before any work
         if name not in ARMS:
@@ -306,9 +309,11 @@ def main() -> None:
                     if rank == 0:
                         ka = prof.key_averages()
                         print(f"--- {name} det={det}: top host time")
-                        print(ka.table(sort_by="self_cpu_time_total", row_limit=a.profile_rows, max_name_column_width=60))
+                        print(ka.table(sort_by="self_cpu_time_total", row_limit=a.profile_rows,
+                                       max_name_column_width=60))
                         print(f"--- {name} det={det}: top device time")
-                        print(ka.table(sort_by="self_device_time_total", row_limit=a.profile_rows, max_name_column_width=60))
+                        print(ka.table(sort_by="self_device_time_total", row_limit=a.profile_rows,
+                                       max_name_column_width=60))
                     continue
                 marks.append((ev, 1e3 * (h1 - h0), 1e3 * (h3 - h2), 1e3 * (h2 - h1)))
             torch.cuda.synchronize()
@@ -334,9 +339,11 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     if rank == 0:
-        print(f"{'arm':18s} {'det':>3s} {'fwd':>7s} {'bwd':>7s} {'step':>7s} {'total':>7s} {'host fwd':>9s} {'host bwd':>9s} {'host step':>9s}  (ms, medians)")
+        print(f"{'arm':18s} {'det':>3s} {'fwd':>7s} {'bwd':>7s} {'step':>7s} {'total':>7s} "
+              f"{'host fwd':>9s} {'host bwd':>9s} {'host step':>9s}  (ms, medians)")
         for r in rows:
-            print(f"{r['arm']:18s} {r['deterministic']:>3s} {r['fwd']:7.1f} {r['bwd']:7.1f} {r['step']:7.1f} {r['total']:7.1f}"
+            print(f"{r['arm']:18s} {r['deterministic']:>3s} {r['fwd']:7.1f} {r['bwd']:7.1f} {r['step']:7.1f} "
+                  f"{r['total']:7.1f}"
                   f" {r['host_fwd']:9.1f} {r['host_bwd']:9.1f} {r['host_step']:9.1f}")
         if a.out:
             with open(a.out, "w") as f:

@@ -136,7 +136,8 @@ def solo_slots(layout: FlatLayout, reduce_bucket_size: int) -> tuple[int, ...]:
     return tuple(s.index for s in layout.slots if s.numel > width and s.start % p == 0 and s.stop <= s.start + p)
 
 
-def plan_scatter_buckets(layout: FlatLayout, reduce_bucket_size: int, exclude: Sequence[int] = ()) -> tuple[ScatterBucket, ...]:
+def plan_scatter_buckets(layout: FlatLayout, reduce_bucket_size: int,
+                         exclude: Sequence[int] = ()) -> tuple[ScatterBucket, ...]:
     """Cut the partitions into windows for reduce-scatter, last window first (backward
     produces the last parameters' gradients first; in the interleaved order a window is
     one stretch of the model). Windows no parameter touches on any rank are left out, and

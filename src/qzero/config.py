@@ -26,7 +26,8 @@ from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_
                          HIERARCHICAL_CHOICES, KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
 
-#: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement: ``benchmarks/reports/loss-quantized-gradients.md``).
+#: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement:
+#: ``benchmarks/reports/loss-quantized-gradients.md``).
 DEFAULT_ROTATION_BLOCK = 32
 #: The largest count any setting takes (elements of a bucket, steps, ...): far beyond any real
 #: run, and small enough that sizes computed from it stay inside int64 arithmetic.
@@ -386,7 +387,8 @@ class ZeroConfig:
         self._refuse_moot_weight_settings()  # after the checks of their values: a bad value is named as such
         lookahead = self.gather_lookahead
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-            raise ValueError(f"gather_lookahead must be an int >= 0 (0: every chunk enqueued by step()), got {lookahead!r}")
+            raise ValueError(f"gather_lookahead must be an int >= 0 (0: every chunk enqueued by step()), "
+                             f"got {lookahead!r}")
         in_flight = self.reduce_buckets_in_flight
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"reduce_buckets_in_flight must be a positive int (bucket reductions in flight), "
@@ -486,7 +488,8 @@ class ZeroConfig:
         try:
             check_rotation_block(block)
         except ValueError:
-            raise ValueError(f"zero_quantized_gradients_rotation_block must be a power of two >= 2, got {block!r}") from None
+            raise ValueError(f"zero_quantized_gradients_rotation_block must be a power of two >= 2, "
+                             f"got {block!r}") from None
         group = self.zero_quantized_gradients_group_size
         if rotation == "hadamard" and group % block:
             raise ValueError(
@@ -530,7 +533,8 @@ class ZeroConfig:
             elif key in _DEEPSPEED_FIXED:
                 want = _DEEPSPEED_FIXED[key]
                 if want is not None and value != want:
-                    raise ValueError(f"zero_optimization.{key}={value!r} is not supported: qzero always behaves as {want!r}")
+                    raise ValueError(f"zero_optimization.{key}={value!r} is not supported: "
+                                     f"qzero always behaves as {want!r}")
             elif unsupported_reason(key):
                 raise ValueError(f"zero_optimization.{key} is not supported: {unsupported_reason(key)}")
             else:

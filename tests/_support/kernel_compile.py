@@ -120,7 +120,8 @@ def main(quick: bool) -> dict:
             continue
         code, qmax = FMTS[fmt]
         bits = "*i32" if kind == 2 else "*i16"
-        rotation = dict(ROT=rot, LOG_ROT=max(rot.bit_length() - 1, 0), ROT_SCALE=gt.ref.rotation_scale(rot) if rot else 1.0)
+        rotation = dict(ROT=rot, LOG_ROT=max(rot.bit_length() - 1, 0),
+                        ROT_SCALE=gt.ref.rotation_scale(rot) if rot else 1.0)
         sig = dict(src_ptr=bits, values_ptr="*u8", scales_ptr="*fp32", side_ptr=bits, idx_ptr="*i64",
                    blk_ptr="*i64", res_ptr="*i16" if ef else "*fp32", n="i64")
         const = dict(KIND=kind, SOFT=False, FMT=code, QMAX=qmax, FLOOR=FLT_MIN, GS=64, GS_PAD=64, G=16,

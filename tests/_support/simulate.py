@@ -139,7 +139,8 @@ def kernel_inputs(plan, chunk, device) -> KernelInputs:
     device = torch.device(device)
     w, n, es = plan.world_size, chunk.numel, plan.elem_size
     if chunk.kind is not PayloadKind.PLAIN:
-        return KernelInputs([plan.payload_of(chunk, r) for r in range(w)], [plan.group_runs(chunk, r) for r in range(w)],
+        return KernelInputs([plan.payload_of(chunk, r) for r in range(w)],
+                            [plan.group_runs(chunk, r) for r in range(w)],
                             [exact_index(plan, chunk, r, device) for r in range(w)], plan.group_runs(chunk),
                             exact_scatter(plan, chunk, device), chunk.payload_bytes)
     layout = compact_layout(0, 0, n, es)

@@ -28,9 +28,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: for _support
 
-from _support.distributed import run_distributed
+from _support.distributed import run_distributed  # noqa: E402 (a script run by path: tests/ goes on the path first)
 
-import qzero
+import qzero  # noqa: E402
 
 NAME = "checkpoint_v1"
 WORLD = 2

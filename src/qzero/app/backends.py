@@ -87,8 +87,9 @@ class QZeroBackend:
 #: the weight gather / the gradient reduction is quantized (the adapter reads them by these names).
 DS_WEIGHT_KEYS = ("zero_quantized_weights", "zero_quantized_weights_group_size", "zero_quantized_weights_format",
                   "small_param_numel", "overlap_param_gather", "gather_lookahead")
-DS_GRADIENT_KEYS = ("zero_quantized_gradients", "zero_quantized_gradients_format", "zero_quantized_gradients_group_size",
-                    "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block", "small_param_numel")
+DS_GRADIENT_KEYS = ("zero_quantized_gradients", "zero_quantized_gradients_format",
+                    "zero_quantized_gradients_group_size", "zero_quantized_gradients_rotation",
+                    "zero_quantized_gradients_rotation_block", "small_param_numel")
 #: Several nodes (qzero.ZeroConfig.ranks_per_node, .hierarchical_collectives): the DeepSpeed adapter's and
 #: the qzero.fsdp group installers' too.
 DS_TOPOLOGY_KEYS = ("ranks_per_node", "hierarchical_collectives")
@@ -120,7 +121,8 @@ class DeepSpeedBackend:
         # qzero's keys in the DeepSpeed config are ZeroConfig's field names, with its values; gather-ahead
         # (overlap_param_gather) as for the qzero backend: on by default when quantized. Gradients: stage 2
         # only (checked by the settings), qzero.integrations.deepspeed_grads.
-        for switch, names in ((zero.zero_quantized_weights, DS_WEIGHT_KEYS), (zero.zero_quantized_gradients, DS_GRADIENT_KEYS)):
+        for switch, names in ((zero.zero_quantized_weights, DS_WEIGHT_KEYS),
+                              (zero.zero_quantized_gradients, DS_GRADIENT_KEYS)):
             if switch:
                 config["zero_optimization"].update({name: getattr(zero, name) for name in names})
         if settings.offload_optimizer != "none":
@@ -134,7 +136,8 @@ class DeepSpeedBackend:
             fused = device.type == "cuda"
             inner = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.0, fused=fused)
         init = qds.initialize if zero.zero_quantized_weights or zero.zero_quantized_gradients else deepspeed.initialize
-        if init is qds.initialize:  # several nodes: qzero's keys, checked by its initialize (DeepSpeed's own refuses them)
+        # several nodes: qzero's keys, checked by its initialize (DeepSpeed's own refuses them)
+        if init is qds.initialize:
             config["zero_optimization"].update({name: getattr(zero, name) for name in DS_TOPOLOGY_KEYS})
         self.engine, self.opt, _, _ = init(model=self.model, optimizer=inner, config=config)
         self.grad_accum = settings.grad_accum
@@ -329,7 +332,8 @@ def _fsdp2_gather_bytes(model, settings, world: int) -> tuple[int, int]:
         shard = -(-full[0] // world) * (p.numel() // full[0] if full[0] else 0)
         mine = shard * 2
         if isinstance(p, QuantizedGatherTensor) and carries(full, world):
-            mine = quantized_payload_layout(shard, zero.zero_quantized_weights_group_size, zero.zero_quantized_weights_format).nbytes
+            mine = quantized_payload_layout(shard, zero.zero_quantized_weights_group_size,
+                                            zero.zero_quantized_weights_format).nbytes
         sent += times * mine
         plain += times * shard * 2
     return sent, plain

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..vocabulary import BACKENDS, PRECISIONS, REDUCE_DTYPES, WEIGHT_FORMATS, ZERO_ALIASES
+from ..vocabulary import BACKENDS, PRECISIONS, ZERO_ALIASES
 
 if TYPE_CHECKING:
     from .train import TrainSettings
@@ -131,7 +131,8 @@ def _check_earlier_report(path: str, force: bool) -> None:
         return
     ours = [n for n in sorted(os.listdir(path)) if n in REPORT_FILES or (n.startswith("arm") and n.endswith(".log"))]
     if ours and not force:
-        raise ValueError(f"--out {path}: holds an earlier report ({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}); "
+        raise ValueError(f"--out {path}: holds an earlier report "
+                         f"({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}); "
                          "give another --out, or add --force to replace it")
     for name in ours:
         os.remove(os.path.join(path, name))

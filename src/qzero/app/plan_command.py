@@ -96,8 +96,8 @@ def _model(args):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as e:  # a user's config transformers cannot build
-        raise WorkloadError(f"{where}: transformers cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") \
-            from None
+        raise WorkloadError(f"{where}: transformers cannot build a causal LM from it "
+                            f"({str(e).splitlines()[0][:200]})") from None
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     return shapes, getattr(config, "num_hidden_layers", 1) or 1, config, where
 

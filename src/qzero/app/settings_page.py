@@ -56,7 +56,8 @@ def _markdown(doc: str) -> str:
 def render() -> str:
     fields = zero_fields()
     rows = "".join(f"| [`{f.name}`](#{f.name}) | {_default(f)} | {_values(f)} |\n" for f in fields)
-    sections = "".join(f"\n## {f.name}\n\n`{f.annotation}`, default {_default(f)}.\n\n{_markdown(f.doc)}\n" for f in fields)
+    sections = "".join(f"\n## {f.name}\n\n`{f.annotation}`, default {_default(f)}.\n\n{_markdown(f.doc)}\n"
+                       for f in fields)
     return HEADER + rows + sections
 
 

@@ -27,11 +27,9 @@ import torch.distributed as dist
 
 from ..config import ZeroConfig
 from ..layout.flat_layout import DEFAULT_SMALL_PARAM_NUMEL
+from ..vocabulary import BACKENDS, PRECISIONS, RENAMED_SETTINGS, ZERO_ALIASES, refuse_renamed
 
 SAMPLE_SIZE = 4096
-
-
-from ..vocabulary import BACKENDS, PRECISIONS, RENAMED_SETTINGS, ZERO_ALIASES, refuse_renamed
 
 
 @refuse_renamed(**RENAMED_SETTINGS)
@@ -60,7 +58,8 @@ class TrainSettings:
     (:func:`qzero.fsdp.quantize_weight_gathers`); ``group``: each ``fully_shard`` module's whole
     all-gather buffer (the bf16/fp16 copies) through qzero's gather engine, one call per module
     (:func:`qzero.fsdp.quantize_group_gathers`, less host time per gather)."""
-    offload_optimizer: str = "none"  # deepspeed only: none | cpu | cpu_pinned (DeepSpeedCPUAdam, fp32 state on the host)
+    # deepspeed only: none | cpu | cpu_pinned (DeepSpeedCPUAdam, fp32 state on the host)
+    offload_optimizer: str = "none"
     seq_len: int = 64
     micro_batch: int = 4
     grad_accum: int = 1
@@ -103,7 +102,8 @@ def _zero_config(given: dict, preset: str, model_config: str | None) -> ZeroConf
 
     unknown = sorted(set(given) - set(ZERO_FIELDS))
     if unknown:
-        raise ValueError(f"unknown ZeroConfig field(s) {', '.join(map(repr, unknown))}; known: {', '.join(ZERO_FIELDS)}")
+        raise ValueError(f"unknown ZeroConfig field(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(ZERO_FIELDS)}")
     if "small_param_numel" not in given:  # the preset's threshold, unless set
         given = dict(given, small_param_numel=(
             PRESETS[preset].small_param_numel if preset in PRESETS and not model_config else DEFAULT_SMALL_PARAM_NUMEL
@@ -195,7 +195,8 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"reshard_after_forward is a setting of the fsdp2 backend, not of {settings.backend!r}")
     if settings.fsdp_quantize not in FSDP_QUANTIZE:
         raise WorkloadError(f"fsdp_quantize must be one of {', '.join(FSDP_QUANTIZE)}, got {settings.fsdp_quantize!r}")
-    if settings.fsdp_quantize != "parameter" and (settings.backend != "fsdp2" or not settings.zero.zero_quantized_weights):
+    if settings.fsdp_quantize != "parameter" and (settings.backend != "fsdp2"
+                                                  or not settings.zero.zero_quantized_weights):
         raise WorkloadError(f"fsdp_quantize={settings.fsdp_quantize} is a setting of the fsdp2 backend with "
                             f"quantized=true, not of backend {settings.backend!r} with quantized="
                             f"{str(settings.zero.zero_quantized_weights).lower()}")
@@ -213,10 +214,12 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"copy_engine_collectives is a setting of the qzero backend: it moves ZeroOptimizer's own "
                             f"gather and all-to-all, which the {settings.backend} backend does not run")
     if settings.zero.reduce_buckets_in_flight != ZeroConfig.reduce_buckets_in_flight and settings.backend != "qzero":
-        raise WorkloadError(f"reduce_buckets_in_flight is a setting of the qzero backend: it bounds ZeroOptimizer's own "
-                            f"gradient reductions, which the {settings.backend} backend does not run")
+        raise WorkloadError(f"reduce_buckets_in_flight is a setting of the qzero backend: it bounds "
+                            f"ZeroOptimizer's own gradient reductions, which the {settings.backend} backend "
+                            "does not run")
     if settings.offload_optimizer not in OFFLOAD_OPTIMIZER:
-        raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, got {settings.offload_optimizer!r}")
+        raise WorkloadError(f"offload_optimizer must be one of {', '.join(OFFLOAD_OPTIMIZER)}, "
+                            f"got {settings.offload_optimizer!r}")
     if settings.offload_optimizer != "none" and settings.backend != "deepspeed":
         raise WorkloadError(f"offload_optimizer is a setting of the deepspeed backend, not of {settings.backend!r}")
     if settings.precision not in PRECISIONS:
@@ -226,7 +229,8 @@ def validate(settings: TrainSettings) -> None:
         raise WorkloadError(f"lr must be a finite number >= 0, got {lr!r}")
     warm = settings.lr_warmup
     if isinstance(warm, bool) or not isinstance(warm, int) or not 0 <= warm <= settings.steps:
-        raise WorkloadError(f"lr_warmup must be a whole number of steps from 0 to steps ({settings.steps}), got {warm!r}")
+        raise WorkloadError(f"lr_warmup must be a whole number of steps from 0 to steps ({settings.steps}), "
+                            f"got {warm!r}")
     if settings.steps < 2:
         raise WorkloadError(
             f"steps must be at least 2 (a step is timed up to the next one's start), got {settings.steps}"
@@ -329,7 +333,8 @@ def check_fits(settings: TrainSettings) -> int:
     config = model_config(settings.preset, settings.model_config, max_positions=max(4096, settings.seq_len))
     positions = getattr(config, "max_position_embeddings", None)
     if settings.model_config and positions is not None and positions < settings.seq_len:
-        raise WorkloadError(f"{where}: max_position_embeddings {positions} is shorter than --seq-len {settings.seq_len}")
+        raise WorkloadError(f"{where}: max_position_embeddings {positions} is shorter than "
+                            f"--seq-len {settings.seq_len}")
     params = count_parameters(config, where)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else settings.world_size
@@ -378,7 +383,8 @@ def train_worker(settings: TrainSettings, out_path: str | None, show_progress: b
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device_kind = resolve_device(settings)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if device_kind == "cuda" else torch.device("cpu")
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if device_kind == "cuda"
+              else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     backend, corpus = build_backend(settings, device)

@@ -125,7 +125,8 @@ def _check_model_type(model_type, path: str) -> None:
         raise WorkloadError(f"model config {path}: unknown model_type {_short(model_type)}{hint}")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise WorkloadError(f"model config {path}: model_type {model_type!r} is not a causal language model "
-                            "(transformers' AutoModelForCausalLM has no class for it); qzero trains next-token prediction")
+                            "(transformers' AutoModelForCausalLM has no class for it); "
+                            "qzero trains next-token prediction")
 
 
 def _check_sizes(config, path: str) -> None:
@@ -172,7 +173,8 @@ def _bounded(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device, seed: int, attention: str = "sdpa") -> torch.nn.Module:
+def build_model(config, dtype: torch.dtype, device: torch.device, seed: int,
+                attention: str = "sdpa") -> torch.nn.Module:
     """A randomly initialised causal LM, the same on every rank for the same seed.
 
     ``attention``: the attention implementation (``sdpa``, or ``eager``, whose backward is
@@ -182,7 +184,8 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int, att
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention,
+                                                 trust_remote_code=False)
     return model.to(device=device, dtype=dtype)
 
 

@@ -125,5 +125,6 @@ def zero_fields() -> tuple[Field, ...]:
         after = body[i + 1] if i + 1 < len(body) else None
         doc = after.value.value if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                                     and isinstance(after.value.value, str)) else ""
-        out.append(Field(node.target.id, ast.unparse(node.annotation), _value(node.value, module), " ".join(doc.split())))
+        out.append(Field(node.target.id, ast.unparse(node.annotation), _value(node.value, module),
+                         " ".join(doc.split())))
     return tuple(out)

@@ -11,7 +11,8 @@ One call before ``fully_shard``::
 
 Every parameter with more than ``small_param_numel`` elements is then all-gathered
 INT8 (or ``zero_quantized_weights_format``) with one fp32 scale per
-``zero_quantized_weights_group_size`` consecutive elements of the rank's flattened fp32 shard, and dequantized to the policy's ``param_dtype`` for
+``zero_quantized_weights_group_size`` consecutive elements of the rank's flattened fp32 shard,
+and dequantized to the policy's ``param_dtype`` for
 compute (:class:`qzero.fsdp.tensor.QuantizedGatherTensor`). Small parameters and those
 the quantized gather cannot carry keep FSDP2's own gather, exact;
 :func:`gather_report` says which is which. The fp32 masters, the optimizer, gradients

@@ -207,10 +207,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args=(), kwargs=None) -> N
         record = next(wrapped_in(p)._record for g in groups for p in g["params"] if id(p) in twice)
         name = record.name if record is not None else "?"
         raise RuntimeError(
-            f"qzero.fsdp: the optimizer holds {len(twice)} quantized-gather parameter(s) more than once (e.g. {name!r}, "
-            f"{max(twice.values())} times), so the parameters they stand in for are never updated. Something re-pointed "
-            "the optimizer to the sharded parameters by a key two parameters shared; build the optimizer from the "
-            "sharded model's parameters after fully_shard"
+            f"qzero.fsdp: the optimizer holds {len(twice)} quantized-gather parameter(s) more than once "
+            f"(e.g. {name!r}, {max(twice.values())} times), so the parameters they stand in for are never updated. "
+            "Something re-pointed the optimizer to the sharded parameters by a key two parameters shared; "
+            "build the optimizer from the sharded model's parameters after fully_shard"
         )
     _SEEN[optimizer] = key
 

@@ -21,7 +21,8 @@ scale each; the shards of parameters with at most ``small_param_numel`` elements
 in the side channel; with a rotation, each part rotated by blocks first), one
 ``all_to_all_single`` with uneven splits moves them, and each rank sums in fp32 and rank
 order its own part unquantized and the others' dequantized payloads (with a rotation, the
-rotated parts, rotated back once after the sum). The op is then applied to that fp32 sum (``AVG``: times ``1 / world``, as the
+rotated parts, rotated back once after the sum). The op is then applied to that fp32 sum
+(``AVG``: times ``1 / world``, as the
 ZeroOptimizer averages; ``PREMUL_SUM``: the input is multiplied by the factor before it
 is packed, as the op defines) and the result is cast into the output. A group holding NaN
 or Inf on any rank arrives as NaN, so a non-finite gradient stays visible.
@@ -119,7 +120,8 @@ def quantize_group_reduces(
     all-gather is independent: this combines with :func:`qzero.fsdp.quantize_group_gathers`
     and :func:`qzero.fsdp.quantize_weight_gathers`. The settings are :class:`qzero.ZeroConfig`'s,
     with its defaults and checks: ``zero_quantized_gradients_format`` (``int8``, ``fp8`` or
-    ``int4``), ``_group_size`` (None: 256 for ``int4``, 64 otherwise), ``_rotation`` (``hadamard`` by blocks of ``_rotation_block``
+    ``int4``), ``_group_size`` (None: 256 for ``int4``, 64 otherwise), ``_rotation``
+    (``hadamard`` by blocks of ``_rotation_block``
     elements, or ``none``; None: ``hadamard`` for ``int4``, ``none`` otherwise),
     ``small_param_numel`` and ``quant_kernels`` (``auto``, ``triton`` or ``reference``). The
     short names ``fmt`` and ``group_size`` name the *weight* settings and are refused here,
@@ -175,7 +177,8 @@ def quantize_group_reduces(
                       zero_quantized_gradients_rotation_block=_rotation_block(config),
                       hierarchical_collectives=str(config.hierarchical_collectives).lower()),
                   layout_name="parameter groups",
-                  layout={info.module or "<root>": canonical(tuple(info)) for _, _, info, _ in plans} if plans else None)
+                  layout={info.module or "<root>": canonical(tuple(info)) for _, _, info, _ in plans}
+                  if plans else None)
     groups = {}  # one node and one rail group per distinct shard group, created together on every rank
     for module, comm, _, (pg, topology) in plans:
         if topology.two_level:
@@ -187,7 +190,8 @@ def quantize_group_reduces(
 def _rotation_block(settings) -> int:
     """The rotation block of ``settings`` (a ZeroConfig, or a :class:`GroupQuantizedReduceScatter`:
     its gradient settings by ZeroConfig's names), 0 for none."""
-    return settings.zero_quantized_gradients_rotation_block if settings.zero_quantized_gradients_rotation != "none" else 0
+    return (settings.zero_quantized_gradients_rotation_block
+            if settings.zero_quantized_gradients_rotation != "none" else 0)
 
 
 def group_reduce_report(model: nn.Module) -> GroupReduceReport:
@@ -350,8 +354,8 @@ def _op_kind(op, name: str):
         if torch.is_tensor(factor) and factor.device.type == "cpu":
             factor = float(factor.reshape(-1)[0])
         return "premul", factor
-    raise ValueError(f"the quantized reduce-scatter of FSDP module {name or '<root>'!r} was asked for reduce op {op!r}; "
-                     "it implements SUM, AVG and PREMUL_SUM only")
+    raise ValueError(f"the quantized reduce-scatter of FSDP module {name or '<root>'!r} was asked for "
+                     f"reduce op {op!r}; it implements SUM, AVG and PREMUL_SUM only")
 
 
 def _describe(name, pg, comm: GroupQuantizedReduceScatter, topology=None) -> GroupReduce:

@@ -146,7 +146,8 @@ def _check_optimizer_state(layout: FlatGroups) -> None:
 def exact_ranges_of(offsets, numels, small_param_numel: int) -> list[tuple[int, int]]:
     """Flat ranges of the parameters with at most ``small_param_numel`` elements,
     sorted, with touching ranges merged."""
-    return merge_adjacent(sorted((int(o), int(o) + int(n)) for o, n in zip(offsets, numels) if 0 < int(n) <= small_param_numel))
+    return merge_adjacent(sorted((int(o), int(o) + int(n)) for o, n in zip(offsets, numels)
+                                 if 0 < int(n) <= small_param_numel))
 
 
 def _check_partitions(flat: torch.Tensor, partitions, world: int, index: int) -> None:
@@ -187,7 +188,8 @@ class GroupGather(NamedTuple):
     plan: GatherPlan
 
 
-def _plan_group(layout: FlatGroups, index: int, settings: QuantizedWeightsSettings) -> tuple[GroupGather, dict[str, int]]:
+def _plan_group(layout: FlatGroups, index: int,
+                settings: QuantizedWeightsSettings) -> tuple[GroupGather, dict[str, int]]:
     flat = layout.flats[index]
     group = layout.process_groups[index]
     world = dist.get_world_size(group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, ZeroConfig, _as_int, refuse_renamed_keys
+from ..config import DEFAULT_GROUP_SIZE, ZeroConfig, _as_int, refuse_renamed_keys
 from .deepspeed_grads import GradientReductionSettings
 
 # The core's defaults (qzero.ZeroConfig): one set of quantization settings for both.
@@ -184,7 +184,8 @@ def _settings_from(zero: dict) -> QuantizedWeightsSettings:
         raise ValueError(f"zero_optimization: {e} (keys given: {values})") from None
 
 
-def _check_gradient_keys(zero: dict, stage: int, settings: QuantizedWeightsSettings) -> GradientReductionSettings | None:
+def _check_gradient_keys(zero: dict, stage: int,
+                         settings: QuantizedWeightsSettings) -> GradientReductionSettings | None:
     """Validate the quantized-gradient keys (as :class:`qzero.ZeroConfig` does) and pop qzero's
     own ones from ``zero`` (a copy). At stage 2, ``zero_quantized_gradients=true`` is qzero's
     quantized gradient reduction (:mod:`qzero.integrations.deepspeed_grads`; the key is popped

@@ -145,7 +145,8 @@ def check_optimizer(optimizer) -> None:
         raise ValueError(f"zero_quantized_gradients=true needs DeepSpeed's ZeRO stage 2 optimizer "
                          f"(DeepSpeedZeroOptimizer), got {type(optimizer).__name__}")
     checks = (("partition_gradients", True, "ZeRO stage 2"), ("reduce_scatter", True, "reduce_scatter=true"),
-              ("contiguous_gradients", True, "contiguous_gradients=true"), ("sequence_parallel_size", 1, "no sequence parallelism"))
+              ("contiguous_gradients", True, "contiguous_gradients=true"),
+              ("sequence_parallel_size", 1, "no sequence parallelism"))
     for attr, want, what in checks:
         got = getattr(optimizer, attr, want)
         if got != want:
@@ -172,9 +173,9 @@ def check_topology(optimizer, hosts, ranks_per_node: int, hierarchical) -> None:
             L = topology.ranks_per_node
             raise ValueError(
                 f"zero_quantized_gradients=true over a data-parallel group of {topology.nodes} nodes x {L} ranks: the "
-                f"DeepSpeed adapter's quantized exchange is flat (each node would send its gradients across the network "
-                f"{L} times, all ranks to one owner at a time); set zero_quantized_gradients=false (DeepSpeed's own "
-                "reduction, node-aware in NCCL), use qzero.ZeroOptimizer (two-level), or set "
+                f"DeepSpeed adapter's quantized exchange is flat (each node would send its gradients across the "
+                f"network {L} times, all ranks to one owner at a time); set zero_quantized_gradients=false "
+                "(DeepSpeed's own reduction, node-aware in NCCL), use qzero.ZeroOptimizer (two-level), or set "
                 "hierarchical_collectives=false to run the flat exchange knowingly")
 
 
@@ -311,7 +312,8 @@ class DeepSpeedGradientReduction:
         for t in small_bucket:
             lo, size = t.data_ptr(), t.element_size()
             hi = lo + t.numel() * size
-            out.append(tuple(((max(a, lo) - lo) // size, (min(b, hi) - lo) // size) for a, b in small if a < hi and b > lo))
+            out.append(tuple(((max(a, lo) - lo) // size, (min(b, hi) - lo) // size)
+                             for a, b in small if a < hi and b > lo))
         return tuple(out)
 
     def _route(self, pg, like, owners, numels, exact_of, in_place: bool = False) -> _Route:

@@ -53,9 +53,10 @@ def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) ->
     if not config.zero_quantized_gradients or topology.world <= 2:
         return None
     if layout.order == "contiguous" and not topology.two_level:
-        return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: a gradient "
-                "bucket belongs to one or two partitions, so every rank sends its quantized piece to those owners at "
-                "once (an incast, up to world-1 times slower on the owner's link than a spread exchange); "
+        return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: "
+                "a gradient bucket belongs to one or two partitions, so every rank sends its quantized piece to "
+                "those owners at once (an incast, up to world-1 times slower on the owner's link than a spread "
+                "exchange); "
                 "flat_order='interleaved' spreads it, at the cost of the padding that order needs for this model")
     padding = layout.padding / max(layout.used_numel, 1)
     if topology.two_level and config.flat_order == "auto" and padding > AUTO_INTERLEAVE_MAX_PADDING:

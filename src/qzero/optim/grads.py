@@ -33,8 +33,9 @@ The two stages differ only in *when*:
   into it) and reduces it once, at ``step()``, after all micro-batches.
 * :class:`Stage2Grads` reduces each bucket once backward has produced all its gradients
   (overlapping backward), in an order every rank shares ([Note: one launch order]), then
-  frees the parameter gradients: only the gradient shard (during backward its landing shard, see the note; from the end of a
-  backward until ``zero_grad`` the fp32 shard) and at most a few staged buckets exist. With gradient accumulation this reduces (and, quantized,
+  frees the parameter gradients: only the gradient shard (during backward its landing shard,
+  see the note; from the end of a backward until ``zero_grad`` the fp32 shard) and at most a
+  few staged buckets exist. With gradient accumulation this reduces (and, quantized,
   quantizes) every micro-batch: stage 2 keeps no full gradient to reduce once at the
   end. Quantization errors of the micro-batches then add up in the fp32 shard (each
   element is still quantized once per reduction, never re-quantized); stage 1 quantizes
@@ -316,7 +317,8 @@ class OwnerReducer(_Reducer):
             with peer_failure("the gradient reduction"):
                 for r, a, b in owners(bucket.start, bucket.stop, self.p):
                     dst = self._ranks[r]
-                    works.append(dist.reduce(buf[a - bucket.start : b - bucket.start], dst=dst, group=self.pg, async_op=True))
+                    works.append(dist.reduce(buf[a - bucket.start : b - bucket.start], dst=dst, group=self.pg,
+                                             async_op=True))
         return works
 
     def finish(self, works: list, buf: torch.Tensor, bucket) -> None:
@@ -732,7 +734,8 @@ class Stage2Grads:
         done = sorted((self._last[b.index], b.index) for b in self.buckets
                       if b.slots and all(self._fired[i] for i in b.slots))
         completed = {i for _, i in done}
-        order = [i for _, i in done] + [u.index for u in self._order if not isinstance(u, int) and u.index not in completed]
+        order = [i for _, i in done] + [u.index for u in self._order
+                                        if not isinstance(u, int) and u.index not in completed]
         row = torch.tensor(order + self._fired, dtype=torch.int64, device=self.group.device)
         if self.group.world_size > 1:
             table = torch.empty(self.group.world_size * row.numel(), dtype=torch.int64, device=row.device)

@@ -47,7 +47,8 @@ def sliceable(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> 
     if any(g.get("differentiable") for g in optimizer.param_groups):
         return False
     groups = optimizer.param_groups
-    if len(groups) != len(masters) or any(len(g["params"]) != 1 or g["params"][0] is not m for g, m in zip(groups, masters)):
+    if len(groups) != len(masters) or any(len(g["params"]) != 1 or g["params"][0] is not m
+                                          for g, m in zip(groups, masters)):
         return False  # someone added parameters or groups to the inner optimizer
     return all(optimizer.state.get(m) and "step" in optimizer.state[m] for m in masters)
 

@@ -178,7 +178,8 @@ class ZeroOptimizer:
                                 agreement_device(process_group, context.device) if world > 1 else None)
         self._backward_ran = False
         self._stepped = False
-        self._interrupted: str | None = None  # what interrupted a backward of this step ([Note: an interrupted backward])
+        # what interrupted a backward of this step ([Note: an interrupted backward])
+        self._interrupted: str | None = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -208,7 +209,8 @@ class ZeroOptimizer:
             raise TypeError(f"ZeroOptimizer.backward(loss): loss must be a torch.Tensor, got "
                             f"{type(loss).__name__}{hint}")
         if not loss.is_floating_point():
-            raise TypeError(f"ZeroOptimizer.backward(loss): loss must be a floating-point tensor, got dtype {loss.dtype}")
+            raise TypeError(f"ZeroOptimizer.backward(loss): loss must be a floating-point tensor, "
+                            f"got dtype {loss.dtype}")
         if loss.numel() != 1:
             raise ValueError(f"ZeroOptimizer.backward(loss): loss must be a scalar (one element), got shape "
                              f"{tuple(loss.shape)}; reduce it first (loss.mean() or loss.sum())")

@@ -35,7 +35,8 @@ class Recommendation:
 
     def describe(self) -> str:
         return (f"{self.arm}: two-level collectives {'on' if self.two_level else 'off'}, "
-                f"allgather_bucket_size={self.allgather_bucket_size:.3g}, reduce_bucket_size={self.reduce_bucket_size:.3g}"
+                f"allgather_bucket_size={self.allgather_bucket_size:.3g}, "
+                f"reduce_bucket_size={self.reduce_bucket_size:.3g}"
                 f" -> {self.step_ms:,.1f} ms a step projected ({self.speedup_vs_fsdp2:.2f}x FSDP2)")
 
 

@@ -88,7 +88,8 @@ def _one_unit(costs: list[CallCost]) -> float:
 def predict(arm: Arm, workload: Workload, cluster: Cluster, compute: float,
             forward_share: float = DEFAULT_FORWARD_SHARE) -> Prediction:
     """Project one step of ``arm`` (see the note); ``compute`` in seconds."""
-    costs = [CallCost(c, collective_cost(cluster, c.op, c.scope, c.nbytes, c.incast)) for c in calls(arm, workload, cluster)]
+    costs = [CallCost(c, collective_cost(cluster, c.op, c.scope, c.nbytes, c.incast))
+             for c in calls(arm, workload, cluster)]
     hide = {"forward": compute * forward_share, "backward": compute * (1 - forward_share), "sync": 0.0}
     phases, exposed = {}, 0.0
     for phase, under in hide.items():

@@ -16,7 +16,8 @@ from .payloads import Payload, weight_payload
 def workload_from_shapes(shapes: Sequence[Sequence[int]], world: int, *, units: int = 1,
                          small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL, flat_order: str = "auto",
                          allgather_bucket: int = DEFAULT_BUCKET_NUMEL,
-                         reduce_bucket: int = DEFAULT_BUCKET_NUMEL, payloads: Sequence[Payload] | None = None) -> Workload:
+                         reduce_bucket: int = DEFAULT_BUCKET_NUMEL,
+                         payloads: Sequence[Payload] | None = None) -> Workload:
     """The workload of parameters of ``shapes`` trained by qzero on ``world`` ranks (``auto``
     resolved as the planner resolves it), with the weight gather's bytes for each of
     ``payloads`` (default: INT8 weights and INT4 differences, the default arms') from its planner.
@@ -31,7 +32,8 @@ def workload_from_shapes(shapes: Sequence[Sequence[int]], world: int, *, units: 
         gather = plan_flat_layout(shapes, world, small_param_numel=small_param_numel, flat_order=layout.order,
                                   allgather_bucket_size=allgather_bucket, zero_quantized_weights_format=payload.fmt,
                                   zero_quantized_weights_group_size=payload.group_size).gather
-        slots.append((payload.fmt, payload.group_size, sum(c.payload_bytes for c in gather.chunks) * world / gather.numel))
+        slots.append((payload.fmt, payload.group_size,
+                      sum(c.payload_bytes for c in gather.chunks) * world / gather.numel))
     # qzero.optim.flat.flat_order_for: two-level collectives with quantized gradients take the
     # interleaved order under auto, whatever it pads
     quantized, quantized_numel = layout.order, layout.numel

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ..vocabulary import KERNELS
-from . import reference
 from .formats import FORMATS, SCALE_BYTES, QuantFormat, check_group_size, get_format
 from .kernel_set import REFERENCE_KERNELS, GatherKernels, GradientKernels
 from .reference import dequantize, quantize
@@ -64,7 +63,8 @@ def kernels_for(device: torch.device, choice="auto"):
     triton = _triton_kernels()
     if choice == "triton":
         if triton is None:
-            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed or cannot run here")
+            raise ValueError("quantization kernels 'triton' were asked for, but Triton is not installed "
+                             "or cannot run here")
         return triton
     return triton if device.type == "cuda" and triton is not None else REFERENCE_KERNELS
 

@@ -271,7 +271,8 @@ class GradientKernels:
     launcher: Launcher
 
     def pack_gradient(self, src: torch.Tensor, out: torch.Tensor, layout, group_size: int, fmt: str,
-                      exact_index: torch.Tensor | None, rotation: int = 0, residual: torch.Tensor | None = None) -> None:
+                      exact_index: torch.Tensor | None, rotation: int = 0,
+                      residual: torch.Tensor | None = None) -> None:
         """Kernel twin of :func:`qzero.quant.gradients.pack_gradient`: same arguments, same bytes
         (and the same residual)."""
         ref._check_source(src)
@@ -292,8 +293,8 @@ class GradientKernels:
             (_bits(src), values, scales, _bits(side) if has_exact else scales, idx if has_exact else scales,
              blk if has_exact else scales, _bits(residual) if residual is not None else scales, n),
             dict(KIND=_KINDS[src.dtype], SOFT=self.launcher.soft(src.device), FMT=FMT_CODES[f.name],
-                 QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog, HAS_EXACT=has_exact,
-                 STEPS=shape.search_steps, **_rotation_consts(rotation), EF=residual is not None),
+                 QMAX=float(f.qmax), FLOOR=FLT_MIN, GS=group_size, GS_PAD=shape.gs_pad, G=shape.groups_per_prog,
+                 HAS_EXACT=has_exact, STEPS=shape.search_steps, **_rotation_consts(rotation), EF=residual is not None),
             dict(num_warps=shape.num_warps, **PACK_OPTIONS),
         )
 

@@ -312,7 +312,8 @@ def check_chunk(buf, flat, partition_numel: int, offset: int, numel: int, world:
     check_io(flat, "flat buffer")
     pb = layout.nbytes if runs is None else runs.payload_bytes
     if runs is not None and (len(runs.rows) != world or runs.numel != numel):
-        raise ValueError(f"group runs of {len(runs.rows)} payloads of {runs.numel} elements given for {world} of {numel}")
+        raise ValueError(f"group runs of {len(runs.rows)} payloads of {runs.numel} elements given for "
+                         f"{world} of {numel}")
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() < world * pb:
         raise ValueError(f"the receive buffer must be a contiguous uint8 tensor of at least {world} x {pb} bytes")
     if flat.numel() != world * partition_numel or not 0 <= offset <= offset + numel <= partition_numel:
@@ -421,7 +422,8 @@ class WeightKernels:
         if n == 0:
             return
         if any(lay.values_offset for lay in ((layout,) if runs is None else runs.layouts)):
-            raise ValueError("the Triton unpack reads a payload's values from its first byte (as the plans lay them out)")
+            raise ValueError("the Triton unpack reads a payload's values from its first byte "
+                             "(as the plans lay them out)")
         # the all-ranks unpack with one rank: ``dst`` is that rank's whole partition
         unpack_ranks(self.launcher, payload, At(dst, 0, 2 * n, torch.int16), None, n, 0, n, 1, layout, group_size, f,
                      None, runs, dst.dtype, dst.device, delta=False)

@@ -55,7 +55,8 @@ class GatherCache:
         return entries[key]
 
     def exact_index(self, plan: GatherPlan, chunk: ChunkPlan, rank: int, device: torch.device):
-        return self.get(plan, ("exact_index", chunk.index, rank, device), lambda: exact_index(plan, chunk, rank, device))
+        return self.get(plan, ("exact_index", chunk.index, rank, device),
+                        lambda: exact_index(plan, chunk, rank, device))
 
     def exact_scatter(self, plan: GatherPlan, chunk: ChunkPlan, device: torch.device):
         return self.get(plan, ("exact_scatter", chunk.index, device), lambda: exact_scatter(plan, chunk, device))

@@ -299,7 +299,8 @@ def start_gather(
     :mod:`qzero.layout.topology`; the context's collective then delivers them in partition order).
     End it with :func:`finish_gather` (or, chunk by chunk, ``handle.wait_until``)."""
     if plan.delta != (delta is not None):
-        raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), and only a delta plan")
+        raise ValueError("a delta plan is run with its DeltaInputs (the target and the refusal flag), "
+                         "and only a delta plan")
     if context.copy_engine is not None:
         group = context.copy_engine.group  # the same ranks, in the same order
     world, rank = world_and_rank(group)

@@ -83,7 +83,8 @@ class GradientQuantization(NamedTuple):
     def from_config(cls, config) -> GradientQuantization | None:
         if not config.zero_quantized_gradients:
             return None
-        rotation = config.zero_quantized_gradients_rotation_block if config.zero_quantized_gradients_rotation == "hadamard" else 0
+        rotation = (config.zero_quantized_gradients_rotation_block
+                    if config.zero_quantized_gradients_rotation == "hadamard" else 0)
         return cls(config.zero_quantized_gradients_group_size, config.zero_quantized_gradients_format, rotation)
 
 

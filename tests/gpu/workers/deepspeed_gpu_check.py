@@ -76,7 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--bucket", type=int, default=None,
                    help="allgather_bucket_size, elements across all ranks (default 2**22 GPU, 8192 CPU)")
     p.add_argument("--offload", choices=("none", "cpu", "cpu_pinned"), default="none",
-                   help="every arm with DeepSpeed's CPU optimizer offload (DeepSpeedCPUAdam; cpu_pinned: pinned buffers)")
+                   help="every arm with DeepSpeed's CPU optimizer offload "
+                        "(DeepSpeedCPUAdam; cpu_pinned: pinned buffers)")
     p.add_argument("--overlap", action="store_true",
                    help="the int8 arm with gather-ahead (overlap_param_gather): its 'post-step gather ms' is then "
                         "only the launch; the gather runs under the next forward and shows in the step time")
@@ -451,7 +452,8 @@ def main(argv=None):
               bitwise_equal(plain, off),
               "" if deterministic else "the control failed too: this machine is not deterministic")
         check(f"{S}: zero_quantized_weights=false patches nothing", not off["patched"] and not off["has_gather"])
-        check(f"{S}: replicas bit-identical across ranks (plain, off)", plain["replicas_equal"] and off["replicas_equal"])
+        check(f"{S}: replicas bit-identical across ranks (plain, off)",
+              plain["replicas_equal"] and off["replicas_equal"])
 
         # (b) quantization on
         dloss = (on["losses"] - plain["losses"]).abs().max().item()
@@ -531,7 +533,8 @@ def main(argv=None):
             print(f"{stage:>5}  {name:<11}  {loss:>10.4f}  {b:>15,.0f}  {s:>7.2f}  {o:>11.2f}  {g:>19.3f}")
         for stage, d in stages_out.items():
             tp, tq = d["timing_ms"]["plain"], d["timing_ms"]["on"]
-            print(f"stage {stage}: {d['params']:,} params; int8/bf16 bytes {d['bytes_per_rank_per_step']['ratio']:.3f}; "
+            print(f"stage {stage}: {d['params']:,} params; "
+                  f"int8/bf16 bytes {d['bytes_per_rank_per_step']['ratio']:.3f}; "
                   f"gather {tq['gather_ms'] / tp['gather_ms']:.2f}x, step {tq['step_ms'] / tp['step_ms']:.2f}x "
                   f"of plain DeepSpeed (medians of {tp['samples']} steps)")
         print(f"\n{'ALL PASS' if not failed else 'FAILED: ' + '; '.join(failed)}", flush=True)
@@ -543,7 +546,8 @@ def main(argv=None):
                 device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
                 backend=dist.get_backend(), world=world, deepspeed=deepspeed.__version__, torch=torch.__version__,
                 python=platform.python_version(), hidden=args.hidden, layers=args.layers, seq=args.seq,
-                micro=args.micro, steps=args.steps, offload=args.offload, overlap=args.overlap, timing_steps=args.timing_steps, warmup=args.warmup,
+                micro=args.micro, steps=args.steps, offload=args.offload, overlap=args.overlap,
+                timing_steps=args.timing_steps, warmup=args.warmup,
                 allgather_bucket_size=args.bucket, group_size=64, small_param_numel=small,
                 deterministic=(not args.cpu and not args.no_deterministic),
                 gates=dict(max_loss_diff=gates.max_loss_diff, atol=gates.atol, rtol=gates.rtol,

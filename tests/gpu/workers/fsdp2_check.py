@@ -20,8 +20,8 @@ This checks the Triton kernels and the NCCL path together (and, in group mode, t
 gather went through the engine). The ``reduce`` cases check
 :func:`qzero.fsdp.quantize_group_reduces` (both reshard modes, fp32 and bf16 reduce dtype):
 every rank's reduce-scatter output of every ``fully_shard`` module, after one backward,
-bitwise the reference quantizer applied on the CPU to all ranks' recorded inputs. Prints one PASS/FAIL line per case; exit status 1 on any
-failure. ``--out`` gets ``fsdp2_check.json``.
+bitwise the reference quantizer applied on the CPU to all ranks' recorded inputs. Prints one
+PASS/FAIL line per case; exit status 1 on any failure. ``--out`` gets ``fsdp2_check.json``.
 """
 
 from __future__ import annotations

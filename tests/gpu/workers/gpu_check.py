@@ -29,7 +29,8 @@ SHARE_GPU = "--share-gpu" in sys.argv
 if SHARE_GPU:  # benchmarks/scripts/one_gpu.py, loaded by its path (the scripts are not a package)
     import importlib.util
 
-    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 3, "benchmarks", "scripts", "one_gpu.py")
+    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 3, "benchmarks", "scripts",
+                         "one_gpu.py")
     _spec = importlib.util.spec_from_file_location("one_gpu", _path)
     _one_gpu = importlib.util.module_from_spec(_spec)
     sys.modules["one_gpu"] = _one_gpu
@@ -39,7 +40,7 @@ if SHARE_GPU:  # benchmarks/scripts/one_gpu.py, loaded by its path (the scripts 
     route_collectives()
 
 import qzero  # noqa: E402
-from qzero.app.workload import build_model, global_batch, load_corpus, model_config
+from qzero.app.workload import build_model, global_batch, load_corpus, model_config  # noqa: E402
 
 
 #: Set by install_delays: wraps each optimizer's collective (CommContext.all_gather).
@@ -64,7 +65,8 @@ def run(cfg_kwargs, steps=6, seq=256, micro=2, delay_stage=None):
     for step in range(steps):
         tokens = global_batch(corpus, step, world * micro, seq, 0).view(world, micro, -1)[rank].to(device)
         logits = model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
         opt.backward(loss)
         opt.step()
         # a collective of the user's while the gather may still run ahead: the ranks must
@@ -126,7 +128,8 @@ def delta_checks(check, plain_by_stage, steps=8) -> None:
                                  ("sliced update == whole update", dict(sliced_update=False))):
                 other = run({**delta, **extra}, steps=steps)
                 check(f"{name}: {label} (losses, weights, bitwise)",
-                      torch.equal(sync[0], other[0]) and torch.equal(sync[1].view(torch.int16), other[1].view(torch.int16)))
+                      torch.equal(sync[0], other[0])
+                      and torch.equal(sync[1].view(torch.int16), other[1].view(torch.int16)))
             plain = plain_by_stage[stage]
             diff = (plain[0][: len(sync[0])] - sync[0][: len(plain[0])]).abs().max().item()
             check(f"{name}: loss within 0.02 of plain (max diff {diff:.5f})", diff < 0.02)
@@ -135,8 +138,10 @@ def delta_checks(check, plain_by_stage, steps=8) -> None:
         clean = run(delta)
         for stage_name in ("pack", "gather", "unpack"):
             stressed = run(delta, delay_stage=stage_name)
-            check(f"race stress int4 delta gather-ahead, {stage_name} stream delayed: bitwise equal to the undelayed run",
-                  torch.equal(clean[0], stressed[0]) and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
+            check(f"race stress int4 delta gather-ahead, {stage_name} stream delayed: "
+                  "bitwise equal to the undelayed run",
+                  torch.equal(clean[0], stressed[0])
+                  and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
 
 
 def main():
@@ -168,7 +173,8 @@ def main():
         for label, other in (("gather-ahead on side streams", ahead), ("gather-ahead inline", ahead_inline),
                              ("synchronous inline", quant_inline)):
             check(f"stage {stage}: int8 {label} == int8 synchronous on side streams (losses, weights)",
-                  torch.equal(quant[0], other[0]) and torch.equal(quant[1].view(torch.int16), other[1].view(torch.int16)))
+                  torch.equal(quant[0], other[0])
+                  and torch.equal(quant[1].view(torch.int16), other[1].view(torch.int16)))
         check(f"stage {stage}: plain gather-ahead == plain synchronous",
               torch.equal(plain[0], plain_ahead[0]) and torch.equal(plain[1], plain_ahead[1]))
         for label, extra, b in (("synchronous", {}, quant), ("gather-ahead", dict(overlap_param_gather=True), ahead),
@@ -183,13 +189,16 @@ def main():
         for stage_name in ("pack", "gather", "unpack"):  # each side stream late in turn
             for cfg in (dict(), dict(overlap_param_gather=True)):
                 stressed = run(dict(stage=2, zero_quantized_weights=True, **cfg), delay_stage=stage_name)
-                check(f"race stress {cfg or 'synchronous'}, {stage_name} stream delayed: bitwise equal to the undelayed run",
-                      torch.equal(clean[0], stressed[0]) and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
+                check(f"race stress {cfg or 'synchronous'}, {stage_name} stream delayed: "
+                      "bitwise equal to the undelayed run",
+                      torch.equal(clean[0], stressed[0])
+                      and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
         install_delays(1000 + dist.get_rank())
         for cfg in (dict(), dict(overlap_param_gather=True), dict(overlap_param_gather=True, **inline)):
             stressed = run(dict(stage=2, zero_quantized_weights=True, **cfg))
             check(f"race stress {cfg or 'synchronous'}, collectives delayed: bitwise equal to the undelayed run",
-                  torch.equal(clean[0], stressed[0]) and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
+                  torch.equal(clean[0], stressed[0])
+                  and torch.equal(clean[1].view(torch.int16), stressed[1].view(torch.int16)))
     ref = run(dict(stage=2, zero_quantized_weights=True, quant_kernels="reference"))
     fused = run(dict(stage=2, zero_quantized_weights=True, quant_kernels="triton"))
     check("fused Triton kernels == torch reference, whole training run (bitwise)",

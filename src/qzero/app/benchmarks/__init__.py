@@ -1,1 +1,2 @@
-"""Benchmarks that ship with the package (``qzero bench``); the other studies and their reports live in ``benchmarks/``."""
+"""Benchmarks that ship with the package (``qzero bench``); the other studies and their reports
+live in ``benchmarks/``."""

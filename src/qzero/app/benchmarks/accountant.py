@@ -39,8 +39,9 @@ WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "r
            "reduce_scatter_single", "_reduce_scatter_base", "all_to_all_single", "all_reduce", "broadcast",
            "reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "isend", "recv", "irecv")
 _RING = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "_all_gather_base": "all_gather",
-         "all_gather": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-         "_reduce_scatter_base": "reduce_scatter", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+         "all_gather": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "reduce_scatter_single": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+         "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
 #: Where each collective takes its ``group`` when it is given by position.
 _GROUP_AT = {"all_gather_into_tensor": 2, "all_gather_single": 2, "_all_gather_base": 2, "all_gather": 2,
              "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "_reduce_scatter_base": 3, "reduce_scatter": 3,
@@ -135,7 +136,7 @@ class ByteAccountant:
             self._book("send", dst, _nbytes(a.get(0, "tensor")))
 
     def _all_to_all_single(self, a: _Args) -> None:
-        out, inp = a.get(0, "output"), a.get(1, "input")
+        inp = a.get(1, "input")
         splits = a.get(3, "input_split_sizes")
         ranks = self._ranks(a.group())
         n = len(ranks)

@@ -43,7 +43,8 @@ MiB = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None):
-    ap = argparse.ArgumentParser(prog="qzero bench gather", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="qzero bench gather", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2048Mi,256Mi", help="flat sizes in parameters, e.g. 2048Mi,256Mi")
     ap.add_argument("--formats", default="int8,fp8,int4")
     ap.add_argument("--zero-quantized-weights-group-size", dest="group_size", type=int, default=64,
@@ -145,7 +146,6 @@ def copy_bandwidth(n: int, dtype: torch.dtype) -> dict:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), reps=reps_for(n))
     nbytes = 2 * src.numel() * src.element_size()
-    del src, dst
     return {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6}
 
 
@@ -171,7 +171,6 @@ def kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool, impl
     elem = src.element_size()
     pack_bytes = n * elem + moved  # read the slice, write the payload
     unpack_bytes = moved + n * elem  # read the payload, write the slice
-    del src, payload, dst
     return {
         "pack_ms": t_pack,
         "unpack_ms": t_unpack,
@@ -215,7 +214,6 @@ def delta_kernel_case(n: int, fmt: str, gs: int, dtype: torch.dtype, exact: bool
     es = replica.element_size()
     pack_bytes = n * (4 + es) + moved  # read the masters and the replica, write the payload
     unpack_bytes = world * (moved + 2 * n * es)  # read every payload, read and write the replica
-    del replica, target, buf
     return {
         "world": world,
         "pack_ms": t_pack,
@@ -248,7 +246,8 @@ def check_kernels(n: int, fmt: str, gs: int, dtype: torch.dtype) -> bool:
     return bool(torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
 
 
-def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> tuple[list[dict], KernelTuning]:
+def tune(n: int, fmt: str, gs: int, dtype: torch.dtype,
+         shapes: list[tuple[int, int]]) -> tuple[list[dict], KernelTuning]:
     """Sweep launch shapes for payloads without and with exact elements: the rows, and the
     :class:`~qzero.quant.triton_launch.KernelTuning` with the fastest (pack + unpack) of each."""
     rows, best = [], DEFAULT_TUNING
@@ -259,8 +258,9 @@ def tune(n: int, fmt: str, gs: int, dtype: torch.dtype, shapes: list[tuple[int, 
             r = kernel_case(n, fmt, gs, dtype, exact, tuned(dataclasses.replace(best, **fields)))
             rows.append({"exact": exact, "block_elems": block, "num_warps": warps, **r})
         top = min((r for r in rows if r["exact"] == exact), key=lambda r: r["pack_ms"] + r["unpack_ms"])
-        best = dataclasses.replace(best, **(dict(exact_block_elems=top["block_elems"], exact_num_warps=top["num_warps"])
-                                            if exact else dict(block_elems=top["block_elems"], num_warps=top["num_warps"])))
+        best = dataclasses.replace(best, **(
+            dict(exact_block_elems=top["block_elems"], exact_num_warps=top["num_warps"])
+            if exact else dict(block_elems=top["block_elems"], num_warps=top["num_warps"])))
     return rows, best
 
 
@@ -298,7 +298,6 @@ def gather_case(n: int, fmt: str | None, gs: int, dtype: torch.dtype, bucket: in
     extra = torch.cuda.max_memory_allocated() - base
     api_ms = median_ms(api, reps=reps_for(n))
     stats = run_gather(flat, plan, context=context)
-    del flat
     return {"ms": ms, "api_ms": api_ms, "chunks": stats.num_chunks, "bytes_per_rank": stats.bytes_sent,
             "peak_extra_bytes": extra}
 
@@ -389,11 +388,14 @@ def single_markdown(res: dict) -> str:
             ref_txt = f"{ref['pack_ms']:.2f} / {ref['unpack_ms']:.2f}" if ref else "-"
             lines.append(
                 f"| {size_label(e['numel'])} | {fmt} | {k['pack_ms']:.3f} | {k['pack_GBps']:.0f} | "
-                f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | {k['unpack_frac_copy']:.0%} | "
+                f"{k['pack_frac_copy']:.0%} | {k['unpack_ms']:.3f} | {k['unpack_GBps']:.0f} | "
+                f"{k['unpack_frac_copy']:.0%} | "
                 f"{x['pack_ms']:.3f} / {x['unpack_ms']:.3f} | {ref_txt} | "
                 f"{r['gather_pipelined']['ms']:.2f} / {r['gather_serial']['ms']:.2f} | {e['plain_gather']['ms']:.2f} | "
-                f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / {e['plain_gather'].get('api_ms', float('nan')):.2f} | "
-                f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / {e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
+                f"{r['gather_pipelined'].get('api_ms', float('nan')):.2f} / "
+                f"{e['plain_gather'].get('api_ms', float('nan')):.2f} | "
+                f"{r['gather_pipelined']['peak_extra_bytes'] / 1e9:.2f} / "
+                f"{e['plain_gather']['peak_extra_bytes'] / 1e9:.2f} |"
             )
     delta_rows = [(e, fmt, r) for e in res["sizes"] for fmt, r in e["formats"].items() if "delta_kernel" in r]
     if delta_rows:
@@ -403,7 +405,8 @@ def single_markdown(res: dict) -> str:
             "slice (bf16/fp16) and writes the payload; the unpack reads every rank's payload of a DP2 chunk and adds "
             "it into the replica in place (reads and writes it). 'size' is one rank's slice.",
             "",
-            "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy | pack/unpack ms, exact |",
+            "| size | format | pack ms | pack GB/s | of copy | unpack ms | unpack GB/s | of copy "
+            "| pack/unpack ms, exact |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for e, fmt, r in delta_rows:
@@ -489,46 +492,52 @@ def size_entry(numel: int, element_size: int, times: dict[str, list[float]]) -> 
 
 
 def multi_gpu(args) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    gs = args.group_size
     formats = args.formats.split(",")
-    out = multi_header(world, regime_label(args), gs, args.dtype, args.bucket, versions())
+    out = multi_header(dist.get_world_size(), regime_label(args), args.group_size, args.dtype, args.bucket,
+                       versions())
     for n in (parse_size(s) for s in args.sizes.split(",")):
-        flat = random_flat(n, dtype, 5 + rank)
-        ranges = exact_ranges_for(n)
-        plain = gather_plan(n, world, None, gs, args.bucket)
-        p = n // world
-        own = flat[rank * p : (rank + 1) * p]
-        # the yardstick: one NCCL call over the whole buffer (no bucket bound), then ours
-        arms = {"bf16 one NCCL call": lambda: dist.all_gather_into_tensor(flat, own),
-                "bf16": lambda plain=plain: run_gather(flat, plain),
-                "bf16 via all_gather": lambda: all_gather(flat, allgather_bucket_size=args.bucket)}
-        for fmt in formats:
-            plan = gather_plan(n, world, fmt, gs, args.bucket)
-            arms[fmt] = lambda plan=plan: run_gather(flat, plan)
-            pay = torch.empty(plan.bytes_per_rank, dtype=torch.uint8, device="cuda")
-            recv = torch.empty(world * pay.numel(), dtype=torch.uint8, device="cuda")
-            arms[f"{fmt} payload only"] = lambda pay=pay, recv=recv: dist.all_gather_into_tensor(recv, pay)
-        fmt0 = formats[0]
-        arms[f"{fmt0} via quantized_all_gather"] = lambda: quantized_all_gather(
-            flat, zero_quantized_weights_group_size=gs, exact_ranges=ranges, allgather_bucket_size=args.bucket,
-            zero_quantized_weights_format=fmt0,
-        )
-        for fn in arms.values():  # warm-up: compile, plans, NCCL channels
-            fn()
-            fn()
-        times = {name: [] for name in arms}
-        for _ in range(args.rounds):
-            for name, fn in arms.items():
-                times[name].append(timed(fn))
-        entry = size_entry(n, flat.element_size(), times)
-        if rank == 0:
-            print(f"[{size_label(n)}] " + ", ".join(f"{k} {a['median_ms']:.2f} ms" for k, a in entry["arms"].items()),
-                  flush=True)
-        out["sizes"].append(entry)
-        del flat
+        out["sizes"].append(multi_gpu_size(args, n, dtype, formats))
     return out
+
+
+def multi_gpu_size(args, n: int, dtype: torch.dtype, formats: list) -> dict:
+    """One size of :func:`multi_gpu`: every arm interleaved over ``args.rounds`` rounds (its
+    buffers are freed on return, before the next size allocates)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gs = args.group_size
+    flat = random_flat(n, dtype, 5 + rank)
+    ranges = exact_ranges_for(n)
+    plain = gather_plan(n, world, None, gs, args.bucket)
+    p = n // world
+    own = flat[rank * p : (rank + 1) * p]
+    # the yardstick: one NCCL call over the whole buffer (no bucket bound), then ours
+    arms = {"bf16 one NCCL call": lambda: dist.all_gather_into_tensor(flat, own),
+            "bf16": lambda plain=plain: run_gather(flat, plain),
+            "bf16 via all_gather": lambda: all_gather(flat, allgather_bucket_size=args.bucket)}
+    for fmt in formats:
+        plan = gather_plan(n, world, fmt, gs, args.bucket)
+        arms[fmt] = lambda plan=plan: run_gather(flat, plan)
+        pay = torch.empty(plan.bytes_per_rank, dtype=torch.uint8, device="cuda")
+        recv = torch.empty(world * pay.numel(), dtype=torch.uint8, device="cuda")
+        arms[f"{fmt} payload only"] = lambda pay=pay, recv=recv: dist.all_gather_into_tensor(recv, pay)
+    fmt0 = formats[0]
+    arms[f"{fmt0} via quantized_all_gather"] = lambda: quantized_all_gather(
+        flat, zero_quantized_weights_group_size=gs, exact_ranges=ranges, allgather_bucket_size=args.bucket,
+        zero_quantized_weights_format=fmt0,
+    )
+    for fn in arms.values():  # warm-up: compile, plans, NCCL channels
+        fn()
+        fn()
+    times = {name: [] for name in arms}
+    for _ in range(args.rounds):
+        for name, fn in arms.items():
+            times[name].append(timed(fn))
+    entry = size_entry(n, flat.element_size(), times)
+    if rank == 0:
+        print(f"[{size_label(n)}] " + ", ".join(f"{k} {a['median_ms']:.2f} ms" for k, a in entry["arms"].items()),
+              flush=True)
+    return entry
 
 
 def _bucket_of(res: dict) -> int:

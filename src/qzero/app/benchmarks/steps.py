@@ -3,7 +3,8 @@
 Every arm is a :class:`qzero.app.train.TrainSettings` (the common flags below, plus the
 arm's own ``key=value`` settings: workload fields such as ``backend``, ZeroConfig fields
 such as ``zero_quantized_weights``, or the short names of ``qzero.vocabulary.ZERO_ALIASES``:
-``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs through :func:`qzero.app.qualify.run.run_arm`,
+``quantized``, ``overlap``, ``fmt``, ``group_size``, ``allgather_bucket``, ``reduce_bucket``) and runs
+through :func:`qzero.app.qualify.run.run_arm`,
 a fresh process with the same seed and data, once per round. Round ``r`` runs the arms
 in the order given, odd rounds in reverse (ABCD, DCBA, ABCD, ...), so slow drift of the
 machine falls on every arm alike. An arm that fails (a peer that is not installed, an
@@ -269,8 +270,10 @@ def analyse(
                             if any(r.get("wall_seconds") for r in ok) else None),
             "vs_reference": _ratio(ref_times, times, resamples),
             "vs_peers": {p: (_ratio(_times(arm_runs[p]), times, resamples) if p != name else None) for p in peers},
-            "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in ok if r.get("peak_allocated_bytes") is not None), default=None),
-            "peak_reserved_bytes": max((r["peak_reserved_bytes"] for r in ok if r.get("peak_reserved_bytes") is not None), default=None),
+            "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in ok
+                                         if r.get("peak_allocated_bytes") is not None), default=None),
+            "peak_reserved_bytes": max((r["peak_reserved_bytes"] for r in ok
+                                        if r.get("peak_reserved_bytes") is not None), default=None),
             "bytes_sent_per_step": ok[0].get("bytes_sent_per_step") if ok else None,
             "plain_bytes_per_step": ok[0].get("plain_bytes_per_step") if ok else None,
             "grad_bytes_sent_per_step": ok[0].get("grad_bytes_sent_per_step") if ok else None,
@@ -296,7 +299,8 @@ def analyse(
     return {
         "reference": reference,
         "peers": list(peers),
-        "ratio_definition": "median step time of the other arm / median step time of this arm (> 1: this arm is faster)",
+        "ratio_definition": "median step time of the other arm / median step time of this arm "
+                            "(> 1: this arm is faster)",
         "tolerance": {"atol": atol, "rtol": rtol},
         "bootstrap_resamples": resamples,
         "arms": rows,
@@ -331,15 +335,18 @@ def markdown(m: dict) -> str:
     peers = a["peers"]
     diffs = {x["name"]: x["diff"] for x in m.get("arms", [])}
     model = s.get("model_config") or s["preset"]
-    params = next((r["params"] for runs in m["runs"].values() for r in runs if not r.get("failed") and "params" in r), None)
+    params = next((r["params"] for runs in m["runs"].values() for r in runs
+                   if not r.get("failed") and "params" in r), None)
     lines = [
         f"# Whole-step matrix{': ' + m['regime_label'] if m.get('regime_label') else ''}",
         "",
         f"- model {model}{f' ({params:,} trainable parameters)' if params else ''}, {s['precision']}, "
         f"world size {s['world_size']}, sequence {s['seq_len']}, micro-batch {s['micro_batch']} per rank, "
         f"stage {s['stage']}, buckets {s['allgather_bucket_size']:.3g}/{s['reduce_bucket_size']:.3g}",
-        f"- {s['steps']} steps per run, first {s['warmup']} and the last not timed (a step is timed from its start to the next one's, on the compute stream, no sync between); "
-        f"wall ms/step: the steps after the warm-up back to back between two device-wide syncs (the last step and its gather included), median over runs; {m['rounds']} round(s), order-balanced "
+        f"- {s['steps']} steps per run, first {s['warmup']} and the last not timed (a step is timed from its "
+        f"start to the next one's, on the compute stream, no sync between); "
+        f"wall ms/step: the steps after the warm-up back to back between two device-wide syncs (the last step "
+        f"and its gather included), median over runs; {m['rounds']} round(s), order-balanced "
         f"(odd rounds reversed), each run a fresh process",
         f"- device {env.get('device')} · link {env.get('link_regime')} · {env.get('date')}"
         + ("" if m.get("complete") else f" · **incomplete: {m['runs_done']}/{m['runs_total']} runs**"),
@@ -348,7 +355,8 @@ def markdown(m: dict) -> str:
         "",
         "| arm | settings | median ms | wall ms/step | vs " + a["reference"] + " [CI] | "
         + "".join(f"vs {p} [CI] | " for p in peers)
-        + "peak alloc GiB | GB sent/rank/step (weights + grad) | reproducible | replicas | max loss diff | weights vs ref |",
+        + "peak alloc GiB | GB sent/rank/step (weights + grad) | reproducible | replicas | max loss diff "
+        "| weights vs ref |",
         "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|",
     ]
     for row in a["arms"]:
@@ -356,7 +364,8 @@ def markdown(m: dict) -> str:
         diff = _cell(_fmt_diff(diffs.get(name, {})))
         if row["status"] in ("failed", "missing"):
             why = _cell(_last_line(row["errors"][0] if row["errors"] else ""))[:140]
-            what = f"FAILED ({row['runs_failed']} run(s)): {why}" if row["status"] == "failed" else "NOT RUN (no run finished)"
+            what = (f"FAILED ({row['runs_failed']} run(s)): {why}" if row["status"] == "failed"
+                    else "NOT RUN (no run finished)")
             lines.append(f"| {name} | {diff} | {what} |" + " — |" * (8 + len(peers)))
             continue
         med = f"{1e3 * row['median_step_s']:.1f}" if row["median_step_s"] is not None else "—"
@@ -373,7 +382,8 @@ def markdown(m: dict) -> str:
         lines.append(
             f"| {name} | {diff} | {med} | {_wall(row)} | {_ci(row['vs_reference'])} | "
             + "".join(f"{_ci(row['vs_peers'].get(p))} | " for p in peers)
-            + f"{alloc} | {sent} | {_flag(row['reproducible'])} | {_flag(row['replicas_identical'])} | {loss} | {weights} |"
+            + f"{alloc} | {sent} | {_flag(row['reproducible'])} | {_flag(row['replicas_identical'])} | "
+            f"{loss} | {weights} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -450,7 +460,8 @@ def write(m: dict, out_dir: str, with_plot: bool) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainSettings()
-    p = argparse.ArgumentParser(prog="qzero bench steps", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="qzero bench steps", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("common settings (every arm)")
     w.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     w.add_argument("--world-size", type=int, default=d.world_size)
@@ -497,7 +508,8 @@ def compare(matrix: dict, base: str, arm: str, resamples: int = 2000) -> dict:
     return r
 
 
-def plan(args: argparse.Namespace, check=validate) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
+def plan(args: argparse.Namespace, check=validate
+         ) -> tuple[TrainSettings, dict[str, TrainSettings], dict[str, dict], str, list[str]]:
     """Common settings, each arm's settings and diff, reference and peers; validated by ``check``
     (``qzero.app.train.validate``; the emulated link checks them as on one rank). Raises SpecError."""
     if not args.arm:
@@ -560,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     env = describe(resolve_device(base))
-    env["command"] = " ".join(shlex.quote(a) for a in ["qzero", "bench", "steps", *(sys.argv[1:] if argv is None else argv)])
+    env["command"] = " ".join(shlex.quote(a) for a in
+                              ["qzero", "bench", "steps", *(sys.argv[1:] if argv is None else argv)])
     order = schedule(list(arms), args.rounds)
     runs: dict[str, list[dict]] = {n: [] for n in arms}
     matrix = {

@@ -77,7 +77,8 @@ def markdown(r: dict, plotted: bool = True) -> str:
         f"- {scope['steps']} steps per arm, the first {scope['warmup']} excluded from timing; arm order "
         f"`{r['order']}`, each arm a fresh process, same seed and data",
         f"- arms differ in: {diff}",
-        f"- device: {env.get('device')} · link: {env['link_regime']} · process group {env.get('process_group_backend', env.get('backend'))}",
+        f"- device: {env.get('device')} · link: {env['link_regime']} · "
+        f"process group {env.get('process_group_backend', env.get('backend'))}",
         "",
         "## Speed",
         "",
@@ -119,15 +120,23 @@ def markdown(r: dict, plotted: bool = True) -> str:
         "",
         "| gate | result | measured |",
         "|---|---|---|",
-        f"| baseline arms reproduce each other exactly | {_ok(r['gates']['baseline_reproducible'])} | losses, grad norms, sampled weights |",
-        f"| candidate arms reproduce each other exactly | {_ok(r['gates']['candidate_reproducible'])} | losses, grad norms, sampled weights |",
-        f"| max \\|loss difference\\| ≤ {t['max_loss_diff']} | {_ok(r['gates']['max_loss_diff'])} | {r['max_loss_diff']:.5f} |",
+        f"| baseline arms reproduce each other exactly | {_ok(r['gates']['baseline_reproducible'])} | "
+        "losses, grad norms, sampled weights |",
+        f"| candidate arms reproduce each other exactly | {_ok(r['gates']['candidate_reproducible'])} | "
+        "losses, grad norms, sampled weights |",
+        f"| max \\|loss difference\\| ≤ {t['max_loss_diff']} | {_ok(r['gates']['max_loss_diff'])} | "
+        f"{r['max_loss_diff']:.5f} |",
         f"| sampled weights within atol={t['atol']}, rtol={t['rtol']} | {_ok(r['gates']['param_tolerance'])} | "
-        f"{r['tolerance_violations']} violations; relative L2 {r['param_rel_l2']:.2e}, max abs {r['param_max_abs_diff']:.2e} |",
-        f"| replicas bit-identical in every arm | {_ok(r['gates']['replicas_identical'])} | hash of every rank's flat buffers |",
-        f"| peak allocated ≤ {t['max_allocated_fraction']:.0%} of device memory | {_ok(r['gates']['peak_allocated_fraction'])} | |",
-        f"| peak reserved ≤ {t['max_reserved_fraction']:.0%} of device memory | {_ok(r['gates']['peak_reserved_fraction'])} | |",
-        f"| candidate peak within {t['memory_vs_baseline']:.0%} of baseline | {_ok(r['gates']['memory_vs_baseline'])} | "
+        f"{r['tolerance_violations']} violations; relative L2 {r['param_rel_l2']:.2e}, "
+        f"max abs {r['param_max_abs_diff']:.2e} |",
+        f"| replicas bit-identical in every arm | {_ok(r['gates']['replicas_identical'])} | "
+        "hash of every rank's flat buffers |",
+        f"| peak allocated ≤ {t['max_allocated_fraction']:.0%} of device memory | "
+        f"{_ok(r['gates']['peak_allocated_fraction'])} | |",
+        f"| peak reserved ≤ {t['max_reserved_fraction']:.0%} of device memory | "
+        f"{_ok(r['gates']['peak_reserved_fraction'])} | |",
+        f"| candidate peak within {t['memory_vs_baseline']:.0%} of baseline | "
+        f"{_ok(r['gates']['memory_vs_baseline'])} | "
         f"{'CPU: plus ' + _mib(t['cpu_memory_slack_bytes']) + ' RSS noise' if 'CPU' in r['memory_kind'] else ''} |",
         "",
         "## Plots",

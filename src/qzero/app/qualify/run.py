@@ -28,7 +28,8 @@ from .env import describe
 
 @dataclass
 class Thresholds:
-    """Gate limits: the project's accuracy and memory gates (also used by ``tests/gpu/workers/deepspeed_gpu_check.py``)."""
+    """Gate limits: the project's accuracy and memory gates (also used by
+    ``tests/gpu/workers/deepspeed_gpu_check.py``)."""
 
     max_loss_diff: float = 0.05
     atol: float = 0.02

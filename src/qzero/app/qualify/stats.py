@@ -99,6 +99,7 @@ def reproduced(arms: Sequence[dict]) -> bool:
     """Arms of one setting must agree exactly: losses, gradient norms, sampled weights."""
     first = arms[0]
     return all(
-        a["losses"] == first["losses"] and a["grad_norms"] == first["grad_norms"] and a["sample_hash"] == first["sample_hash"]
+        a["losses"] == first["losses"] and a["grad_norms"] == first["grad_norms"]
+        and a["sample_hash"] == first["sample_hash"]
         for a in arms[1:]
     )

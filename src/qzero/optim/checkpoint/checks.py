@@ -32,7 +32,8 @@ def resolve_checkpoint(path: str) -> str:
         return path
     old = path + OLD_SUFFIX
     if os.path.isfile(os.path.join(old, META_FILE)):
-        warnings.warn(f"{path} is missing (a save was interrupted); loading the previous checkpoint {old}", stacklevel=3)
+        warnings.warn(f"{path} is missing (a save was interrupted); loading the previous checkpoint {old}",
+                      stacklevel=3)
         return old
     return path
 

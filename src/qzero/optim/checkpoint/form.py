@@ -88,7 +88,8 @@ def check_loop_state(d: dict, where: str, world: int) -> None:
     from ..delta import LoopState
 
     if d.get("state") not in [s.value for s in LoopState] or type(d.get("deltas")) is not int or d["deltas"] < 0:
-        raise ValueError(f"{where} is {show(d)}; expected a loop state ({[s.value for s in LoopState]}) and a count >= 0")
+        raise ValueError(f"{where} is {show(d)}; expected a loop state ({[s.value for s in LoopState]}) "
+                         "and a count >= 0")
     dev = d.get("deviation")
     if dev is not None and (type(dev) is not list or len(dev) != world or not all(
             x is None or (type(x) in (int, float) and 0 <= x < float("inf")) for x in dev)):

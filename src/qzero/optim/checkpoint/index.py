@@ -82,7 +82,8 @@ INDEX_GLOBALS: dict[tuple[str, str], str] = {
 
 #: torch dtypes by the name they pickle under (``torch.<name>``), the only other globals.
 INDEX_DTYPES: dict[str, torch.dtype] = {
-    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype) and str(value) == f"torch.{name}"
+    name: value for name, value in vars(torch).items()
+    if isinstance(value, torch.dtype) and str(value) == f"torch.{name}"
 }
 
 _REFUSED_HINTS = {
@@ -247,7 +248,8 @@ class _Checker:
             return f"dtype {obj.name}"
         return f"a {type(obj).__name__}"
 
-    def fields(self, obj: _Record, kind: str, where: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+    def fields(self, obj: _Record, kind: str, where: str, allowed: tuple[str, ...],
+               required: tuple[str, ...] = ()) -> dict:
         """The fields of a dataclass record built as NEWOBJ + BUILD (dict state)."""
         self.record(obj, kind, where)
         if obj.args or obj.kwargs:
@@ -308,7 +310,8 @@ class _Checker:
             fields = self.fields(obj, "TensorProperties", where,
                                  ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), ("dtype",))
             dtype, layout = fields["dtype"], fields.get("layout")
-            requires_grad, pin_memory, mem_format = fields.get("requires_grad", False), fields.get("pin_memory", False), None
+            requires_grad, pin_memory = fields.get("requires_grad", False), fields.get("pin_memory", False)
+            mem_format = None
         else:
             raise self.fail(f"{where}: TensorProperties has state {self.describe(state)}")
         if layout is not None:
@@ -319,7 +322,8 @@ class _Checker:
             raise self.fail(f"{where}: requires_grad / pin_memory are not bools")
         if mem_format is not None:
             rec = self.record(mem_format, "MemoryFormat", f"{where}.memory_format")
-            if rec.kwargs or rec.built or len(rec.args) != 1 or type(rec.args[0]) is not int or not 0 <= rec.args[0] <= 2:
+            if (rec.kwargs or rec.built or len(rec.args) != 1 or type(rec.args[0]) is not int
+                    or not 0 <= rec.args[0] <= 2):
                 raise self.fail(f"{where}.memory_format is {show(rec.args)}")
         return self.dtype(dtype, f"{where}.dtype")
 
@@ -355,7 +359,8 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
     planner_data = c.plain(meta.get("planner_data"), "planner_data")
     version = c.text(meta.get("version"), "version")
     if meta.get("storage_meta") is not None:  # only checked: a fresh StorageMeta is made on load
-        sm = c.fields(meta["storage_meta"], "StorageMeta", "storage_meta", ("checkpoint_id", "save_id", "load_id", "modules"))
+        sm = c.fields(meta["storage_meta"], "StorageMeta", "storage_meta",
+                      ("checkpoint_id", "save_id", "load_id", "modules"))
         for k in ("save_id", "load_id"):
             c.text(sm.get(k), f"storage_meta.{k}")
         cid = sm.get("checkpoint_id")
@@ -383,8 +388,9 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
             raise c.fail(f"{at}.chunks is not a non-empty list")
         chunks = {}
         for k, chunk in enumerate(f["chunks"]):
-            cf = c.fields(chunk, "ChunkStorageMetadata", f"{at}.chunks[{k}]", ("offsets", "sizes"), ("offsets", "sizes"))
-            offsets, sizes = c.size(cf["offsets"], f"{at}.chunks[{k}].offsets"), c.size(cf["sizes"], f"{at}.chunks[{k}].sizes")
+            where = f"{at}.chunks[{k}]"
+            cf = c.fields(chunk, "ChunkStorageMetadata", where, ("offsets", "sizes"), ("offsets", "sizes"))
+            offsets, sizes = c.size(cf["offsets"], f"{where}.offsets"), c.size(cf["sizes"], f"{where}.sizes")
             if len(offsets) != len(size) or len(sizes) != len(size) or any(
                 o + s > d for o, s, d in zip(offsets, sizes, size)
             ):
@@ -397,7 +403,8 @@ def rebuild_index(top, kinds: dict[type, str], where: str) -> _dcp_md.Metadata:
         new_entries[fqn] = _dcp_md.TensorStorageMetadata(
             properties=_dcp_md.TensorProperties(dtype=dtype),
             size=torch.Size(size),
-            chunks=[_dcp_md.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks.items()],
+            chunks=[_dcp_md.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                    for o, s in chunks.items()],
         )
 
     new_storage = {}

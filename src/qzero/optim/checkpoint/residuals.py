@@ -137,8 +137,9 @@ def check_index(opt: Checkpointable, meta: dict, index, path: str) -> None:
             (o,), (size,) = chunk.offsets, chunk.sizes
             if size and o // n != (o + size - 1) // n:
                 raise ValueError(
-                    f"{path!r}: the checkpoint index {INDEX_FILE} gives {state_key(i)} a chunk of {show(size)} elements "
-                    f"at {show(o)} that spans the rows of several ranks (each rank writes its own row of {n}); "
+                    f"{path!r}: the checkpoint index {INDEX_FILE} gives {state_key(i)} a chunk of {show(size)} "
+                    f"elements at {show(o)} that spans the rows of several ranks "
+                    f"(each rank writes its own row of {n}); "
                     f"it cannot hold the residuals of the {saved[0]} ranks qzero.json claims")
 
 
