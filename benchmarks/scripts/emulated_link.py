@@ -43,6 +43,13 @@ Vocabulary used here and in ``benchmarks/scripts/link_kernels.py`` and ``benchma
   data moves at once and the host sleeps to the transfer's modelled end (a synchronous call
   before returning, an asynchronous one in ``wait()``).
 
+* **cluster**: a :class:`Link` of another kind may charge a collective for its whole group
+  instead of rank 0's bytes: every collective reaches :meth:`Link.place` with the call it
+  stands for (:class:`Issued`: its group and sizes), and a link says which resources a
+  transfer holds, when it starts on the host clock and which device links (streams) hold it on
+  CUDA. ``benchmarks/scripts/emulated_cluster.py``'s ``ClusterLink`` is the two links of a
+  cluster of nodes ([Note: emulated cluster]); the delivery and the holds are this module's.
+
 Collectives not in :data:`EMULATED` (point-to-point, ``gather``/``scatter``, coalescing
 managers, and the functional collectives DTensor uses) go to the fake process group as they
 are: moved as it moves them, never on the link.
@@ -170,6 +177,21 @@ class Wire:
     steps: int
 
 
+@dataclass(frozen=True)
+class Issued:
+    """One collective as rank 0 issued it: its name (as :func:`wire_bytes` names it), its
+    process group (None: the world) and its sizes as :func:`wire_bytes` reads them (``nbytes``; an
+    all-to-all's ``send``/``recv`` bytes per rank of the group, in group order). A one-link
+    world charges only the :class:`Wire` it implies; a cluster's link
+    (``benchmarks/scripts/emulated_cluster.py``) charges the whole group from it."""
+
+    op: str
+    group: object = None
+    nbytes: int = 0
+    send: tuple | None = None
+    recv: tuple | None = None
+
+
 def wire_bytes(op: str, world: int, nbytes: int = 0, send: list[int] | None = None,
                recv: list[int] | None = None, rank: int = 0) -> Wire:
     """Wire bytes of one collective at world size ``world`` (see the note). ``nbytes``: the
@@ -219,6 +241,7 @@ class Transfer:
     start: float | None = None
     end: float | None = None
     waits: int = 0  # how many times its work was waited for
+    charge: object = None  # a cluster link's qzero.plan Cost of the whole group (None on one link)
 
 
 @dataclass
@@ -227,6 +250,8 @@ class OpTotals:
     sent: int = 0
     received: int = 0
     seconds: float = 0.0
+    nic_sent: float = 0.0  # a cluster link's: bytes every node together sent across the network
+    intra_sent: float = 0.0  # a cluster link's: bytes moved inside nodes
 
 
 class Link:
@@ -242,24 +267,57 @@ class Link:
         self.totals: dict[str, OpTotals] = {}
         self.count = 0
         self.free_at = 0.0  # host clock: when the last CPU transfer ends
+        self.busy: dict[str, float] = {}  # seconds charged per resource (:meth:`resources`), cumulative
         self._device = None  # link_kernels.DeviceLink, made on the first CUDA transfer
 
-    def place(self, op: str, wire: Wire, device: torch.device, is_async: bool) -> Transfer:
-        """Book one transfer (its bytes, its modelled time) in issue order."""
-        t = Transfer(self.count, op, wire.sent, wire.received, wire.steps,
-                     self.model.seconds(wire.sent, wire.received, wire.steps), device.type, is_async)
+    def place(self, op: str, wire: Wire, device: torch.device, is_async: bool,
+              issued: Issued | None = None) -> Transfer:
+        """Book one transfer (its bytes, its modelled time) in issue order; ``issued``: the call
+        it stands for (what a link that charges whole groups reads)."""
+        t = Transfer(self.count, op, wire.sent, wire.received, wire.steps, 0.0, device.type, is_async)
+        t.seconds = self.charge(t, wire, issued)
         self.count += 1
         tot = self.totals.setdefault(op, OpTotals())
         tot.calls += 1
         tot.sent += t.sent
         tot.received += t.received
         tot.seconds += t.seconds
+        if t.charge is not None:
+            tot.nic_sent += t.charge.nic_sent
+            tot.intra_sent += t.charge.intra_sent
+        for r in self.resources(t):
+            self.busy[r] = self.busy.get(r, 0.0) + t.seconds
         if device.type != "cuda":
-            t.start = max(self.clock(), self.free_at)
-            t.end = t.start + t.seconds
-            self.free_at = t.end
+            t.start, t.end = self.schedule(t, self.clock())
         self.transfers.append(t)
         return t
+
+    # -- what a link of another kind changes (benchmarks/scripts/emulated_cluster.py)
+    def charge(self, t: Transfer, wire: Wire, issued: Issued | None) -> float:
+        """The seconds ``t`` holds the link: rank 0's bytes on the one link."""
+        return self.model.seconds(wire.sent, wire.received, wire.steps)
+
+    def resources(self, t: Transfer) -> tuple[str, ...]:
+        """The resources ``t`` holds: the one link."""
+        return ("link",)
+
+    def schedule(self, t: Transfer, issued: float) -> tuple[float, float]:
+        """A CPU transfer's (start, end) on the host clock: after the one before it, not before its issue."""
+        start = max(issued, self.free_at)
+        self.free_at = start + t.seconds
+        return start, self.free_at
+
+    def lanes(self, t: Transfer, device: torch.device) -> list:
+        """The device links a CUDA transfer holds, the first running it: the one link's."""
+        return [self.device(device)]
+
+    @property
+    def holds(self) -> bool:
+        """Whether transfers take any time or resources at all."""
+        return self.model.holds
+
+    def describe(self) -> str:
+        return self.model.describe()
 
     def hold_host(self, t: Transfer) -> None:
         """Block the host until CPU transfer ``t`` has ended on the link."""
@@ -279,6 +337,11 @@ class Link:
         in the device's log (synchronizes)."""
         return [] if self._device is None else self._device.log()
 
+    def busiest_since(self, before: dict[str, float]) -> float:
+        """Seconds charged since ``before`` (a copy of :attr:`busy`) on the busiest resource: no
+        steady step is shorter."""
+        return max((v - before.get(r, 0.0) for r, v in self.busy.items()), default=0.0)
+
     def snapshot(self) -> dict[str, OpTotals]:
         return {k: dataclasses.replace(v) for k, v in self.totals.items()}
 
@@ -291,6 +354,8 @@ def totals_since(link: Link, before: dict[str, OpTotals]) -> dict[str, dict]:
         if now.calls > was.calls:
             out[op] = {"calls": now.calls - was.calls, "sent": now.sent - was.sent,
                        "received": now.received - was.received, "seconds": now.seconds - was.seconds}
+            if now.nic_sent or now.intra_sent:  # a cluster link's whole-group bytes
+                out[op].update(nic_sent=now.nic_sent - was.nic_sent, intra_sent=now.intra_sent - was.intra_sent)
     return out
 
 
@@ -395,9 +460,10 @@ class EmulatedWorld:
     """Rank 0 of a fake DP-``world`` world whose collectives deliver (see the note) and hold
     :attr:`link`. Made by :func:`init_emulated_world`."""
 
-    def __init__(self, world: int, model: LinkModel, clock=time.perf_counter, sleep=time.sleep):
+    def __init__(self, world: int, model: LinkModel, clock=time.perf_counter, sleep=time.sleep,
+                 link: Link | None = None):
         self.world = world
-        self.link = Link(model, clock=clock, sleep=sleep)
+        self.link = link if link is not None else Link(model, clock=clock, sleep=sleep)
         self.originals: dict[str, object] = {}
         self.rebound: list[tuple[object, str, object]] = []
 
@@ -411,10 +477,11 @@ class EmulatedWorld:
         self.link.model = model
 
     # -- one collective: book it, deliver, hold
-    def _run(self, op: str, wire: Wire, tensors: list[torch.Tensor], deliver, async_op: bool, result=None,
+    def _run(self, call: Issued, tensors: list[torch.Tensor], deliver, async_op: bool, result=None,
              host_sync: bool = False):
         device = next((t.device for t in tensors if t.device.type == "cuda"), torch.device("cpu"))
-        t = self.link.place(op, wire, device, async_op)
+        wire = wire_bytes(call.op, self._n(call.group), call.nbytes, call.send, call.recv)
+        t = self.link.place(call.op, wire, device, async_op, call)
         if device.type != "cuda":
             deliver()
             work = EmulatedWork(self.link, t, None, result)
@@ -422,19 +489,24 @@ class EmulatedWorld:
                 self.link.hold_host(t)
                 return None
             return work
-        dev = self.link.device(device)
+        lanes = self.link.lanes(t, device)  # the first runs it; the others wait for it and it for them
+        dev = lanes[0]
         caller = torch.cuda.current_stream(device)
         stream = dev.stream
         stream.wait_stream(caller)
+        for other in lanes[1:]:
+            stream.wait_stream(other.stream)
         torch.cuda.set_stream(stream)
         try:
             written = deliver()
-            if self.link.model.holds and wire.steps:
+            if self.link.holds and wire.steps:
                 dev.hold(t.index, t.seconds, written or 0, self.link.model, wire)
             event = torch.cuda.Event()
             event.record(stream)
         finally:
             torch.cuda.set_stream(caller)
+        for other in lanes[1:]:
+            other.stream.wait_event(event)
         for x in tensors:
             if x.device.type == "cuda":
                 x.record_stream(stream)
@@ -457,8 +529,8 @@ class EmulatedWorld:
             _repeat_into(output_tensor.view(n, -1), input_tensor.reshape(-1))
             return output_tensor.numel() * output_tensor.element_size()
 
-        wire = wire_bytes("all_gather", n, input_tensor.numel() * input_tensor.element_size())
-        return self._run("all_gather", wire, [output_tensor, input_tensor], deliver, async_op, [output_tensor])
+        call = Issued("all_gather", group, input_tensor.numel() * input_tensor.element_size())
+        return self._run(call, [output_tensor, input_tensor], deliver, async_op, [output_tensor])
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n = self._n(group)
@@ -470,8 +542,8 @@ class EmulatedWorld:
             _reduced(input.reshape(-1)[: output.numel()].view_as(output), op, n, out=output)
             return 2 * output.numel() * output.element_size()
 
-        wire = wire_bytes("reduce_scatter", n, input.numel() * input.element_size())
-        return self._run("reduce_scatter", wire, [output, input], deliver, async_op, [output])
+        call = Issued("reduce_scatter", group, input.numel() * input.element_size())
+        return self._run(call, [output, input], deliver, async_op, [output])
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n = self._n(group)
@@ -480,8 +552,8 @@ class EmulatedWorld:
             _reduced(tensor, op, n)
             return 2 * tensor.numel() * tensor.element_size()
 
-        wire = wire_bytes("all_reduce", n, tensor.numel() * tensor.element_size())
-        return self._run("all_reduce", wire, [tensor], deliver, async_op, [tensor])
+        call = Issued("all_reduce", group, tensor.numel() * tensor.element_size())
+        return self._run(call, [tensor], deliver, async_op, [tensor])
 
     def all_reduce_coalesced(self, tensors, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n = self._n(group)
@@ -491,13 +563,12 @@ class EmulatedWorld:
                 _reduced(x, op, n)
             return sum(2 * x.numel() * x.element_size() for x in tensors)
 
-        wire = wire_bytes("all_reduce", n, sum(x.numel() * x.element_size() for x in tensors))
-        return self._run("all_reduce", wire, list(tensors), deliver, async_op, list(tensors))
+        call = Issued("all_reduce", group, sum(x.numel() * x.element_size() for x in tensors))
+        return self._run(call, list(tensors), deliver, async_op, list(tensors))
 
     def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
-        n = self._n(group)
-        wire = wire_bytes("broadcast", n, tensor.numel() * tensor.element_size())
-        return self._run("broadcast", wire, [tensor], lambda: 0, async_op, [tensor])
+        call = Issued("broadcast", group, tensor.numel() * tensor.element_size())
+        return self._run(call, [tensor], lambda: 0, async_op, [tensor])
 
     def reduce(self, tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
         n = self._n(group)
@@ -511,8 +582,8 @@ class EmulatedWorld:
                 return 2 * tensor.numel() * tensor.element_size()
             return 0
 
-        wire = wire_bytes("reduce", n, tensor.numel() * tensor.element_size())
-        return self._run("reduce", wire, [tensor], deliver, async_op, [tensor])
+        call = Issued("reduce", group, tensor.numel() * tensor.element_size())
+        return self._run(call, [tensor], deliver, async_op, [tensor])
 
     def all_gather(self, tensor_list, tensor, group=None, async_op=False):
         n = self._n(group)
@@ -525,8 +596,8 @@ class EmulatedWorld:
                     out.copy_(tensor.view_as(out))
             return sum(out.numel() * out.element_size() for out in tensor_list)
 
-        wire = wire_bytes("all_gather", n, tensor.numel() * tensor.element_size())
-        return self._run("all_gather", wire, [*tensor_list, tensor], deliver, async_op, list(tensor_list))
+        call = Issued("all_gather", group, tensor.numel() * tensor.element_size())
+        return self._run(call, [*tensor_list, tensor], deliver, async_op, list(tensor_list))
 
     def reduce_scatter(self, output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n = self._n(group)
@@ -537,8 +608,8 @@ class EmulatedWorld:
             _reduced(input_list[0].view_as(output), op, n, out=output)
             return 2 * output.numel() * output.element_size()
 
-        wire = wire_bytes("reduce_scatter", n, sum(x.numel() * x.element_size() for x in input_list))
-        return self._run("reduce_scatter", wire, [output, *input_list], deliver, async_op, [output])
+        call = Issued("reduce_scatter", group, sum(x.numel() * x.element_size() for x in input_list))
+        return self._run(call, [output, *input_list], deliver, async_op, [output])
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
@@ -570,8 +641,8 @@ class EmulatedWorld:
             return output.numel() * output.element_size()
 
         size = row * input.element_size()
-        wire = wire_bytes("all_to_all", n, send=[s * size for s in send], recv=[r * size for r in recv])
-        return self._run("all_to_all", wire, [output, input], deliver, async_op, [output])
+        call = Issued("all_to_all", group, send=tuple(s * size for s in send), recv=tuple(r * size for r in recv))
+        return self._run(call, [output, input], deliver, async_op, [output])
 
     def all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
         n = self._n(group)
@@ -587,17 +658,16 @@ class EmulatedWorld:
                     o.zero_()
             return sum(o.numel() * o.element_size() for o in output_tensor_list)
 
-        wire = wire_bytes("all_to_all", n, send=[x.numel() * x.element_size() for x in input_tensor_list],
-                          recv=[x.numel() * x.element_size() for x in output_tensor_list])
-        return self._run("all_to_all", wire, [*output_tensor_list, *input_tensor_list], deliver, async_op,
+        call = Issued("all_to_all", group, send=tuple(x.numel() * x.element_size() for x in input_tensor_list),
+                      recv=tuple(x.numel() * x.element_size() for x in output_tensor_list))
+        return self._run(call, [*output_tensor_list, *input_tensor_list], deliver, async_op,
                          list(output_tensor_list))
 
     def barrier(self, group=None, async_op=False, device_ids=None, timeout=None):
-        n = self._n(group)
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         probe = torch.zeros(1, device="cuda" if cuda else "cpu")
         # NCCL's barrier is a one-element all-reduce the host then waits for
-        return self._run("barrier", wire_bytes("barrier", n), [probe], lambda: 0, async_op, host_sync=not async_op)
+        return self._run(Issued("barrier", group), [probe], lambda: 0, async_op, host_sync=not async_op)
 
     # aliases under torch's other names
     all_gather_single = all_gather_into_tensor
@@ -635,6 +705,7 @@ class EmulatedWorld:
             return mine(*args, **kwargs)
 
         call.__emulated__ = True
+        call.__emulated_by__ = self
         return call
 
     def uninstall(self) -> None:
@@ -646,6 +717,13 @@ class EmulatedWorld:
             setattr(dist if modname == dist.__name__ else c10d, name, fn)
         for mod, attr, value in self.rebound:
             setattr(mod, attr, value)
+        # a module imported while this world was installed took a wrapper by name: give it the original
+        for mod in list(sys.modules.values()):
+            if mod is None or not hasattr(mod, "__dict__"):
+                continue
+            for attr, value in list(vars(mod).items()):
+                if callable(value) and getattr(value, "__emulated_by__", None) is self:
+                    setattr(mod, attr, value.__wrapped__)
         self.originals.clear()
         self.rebound.clear()
 
@@ -653,18 +731,20 @@ class EmulatedWorld:
 _WORLD: EmulatedWorld | None = None
 
 
-def init_emulated_world(world: int, link: LinkModel | str = "none", clock=time.perf_counter,
+def init_emulated_world(world: int, link: LinkModel | str | Link = "none", clock=time.perf_counter,
                         sleep=time.sleep) -> EmulatedWorld:
     """Make this process rank 0 of ``world`` (torch's fake process group) with emulated
-    collectives on ``link`` (a :class:`LinkModel` or its text, :func:`parse_link`)."""
+    collectives on ``link`` (a :class:`LinkModel` or its text, :func:`parse_link`, or a
+    :class:`Link` already made, which brings its own clock)."""
     global _WORLD
     from one_gpu import init_fake_world
 
-    model = parse_link(link) if isinstance(link, str) else link
+    made = link if isinstance(link, Link) else None
+    model = made.model if made is not None else parse_link(link) if isinstance(link, str) else link
     if _WORLD is not None:
         raise RuntimeError("an emulated world is already installed in this process")
     init_fake_world(world)
-    _WORLD = EmulatedWorld(world, model, clock=clock, sleep=sleep)
+    _WORLD = EmulatedWorld(world, model, clock=clock, sleep=sleep, link=made)
     _WORLD.install()
     return _WORLD
 

@@ -23,6 +23,17 @@ tables and plot, titled "emulated link"), and ``OUT/summary.{json,md}``: per cel
 the median and wall step, the exposed communication against the ``world_size=1`` arm when
 there is one, and the link's modelled and measured busy time per step. Every figure is of an
 emulated link.
+
+With ``--nodes N`` (and ``qzero plan``'s other cluster flags: ``--gpus-per-node``,
+``--intra-gbps``, ``--inter-gbps``, ``--intra-latency-us``, ``--inter-latency-us``, ``--nic``)
+the world is a cluster of ``N x L`` ranks (``benchmarks/scripts/emulated_cluster.py``): every
+collective is charged by the cluster cost model for its whole group and held on the cluster's
+two links; ``--links`` then gives only contention and time scale (regime ``none`` with keys,
+default ``none``); every arm gets ``ranks_per_node = L`` (``hierarchical_collectives=false``
+makes an arm flat) and an arm with ``world_size=1`` is the one-GPU floor, with no link. A
+record's ``link_busy_ms_modelled`` is then the busier link's, and ``link_per_step`` has the
+bytes every node together sent across the network (``nic_sent``) and inside nodes
+(``intra_sent``). Folders and tables name the cluster (``cluster_2x4_shared_intra25.2_inter12.5``).
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ if HERE not in sys.path:
 
 #: Fields of a run record that are per link (the rest are the arm's, once per process).
 PER_LINK = ("step_times", "wall_seconds", "wall_steps", "losses", "skipped_steps", "finite", "link", "link_model",
-            "link_per_step", "link_busy_ms_modelled", "link_busy_ms_measured", "peak_allocated_bytes",
+            "cluster", "link_per_step", "link_busy_ms_modelled", "link_busy_ms_measured", "peak_allocated_bytes",
             "peak_reserved_bytes", "timeline", "step_started_unix")
 
 
@@ -71,14 +82,14 @@ def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     marks, loss_sums, skipped, started = [], [], 0, []
-    wall_start, before, first_index = None, link.snapshot(), link.count
+    wall_start, before, first_index, busy = None, link.snapshot(), link.count, dict(link.busy)
     pauses = _HostPauses()
     stamps = StepStamps(link, device, s.steps) if timeline else None
     _sync(device)
     for k in range(s.steps):
         if k == s.warmup:
             _sync(device)
-            wall_start, before, first_index = time.perf_counter(), link.snapshot(), link.count
+            wall_start, before, first_index, busy = time.perf_counter(), link.snapshot(), link.count, dict(link.busy)
             pauses.start(device)
         batch = global_batch(corpus, first_step + k, per_step, s.seq_len, s.seed)
         mine = batch.view(s.grad_accum, n, s.micro_batch, -1)[:, 0].to(device)
@@ -110,7 +121,7 @@ def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool 
     times = [_seconds(a, b) for a, b in zip(marks, marks[1:])][s.warmup:]
     losses = torch.stack(loss_sums).tolist()
     per_op = totals_since(link, before)
-    busy_modelled = sum(v["seconds"] for v in per_op.values())
+    busy_modelled = link.busiest_since(busy)  # one link: every transfer's; a cluster: its busier link's
     log = [(i, a, b) for i, a, b in link.device_log() if i >= first_index]
     busy_measured = sum(b - a for _, a, b in log) / 1e6 if log else None
     rec = {
@@ -120,8 +131,9 @@ def _measure(backend, s, world, device, corpus, first_step: int, timeline: bool 
         "losses": losses,
         "skipped_steps": skipped,
         "finite": all(x == x and abs(x) != float("inf") for x in losses),
-        "link": link.model.describe(),
+        "link": link.describe(),
         "link_model": dataclasses.asdict(link.model),
+        "cluster": dataclasses.asdict(link.cluster) if hasattr(link, "cluster") else None,
         "link_per_step": {op: {k: v / measured for k, v in d.items()} for op, d in per_op.items()},
         "link_busy_ms_modelled": 1e3 * busy_modelled / measured,
         "link_busy_ms_measured": busy_measured / measured if busy_measured is not None else None,
@@ -251,11 +263,15 @@ def decode_as_rank0() -> None:
     qzero.wire.engine.unpack_chunk = _decoding_as_rank0(qzero.wire.engine.unpack_chunk)
 
 
-def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = False) -> None:
+def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = False,
+                 cluster: dict | None = None) -> None:
     """The body of one arm's process: the emulated world first (before anything imports
     qzero, whose modules bind torch.distributed's collectives), then the engine, then each
     link in turn; rank 0's record per link, written to ``out_path`` as JSON. ``timeline``:
-    each record has its step timeline (:func:`_measure`), whose table goes to the output."""
+    each record has its step timeline (:func:`_measure`), whose table goes to the output.
+    ``cluster``: the fields of a ``qzero.plan.Cluster``, whose two links every link of
+    ``links`` then holds (``benchmarks/scripts/emulated_cluster.py``: regime ``none``, the
+    links' keys giving contention and time scale)."""
     from emulated_link import init_emulated_world, parse_link
 
     models = [parse_link(x) for x in links]
@@ -263,7 +279,14 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
     from one_gpu import launcher_environment
 
     os.environ.update(launcher_environment(n))
-    world = init_emulated_world(n, models[0])
+    if cluster is not None:
+        from emulated_cluster import init_cluster_world
+
+        from qzero.plan import Cluster
+
+        world = init_cluster_world(Cluster(**cluster), models[0])
+    else:
+        world = init_emulated_world(n, models[0])
     import torch
 
     from qzero.app.train import TrainSettings, _summary, build_backend, resolve_device
@@ -304,13 +327,14 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
 
 
 def run_arm(settings, links: list[str], out_path: str, log_path: str, timeout: float,
-            timeline: bool = False) -> list[dict]:
-    """One arm in a fresh process, every link of ``links`` in that order; its records
-    (with their step timelines where ``timeline``)."""
+            timeline: bool = False, cluster=None) -> list[dict]:
+    """One arm in a fresh process, every link of ``links`` in that order (on ``cluster``'s
+    two links where one is given); its records (with their step timelines where ``timeline``)."""
     from qzero.app.qualify.run import ArmFailed
 
+    options = {"timeline": timeline, "cluster": dataclasses.asdict(cluster) if cluster is not None else None}
     cmd = [sys.executable, os.path.abspath(__file__), "_arm", json.dumps(dataclasses.asdict(settings)),
-           json.dumps(links), out_path, json.dumps({"timeline": timeline})]
+           json.dumps(links), out_path, json.dumps(options)]
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -432,9 +456,10 @@ def build_parser():
                    help="comma-separated gather buckets (default: --allgather-bucket-size)")
     e.add_argument("--reduce-bucket-sizes", default=None,
                    help="comma-separated reduce buckets (default: --reduce-bucket-size)")
-    e.add_argument("--links", default="pcie",
+    e.add_argument("--links", default=None,
                    help="comma-separated links, each REGIME or REGIME:key=value;... (';' between a link's keys), "
-                        "regimes: none, pcie, ethernet, nvlink (benchmarks/scripts/emulated_link.py)")
+                        "regimes: none, pcie, ethernet, nvlink (benchmarks/scripts/emulated_link.py); default pcie, "
+                        "or with --nodes none (the cluster's links; none:key=value;... for contention and time scale)")
     e.add_argument("--budget", type=float, default=0, help="seconds: start no run that would not end inside it")
     e.add_argument("--arm-timeout", type=float, default=540, help="seconds per arm process (default 540)")
     e.add_argument("--resume", action="store_true",
@@ -446,7 +471,82 @@ def build_parser():
                         "with the link's transfers: rec['timeline'], a table in summary.md "
                         "(benchmarks/scripts/emulated_timeline.py draws it); off by default, the steps' timing as "
                         "without it")
+    from emulated_cluster import add_cluster_arguments
+
+    add_cluster_arguments(p)
+    p.set_defaults(world_size=None)  # with --nodes: the cluster's; else TrainSettings'
     return p
+
+
+def cluster_and_links(args) -> tuple:
+    """The emulated cluster of the command line (None: one link per arm) and the links each arm
+    runs; sets ``args.world_size`` where it was left out. A one-line ValueError."""
+    from emulated_cluster import cluster_from_args
+    from emulated_link import parse_link
+
+    from qzero.app.train import TrainSettings
+
+    cluster = cluster_from_args(args)
+    links = split_links(args.links if args.links is not None else "none" if cluster else "pcie")
+    if not links:
+        raise ValueError("--links: give at least one link")
+    for x in links:
+        parse_link(x)
+        if cluster is not None and x.partition(":")[0].strip() != "none":
+            raise ValueError(f"--links with --nodes: the cluster sets the rates and latencies; give "
+                             f"none:key=value;... for contention and time scale, not {x!r}")
+    if cluster is None:
+        args.world_size = TrainSettings().world_size if args.world_size is None else args.world_size
+    elif args.world_size is None:
+        args.world_size = cluster.world
+    elif args.world_size != cluster.world:
+        raise ValueError(f"--world-size {args.world_size} is not the cluster's {cluster.nodes} x "
+                         f"{cluster.gpus_per_node} = {cluster.world} ranks: leave it out")
+    return cluster, links
+
+
+def on_cluster(settings, cluster):
+    """An arm's settings on ``cluster`` (None: as they are): ``ranks_per_node`` is the
+    cluster's ``L`` where the arm leaves it 0 (every rank of the fake world is on one host:
+    detection would find one node of every rank); a world of one rank (the one-GPU floor)
+    stays as it is. A ValueError for another world size or node size."""
+    if cluster is None or settings.world_size == 1:
+        return settings
+    L = cluster.gpus_per_node
+    if settings.world_size != cluster.world:
+        raise ValueError(f"world_size={settings.world_size} on a cluster of {cluster.world} ranks: leave it out "
+                         "(or 1: the one-GPU floor)")
+    rpn = settings.zero.ranks_per_node
+    if rpn not in (0, L):
+        raise ValueError(f"ranks_per_node={rpn} on a cluster of {L} GPUs per node: leave it out (it is set to {L})")
+    return dataclasses.replace(settings, zero=dataclasses.replace(settings.zero, ranks_per_node=L))
+
+
+def _plan_on_cluster(planned: tuple, cluster) -> tuple:
+    """One cell's plan (``steps_matrix.plan``'s tuple) with every arm :func:`on_cluster`."""
+    from qzero.app.benchmarks.steps import settings_diff
+
+    base, arms, diffs, reference, peers = planned
+    base, mine = on_cluster(base, cluster), {}
+    for name, s in arms.items():
+        try:
+            mine[name] = on_cluster(s, cluster)
+        except ValueError as e:
+            raise ValueError(f"--arm {name}: {e}") from None
+    diffs = {n: {**settings_diff(base, s), **({"env": diffs[n]["env"]} if "env" in diffs[n] else {})}
+             for n, s in mine.items()}
+    return base, mine, diffs, reference, peers
+
+
+def link_name(link: str, cluster=None) -> str:
+    """A link as folders and tables name it: its text, or on a cluster the cluster's (with the
+    link's contention keys)."""
+    if cluster is None:
+        return link
+    from emulated_cluster import cluster_label
+
+    keys = link.partition(":")[2]
+    return f"cluster_{cluster_label(cluster)}" + (f":{keys}" if keys else "")
 
 
 def split_links(text: str) -> list[str]:
@@ -454,7 +554,7 @@ def split_links(text: str) -> list[str]:
     return [x.strip().replace(";", ",") for x in text.split(",") if x.strip()]
 
 
-def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
+def resumed(out: str, plans: dict, links: list[str], cluster=None) -> tuple[dict, set]:
     """What an earlier invocation left in ``out`` for this matrix: its runs as ``done``
     (``{(cell, link): {arm: [records]}}``) and the set of ``(round, cell, arm)`` whose every
     link has a run that did not fail; only those runs are kept, the others run again whole. Raises
@@ -463,7 +563,7 @@ def resumed(out: str, plans: dict, links: list[str]) -> tuple[dict, set]:
     done: dict = {(c, link): {n: [] for n in plans[c][1]} for c in plans for link in links}
     for c, (_, arms, *_rest) in plans.items():
         for link in links:
-            path = os.path.join(out, c, link_dir(link), "matrix.json")
+            path = os.path.join(out, c, link_dir(link_name(link, cluster)), "matrix.json")
             if not os.path.isfile(path):
                 continue
             with open(path) as f:
@@ -490,18 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     from qzero.app.qualify.run import ArmFailed
     from qzero.app.train import validate
 
-    from emulated_link import parse_link
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        links = split_links(args.links)
-        for x in links:
-            parse_link(x)
+        cluster, links = cluster_and_links(args)
     except ValueError as e:
         parser.error(str(e))
-    if not links:
-        parser.error("--links: give at least one link")
     presets = (args.presets or args.preset).split(",")
     ag = [float(x) for x in (args.allgather_bucket_sizes or str(args.allgather_bucket_size)).split(",")]
     rs = [float(x) for x in (args.reduce_bucket_sizes or str(args.reduce_bucket_size)).split(",")]
@@ -514,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
             plans[cell_name(preset, a, r)] = steps_matrix.plan(type(args)(**cell_args), check=check)
         except steps_matrix.SpecError as e:
             parser.error(str(e))
+    try:
+        plans = {c: _plan_on_cluster(planned, cluster) for c, planned in plans.items()}
+    except ValueError as e:
+        parser.error(str(e))
+    args.cluster = cluster
     names = list(next(iter(plans.values()))[1])
     reference = next(iter(plans.values()))[3]
     peers = next(iter(plans.values()))[4]
@@ -528,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = 0
     if args.resume:
         try:
-            done, finished = resumed(args.out, plans, links)
+            done, finished = resumed(args.out, plans, links, cluster)
         except ValueError as e:
             parser.error(str(e))
         kept = sum(1 for x in schedule if x in finished)
@@ -545,19 +644,20 @@ def main(argv: list[str] | None = None) -> int:
                 break
             base, arms, diffs, _, _ = plans[c]
             run_links = order(links, r)
-            print(f"emulated_matrix: [{i + 1}/{len(schedule)}] round {r + 1} {c} {name} on {', '.join(run_links)}",
+            print(f"emulated_matrix: [{i + 1}/{len(schedule)}] round {r + 1} {c} {name} on "
+                  f"{', '.join(link_name(x, cluster) for x in run_links)}",
                   flush=True)
             out = os.path.join(tmp, f"r{r}_{c}_{name}.json")
             log = os.path.join(args.out, "logs", f"r{r}_{c}_{name}.log")
             t0 = time.monotonic()
             try:
                 recs = run_arm(arms[name], run_links, out, log, timeout=min(args.arm_timeout, max(remaining, 1)),
-                               timeline=args.timeline)
+                               timeline=args.timeline, cluster=cluster if arms[name].world_size > 1 else None)
                 for link, rec in zip(run_links, recs):
                     rec["round"], rec["index"] = r, kept + i
                     done[(c, link)][name].append(rec)
                     ms = 1e3 * statistics.median(rec["step_times"]) if rec["step_times"] else float("nan")
-                    print(f"emulated_matrix:   {link}: {ms:.1f} ms median, wall "
+                    print(f"emulated_matrix:   {link_name(link, cluster)}: {ms:.1f} ms median, wall "
                           f"{1e3 * rec['wall_seconds'] / rec['wall_steps']:.1f} ms/step", flush=True)
                     if rec.get("timeline"):
                         import emulated_timeline
@@ -581,30 +681,36 @@ def _write_all(args, plans, links, done, env, reference, peers, floor_arm, runs_
                plots=False) -> str:
     from qzero.app.benchmarks import steps as steps_matrix
 
+    from emulated_link import parse_link
+
+    cluster = getattr(args, "cluster", None)
     for (c, link), arm_runs in done.items():
         base, arms, diffs, _, _ = plans[c]
-        folder = os.path.join(args.out, c, link_dir(link))
+        folder = os.path.join(args.out, c, link_dir(link_name(link, cluster)))
         os.makedirs(folder, exist_ok=True)
-        from emulated_link import parse_link
-
-        label = f"emulated link {link} (one GPU, rank 0 of DP{base.world_size})"
+        what = "link" if cluster is None else "cluster"
+        label = f"emulated {what} {link_name(link, cluster)} (one GPU, rank 0 of DP{base.world_size})"
         matrix = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "regime_label": label,
             "emulated_link": dataclasses.asdict(parse_link(link)),
+            "emulated_cluster": dataclasses.asdict(cluster) if cluster is not None else None,
             "settings": dataclasses.asdict(base),
             "arms": [{"name": n, "diff": diffs[n], "settings": dataclasses.asdict(s)} for n, s in arms.items()],
             "reference": reference, "peers": peers, "rounds": args.rounds,
-            "environment": dict(env, link_regime=f"emulated: {parse_link(link).describe()}"),
+            "environment": dict(env, link_regime=f"emulated: {parse_link_text(link, cluster)}"),
             "runs_total": runs_total, "runs_done": runs_done, "complete": complete,
             "runs": arm_runs,
             "analysis": steps_matrix.analyse(arm_runs, reference, peers, atol=args.tolerance, rtol=args.tolerance),
         }
         steps_matrix.write(matrix, folder, with_plot=plots)
     summ = summarize(done, floor_arm, {cell_name(*c): c for c in cells_of(plans)})
-    header = [f"# Emulated-link matrix (one GPU: {env.get('device')}; every figure is of an emulated link)", "",
+    for row in summ["rows"]:
+        row["link"] = link_name(row["link"], cluster)
+    header = [f"# Emulated-link matrix (one GPU: {env.get('device')}; every figure is of an emulated "
+              f"{'link' if cluster is None else 'cluster, charged by the cluster cost model'})", "",
               f"- {env.get('date')}, torch {env.get('torch')}; {runs_done}/{runs_total} arm processes"
-              f"{'' if complete else ' (incomplete)'}; links: " + "; ".join(parse_link_text(x) for x in links)]
+              f"{'' if complete else ' (incomplete)'}; links: " + "; ".join(parse_link_text(x, cluster) for x in links)]
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summ, f, indent=1)
     text = summary_markdown(summ, header)
@@ -613,10 +719,15 @@ def _write_all(args, plans, links, done, env, reference, peers, floor_arm, runs_
     return text
 
 
-def parse_link_text(text: str) -> str:
+def parse_link_text(text: str, cluster=None) -> str:
+    """A link's description (on ``cluster``: the cluster's, with the link's contention)."""
     from emulated_link import parse_link
 
-    return parse_link(text).describe()
+    if cluster is None:
+        return parse_link(text).describe()
+    from emulated_cluster import ClusterLink
+
+    return ClusterLink(cluster, text).describe()
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ class StepStamps:
             stamps = [[(raw[4 * k + p] - base) * 1e-6 for p in range(4)] for k in range(self.steps)]  # ns -> ms
             lead = self._host_lead(raw)
             log = {i: ((a - base) * 1e-6, (b - base) * 1e-6) for i, a, b in self.link.device_log()}
-            held = self.link.model.holds
+            held = self.link.holds
         else:
             stamps = [[x * 1e3 for x in row] for row in self.host]  # s -> ms
             log, held, lead = {}, True, None

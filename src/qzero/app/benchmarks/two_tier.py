@@ -27,6 +27,7 @@ CUDA, the emulator's hold kernel keeps a stream busy for the charged time.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from ...plan.cluster import Cluster, groups_of
@@ -84,7 +85,6 @@ class TwoTierCharge:
         t = all_to_all_traffic(groups, [matrix] * len(groups))
         return cost_of(self.cluster, inter_steps_of_all_to_all(self.cluster, t))
 
-
     def collective(self, op: str, ranks: list[int], nbytes: float = 0.0, send: list[float] | None = None,
                    recv: list[float] | None = None) -> Cost:
         """The charge of one collective as the one-GPU emulator names them (``all_gather`` with
@@ -110,16 +110,24 @@ class Placed:
     cost: Cost
 
 
-class TwoTierTimeline:
-    """Charged collectives on two resources, the intra-node link and the NICs (see the note)."""
+def resources_of(cost: Cost) -> tuple[str, ...]:
+    """The resources a charged collective holds: ``intra`` where it moves bytes inside nodes,
+    ``nic`` where it sends any across (a collective that moves nothing: the intra-node link,
+    for its latency)."""
+    return tuple(r for r, b in (("intra", cost.intra_sent), ("nic", cost.nic_sent)) if b > 0) or ("intra",)
 
-    def __init__(self, charge: TwoTierCharge):
+
+class TwoTierTimeline:
+    """Charged collectives on two resources, the intra-node link and the NICs (see the note);
+    the newest ``keep`` placements are kept in :attr:`placed`."""
+
+    def __init__(self, charge: TwoTierCharge, keep: int = 4096):
         self.charge = charge
         self.free = {"intra": 0.0, "nic": 0.0}
-        self.placed: list[Placed] = []
+        self.placed: collections.deque[Placed] = collections.deque(maxlen=keep)
 
     def place(self, op: str, cost: Cost, issued: float) -> Placed:
-        uses = [r for r, b in (("intra", cost.intra_sent), ("nic", cost.nic_sent)) if b > 0] or ["intra"]
+        uses = resources_of(cost)
         start = max([issued] + [self.free[r] for r in uses])
         end = start + cost.seconds
         for r in uses:
