@@ -13,6 +13,7 @@ pseudo-nodes: world 4 as 2 nodes x 2 ranks (``ranks_per_node=2`` on one host).
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -76,9 +77,12 @@ def deepspeed_worker(rank, world):
     out = {"refused": expect_error(lambda: build(qds.initialize, ds_config(**GRADS, **TWO_BY_TWO)),
                                    "2 nodes x 2 ranks", "zero_quantized_gradients=false",
                                    "hierarchical_collectives=false", "qzero.ZeroOptimizer")}
-    out["flat"] = _partitions(build(qds.initialize, ds_config(**GRADS, **TWO_BY_TWO, hierarchical_collectives=False)),
-                              rank)
-    out["today"] = _partitions(build(qds.initialize, ds_config(**GRADS)), rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["flat"] = _partitions(
+            build(qds.initialize, ds_config(**GRADS, **TWO_BY_TWO, hierarchical_collectives=False)), rank)
+        out["today"] = _partitions(build(qds.initialize, ds_config(**GRADS)), rank)
+    out["incast warnings"] = sum("an incast up to 4-1 times slower" in str(w.message) for w in caught)
     mine = ds_config(**GRADS, ranks_per_node=2 if rank == 0 else 0, hierarchical_collectives=False)
     out["differs"] = expect_error(lambda: build(qds.initialize, mine), "ranks_per_node differs")
     dist.barrier()
@@ -90,6 +94,7 @@ def test_deepspeed_quantized_gradients_on_pseudo_nodes():
     for r in run_distributed(deepspeed_worker, 4, timeout=300):
         assert r["refused"] == "ok", r["refused"]
         assert r["differs"] == "ok", r["differs"]
+        assert r["incast warnings"] == 2, "every rank warns of the incast, flat and one-node alike"
         assert len(r["flat"]) == len(r["today"]) > 0
         for a, b in zip(r["flat"], r["today"]):
             assert torch.equal(a, b), "hierarchical_collectives=false must be the flat exchange, bit for bit"

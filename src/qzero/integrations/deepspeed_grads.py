@@ -51,7 +51,8 @@ several ranks (every rank raises, from hosts exchanged over the world), naming w
 instead: DeepSpeed's own reduction (``zero_quantized_gradients=false``, node-aware in NCCL),
 :class:`qzero.ZeroOptimizer` (two-level), or ``hierarchical_collectives=false`` to run the flat
 exchange knowingly. One rank per node, or one node, is not refused: the exchange then
-sends no more across the network than a two-level one would.
+sends no more across the network than a two-level one would. The incast is there on one node
+too, at any world above two: every rank warns of it (:data:`INCAST_WARNING`).
 
 Transient memory per call: the staging buffer where one is needed (the sub-bucket's size,
 which DeepSpeed's own flatten allocates too), the packed payloads (about half of it for int8
@@ -61,6 +62,7 @@ sum of this rank's piece.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -154,13 +156,21 @@ def check_optimizer(optimizer) -> None:
                              "DeepSpeed reduces the gradients another way there")
 
 
+#: Warned of on every rank where the adapter's quantized gradients run over more than two ranks.
+INCAST_WARNING = (
+    "zero_quantized_gradients=true over a data-parallel group of {world} ranks: the DeepSpeed adapter's "
+    "exchange is owner-contiguous (DeepSpeed gives each bucket one or two owners), so all ranks send their "
+    "quantized pieces to those owners at once, an incast up to {world}-1 times slower on the owner's link than "
+    "a spread exchange of the same bytes; on a slow link it can take longer than DeepSpeed's own all-reduce. "
+    "Time both (zero_quantized_gradients=false), or use qzero.ZeroOptimizer, whose exchange is spread")
+
+
 def check_topology(optimizer, hosts, ranks_per_node: int, hierarchical) -> None:
     """Refuse a data-parallel group of ``optimizer`` (each flat group's, MoE expert groups too)
     that spans several nodes of several ranks, unless ``hierarchical`` is false ([Note: the
-    DeepSpeed adapter on several nodes]). ``hosts``: every rank's host signature, by global rank
+    DeepSpeed adapter on several nodes]); warn of the incast where a group has more than two
+    ranks. ``hosts``: every rank's host signature, by global rank
     (:func:`qzero.wire.two_level.exchange_hosts` over the world)."""
-    if hierarchical is False and ranks_per_node == 0:
-        return
     groups = list(getattr(optimizer, "real_dp_process_group", None) or [optimizer.dp_process_group])
     seen = set()
     for group in groups:
@@ -168,6 +178,10 @@ def check_topology(optimizer, hosts, ranks_per_node: int, hierarchical) -> None:
         if ranks in seen or len(ranks) == 1:
             continue
         seen.add(ranks)
+        if len(ranks) > 2 and len(seen) == 1:
+            warnings.warn(INCAST_WARNING.format(world=len(ranks)), stacklevel=2)
+        if hierarchical is False and ranks_per_node == 0:
+            continue
         topology, _ = topology_from_hosts([hosts[r] for r in ranks], ranks_per_node, hierarchical)
         if topology.two_level:
             L = topology.ranks_per_node
