@@ -1,7 +1,9 @@
 """The byte accountant against the plan: what the ZeroOptimizer arms send across pseudo-nodes on
 gloo, flat and two-level, booked collective by collective, equals the cluster model's bytes per
 node for the same arm within 1% (the model leaves out the flat buffer's padding and the small
-collectives of checks)."""
+collectives of checks): every arm in the interleaved order, and the quantized-gradient arms in
+the contiguous order too (their windows: [Note: windows in the contiguous order] in
+qzero/optim/grads.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ ARMS = {  # plan arm -> ZeroConfig settings of today's flat path
 #: the same arms with two-level collectives (hierarchical_collectives="auto" on declared nodes)
 TWO_LEVEL = {f"{arm} (two-level)": dict(settings, hierarchical_collectives="auto") for arm, settings in ARMS.items()}
 FLAT = {arm: dict(settings, hierarchical_collectives=False) for arm, settings in ARMS.items()}
+#: the arms measured in the contiguous order as well: those that quantize gradients
+CONTIGUOUS = [arm for arm, settings in {**FLAT, **TWO_LEVEL}.items() if settings.get("zero_quantized_gradients")]
 
 
 def make_model():
@@ -40,10 +44,10 @@ def make_model():
     return torch.nn.Sequential(*layers).to(torch.bfloat16)
 
 
-def arm_bytes(x, ranks_per_node, settings):
+def arm_bytes(x, ranks_per_node, settings, order="interleaved"):
     """What one arm's second step sends (its optimizer goes with the return, before the next arm)."""
     model = make_model()
-    cfg = qzero.ZeroConfig(flat_order="interleaved", small_param_numel=SMALL, reduce_bucket_size=10**8,
+    cfg = qzero.ZeroConfig(flat_order=order, small_param_numel=SMALL, reduce_bucket_size=10**8,
                            allgather_bucket_size=10**8, ranks_per_node=ranks_per_node, **settings)
     # entered before the optimizer is built: its gather engine keeps the collective it was made with
     with ByteAccountant(ranks_per_node) as acct:
@@ -66,6 +70,8 @@ def accountant_worker(rank, world, ranks_per_node):
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     for arm, settings in {**FLAT, **TWO_LEVEL}.items():
         out[arm] = arm_bytes(x, ranks_per_node, settings)
+    for arm in CONTIGUOUS:
+        out[f"{arm}, contiguous"] = arm_bytes(x, ranks_per_node, {**FLAT, **TWO_LEVEL}[arm], order="contiguous")
     # the accountant's own attribution, on known collectives
     with ByteAccountant(ranks_per_node) as acct:
         t = torch.zeros(1000, dtype=torch.bfloat16)
@@ -81,16 +87,18 @@ def test_accountant_equals_the_plan_within_one_percent(world, per_node):
     results = run_distributed(accountant_worker, world, per_node)
     model = make_model()
     params = sum(p.numel() for p in model.parameters())
-    workload = workload_from_shapes([p.shape for p in model.parameters()], world, small_param_numel=SMALL,
-                                    flat_order="interleaved", allgather_bucket=10**8, reduce_bucket=10**8)
     nodes = world // per_node
     cluster = Cluster(nodes, per_node, 1e9, 1e9)
     arms = {a.name: a for a in default_arms()}
-    for arm in [*FLAT, *TWO_LEVEL]:
-        books = [r[arm]["sent"] for r in results]
-        measured = cross_node_per_node(books, nodes)
-        planned = predict(arms[arm], workload, cluster, 0.1).bits_per_param_per_node * params / 8
-        assert measured == pytest.approx(planned, rel=0.01), (arm, measured, planned, merge(books))
+    for order, names in (("interleaved", [*FLAT, *TWO_LEVEL]), ("contiguous", CONTIGUOUS)):
+        workload = workload_from_shapes([p.shape for p in model.parameters()], world, small_param_numel=SMALL,
+                                        flat_order=order, allgather_bucket=10**8, reduce_bucket=10**8)
+        assert workload.order == order
+        for arm in names:
+            books = [r[arm if order == "interleaved" else f"{arm}, contiguous"]["sent"] for r in results]
+            measured = cross_node_per_node(books, nodes)
+            planned = predict(arms[arm], workload, cluster, 0.1).bits_per_param_per_node * params / 8
+            assert measured == pytest.approx(planned, rel=0.01), (arm, order, measured, planned, merge(books))
     # probe: a 2,000-byte all-reduce is a ring (each rank sends 2(P-1)/P of it to the next rank, one crossing
     # edge per node), a 40-byte-per-peer all-to-all sends each rank on another node 40 bytes
     probe = merge([r["probe"] for r in results])

@@ -98,13 +98,29 @@ def test_an_incast_is_charged_at_the_owners_port():
     assert spread.wire == pytest.approx(8 * 56 / 64 * bucket / c.inter_rate)
 
 
-def test_contiguous_order_makes_the_flat_exchange_an_incast():
+@pytest.mark.parametrize("arm", ["qzero INT4 delta + INT4 grads", "qzero INT4 delta + INT4 grads (two-level)"])
+def test_contiguous_order_reduces_quantized_windows_after_the_backward(arm):
+    """The contiguous order reduces quantized gradients in windows (no incast: the same bytes and
+    link time as interleaved), which complete only when the backward ends: none of it is hidden."""
     c = Cluster(8, 8, **ETHERNET)
-    arm = _arms()["qzero INT4 delta + INT4 grads"]
+    arm = _arms()[arm]
     inter = predict(arm, Workload(4 * 10**9, order="interleaved"), c, 0.3)
     contig = predict(arm, Workload(4 * 10**9, order="contiguous"), c, 0.3)
     assert contig.bits_per_param_per_node == pytest.approx(inter.bits_per_param_per_node)
-    assert contig.phases_ms["backward"] > 5 * inter.phases_ms["backward"]
+    assert contig.phases_ms["after_backward"] == pytest.approx(inter.phases_ms["backward"])
+    assert "backward" not in contig.phases_ms
+    assert {r["phase"] for r in contig.calls if "gradient" in r["collective"]} == {"after_backward"}
+    t = inter.phases_ms["backward"]
+    one = sum(r["ms_each"] for r in inter.calls if r["phase"] == "backward")
+    hidden = t - max(one, t - 200)  # what the 200 ms backward hid in the interleaved order
+    assert hidden > 0 and contig.step_ms - inter.step_ms == pytest.approx(hidden, rel=1e-6)
+
+
+def test_two_ranks_in_the_contiguous_order_reduce_to_the_owner_under_the_backward():
+    c = Cluster(1, 2, **ETHERNET)
+    p = predict(_arms()["qzero INT8 + INT8 grads"], Workload(4 * 10**9, order="contiguous"), c, 0.3)
+    grads = [r for r in p.calls if "gradient" in r["collective"]]
+    assert [r["phase"] for r in grads] == ["backward"] and "owner" in grads[0]["collective"]
 
 
 def test_ring_latency_steps():

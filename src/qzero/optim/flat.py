@@ -20,51 +20,42 @@ import torch.distributed as dist
 from ..wire.comm import GatherStats, peer_failure
 from ..config import ZeroConfig
 from ..wire.engine import CommContext, GatherHandle, finish_gather, start_gather
-from ..layout.flat_layout import AUTO_INTERLEAVE_MAX_PADDING, FlatLayout, plan_flat_layout
+from ..layout.flat_layout import FlatLayout, interleaved_starts, plan_flat_layout
 from ..layout.gather_plan import GatherPlan
 from ..layout.gather_planner import plan_gather
 from ..layout.topology import Topology
 from .delta import DeltaLoop
 
 
-def flat_order_for(config: ZeroConfig, topology: Topology) -> str:
-    """The flat order to plan with: ``auto`` is ``interleaved`` where two-level collectives
-    quantize gradients (in the contiguous order a bucket belongs to one or two partitions, and
-    its exchange could not be spread over the nodes: :class:`qzero.optim.grads.OwnerReducer`)."""
-    if topology.two_level and config.zero_quantized_gradients and config.flat_order == "auto":
-        return "interleaved"
-    return config.flat_order
-
-
 # [Note: quantized gradients and the flat order]
 # A quantized gradient exchange is an all-to-all of each bucket's pieces to their owners. In the
 # interleaved order every bucket holds a window of every partition, so each rank sends and
-# receives the same; in the contiguous order a bucket lies in one or two partitions, and on more
-# than two ranks every rank sends to those owners at once: an incast on the owner's link. The
-# interleaved order keeps each parameter inside one partition, so a parameter larger than a
-# partition's share (a large embedding on many ranks: Qwen3-4B's pads the buffer by 55% at 16
-# ranks and 5x at 64) pads every partition to it. ``auto`` picks by padding for the flat
-# collectives, and the interleaved order for two-level ones (the contiguous order is refused
-# there); either cost is warned of on every rank, never paid silently.
+# receives the same, and windows complete during backward. The interleaved order keeps each
+# parameter inside one partition, so a parameter larger than a partition's share (a large
+# embedding on many ranks: Qwen3-4B's pads the buffer by 55% at 16 ranks and 5x at 64) pads
+# every partition to it; ``auto`` then takes the contiguous order, flat or two-level collectives
+# alike. There a flat range belongs to one or two partitions, and sent to its owners it would be
+# an incast on more than two ranks; so quantized gradients are reduced in windows there too
+# ([Note: windows in the contiguous order] in grads.py): no incast, but a window of every
+# partition completes only at the end of backward, so the reduction waits for it (no overlap
+# with backward, and stage 2 stages up to the whole gradient until then). That cost is warned
+# of on every rank with what the interleaved order would pad, never paid silently.
 def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) -> str | None:
-    """What a quantized gradient exchange on more than two ranks costs in ``layout``'s order,
-    where that is more than its bytes ([Note: quantized gradients and the flat order]); None
-    where it is not."""
-    if not config.zero_quantized_gradients or topology.world <= 2:
+    """What a quantized gradient exchange costs in ``layout``'s order where that is more than its
+    bytes ([Note: quantized gradients and the flat order]); None where it is not."""
+    if not config.zero_quantized_gradients or layout.order != "contiguous":
         return None
-    if layout.order == "contiguous" and not topology.two_level:
-        return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: "
-                "a gradient bucket belongs to one or two partitions, so every rank sends its quantized piece to "
-                "those owners at once (an incast, up to world-1 times slower on the owner's link than a spread "
-                "exchange); "
-                "flat_order='interleaved' spreads it, at the cost of the padding that order needs for this model")
-    padding = layout.padding / max(layout.used_numel, 1)
-    if topology.two_level and config.flat_order == "auto" and padding > AUTO_INTERLEAVE_MAX_PADDING:
-        return (f"two-level collectives with zero_quantized_gradients=true take the interleaved flat order, which pads "
-                f"this model's parameters by {padding:.0%} on {topology.world} ranks (a parameter larger than a "
-                "partition's share): every gather, reduction and state grows by that much; "
-                "hierarchical_collectives=false, or plain gradients, keep the contiguous order")
-    return None
+    if topology.world <= 2:
+        return None  # flat ranges to the other rank: no incast, and they overlap backward
+    sizes = [s.numel for s in layout.slots]  # in model order
+    padding = (interleaved_starts(sizes, layout.world_size, layout.alignment)[1] - layout.used_numel) / max(
+        layout.used_numel, 1)
+    return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: the "
+            "quantized gradients are reduced in windows of every partition, which complete only at the end of "
+            "backward, so the reduction waits for the end of backward (none of it overlaps backward) and stage 2 "
+            "stages up to the whole gradient until then; flat_order='interleaved' overlaps it with backward, at "
+            f"the cost of padding this model's parameters by {padding:.0%} (every gather, reduction and state grows "
+            "by that much)")
 
 
 class FlatGroup:
@@ -109,7 +100,7 @@ class FlatGroup:
             small_param_numel=config.small_param_numel,
             allgather_bucket_size=bucket,
             zero_quantized_weights_format=config.zero_quantized_weights_format if quantized else None,
-            flat_order=flat_order_for(config, self.topology),
+            flat_order=config.flat_order,
             zero_quantized_weights_delta=delta,
         )
         warning = order_warning(config, self.topology, self.layout)

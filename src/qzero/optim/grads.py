@@ -2,8 +2,8 @@
 
 A *reducer* says what a gradient bucket is and which collective moves it:
 
-* :class:`ScatterReducer` (interleaved flat order): a bucket is the same window of every
-  partition, staged as ``[world, width]`` and reduce-scattered, so every rank sends and
+* :class:`ScatterReducer` (interleaved flat order, and quantized gradients in the contiguous
+  order where owners would be an incast): a bucket is the same window of every partition, staged as ``[world, width]`` and reduce-scattered, so every rank sends and
   receives at once and both directions of the link carry data. With ``solo_reduce``, a
   parameter that starts a partition and spans several windows (the embedding) is reduced
   to its owner on its own instead (see :attr:`qzero.ZeroConfig.solo_reduce` for the cost).
@@ -16,6 +16,19 @@ Either way each owner adds its part (in fp32, divided by the world size) into it
 gradient shard. With :attr:`qzero.ZeroConfig.zero_quantized_gradients` the same buckets
 (and solo parameters) travel instead as quantized pieces in one all-to-all each
 (:mod:`qzero.wire.quantized_reduce`), at the same points of the step.
+
+[Note: windows in the contiguous order] A quantized flat range of the contiguous order goes to
+its one or two owners from every rank at once: on more than two ranks an incast on the
+owners' links, and over two-level collectives no exchange that spreads over the nodes. So there
+(on more than two ranks, or two-level) quantized gradients are reduced in windows as in the
+interleaved order: window ``k`` is local ``[k w, (k+1) w)`` of every partition, and every rank
+sends and receives the same. The cost is time and memory: partition 0 holds the model's first
+layers, whose gradients come last in backward, so every window completes only at the end of
+backward. The reduction then runs after backward (nothing of it overlaps backward), and in
+stage 2 the windows' staging holds up to the whole gradient in the reduce dtype until then
+(what stage 1's gradient buffer holds). The interleaved order overlaps it, where its padding is
+small (``flat_order='auto'`` picks by padding; :func:`qzero.optim.flat.order_warning` says
+which cost a run pays). On two ranks the owner is the other rank: flat ranges stay, and overlap.
 
 [Note: landing shard] In stage 2 a plain reduction in a 16-bit reduce dtype does not add
 each bucket's sum into the fp32 gradient shard as it arrives. The sums land, in the reduce
@@ -124,8 +137,10 @@ def make_reducer(
     if group.layout.order == "interleaved":
         return ScatterReducer(group, reduce_bucket_size, solo, quant, dtype, error_feedback,
                               reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
-    if two_level is not None and quant is not None:
-        raise ValueError("quantized gradients with two-level collectives need the interleaved flat order")
+    if quant is not None and (two_level is not None or group.world_size > 2):
+        # [Note: windows in the contiguous order]; solo_reduce is the interleaved order's
+        return ScatterReducer(group, reduce_bucket_size, False, quant, dtype, error_feedback,
+                              reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
     return OwnerReducer(group, reduce_bucket_size, quant, dtype, error_feedback,
                         reduce_buckets_in_flight=reduce_buckets_in_flight, two_level=two_level)
 
@@ -292,7 +307,7 @@ class OwnerReducer(_Reducer):
     def __init__(self, group: FlatGroup, reduce_bucket_size: int, quant=None, dtype=None, error_feedback=None, *,
                  reduce_buckets_in_flight: int, two_level=None):
         # two-level: the plain reduces go to each partition's owner (NCCL's reduce is node-aware);
-        # quantized gradients need the interleaved order (make_reducer refuses them here)
+        # quantized gradients reduce in windows there (make_reducer gives them a ScatterReducer)
         super().__init__(group, quant, dtype, error_feedback, reduce_buckets_in_flight=reduce_buckets_in_flight)
         self.buckets = plan_reduce_buckets(group.layout, reduce_bucket_size)
 

@@ -716,9 +716,4 @@ def _topology(hosts, config: ZeroConfig) -> Topology:
             raise ValueError(f"solo_reduce=true is not supported with {where}: set solo_reduce=false")
         if config.copy_engine_collectives:
             raise ValueError(f"copy_engine_collectives=true is not supported with {where}")
-        if config.zero_quantized_gradients and config.flat_order == "contiguous":
-            raise ValueError(
-                f"flat_order='contiguous' with zero_quantized_gradients=true is not supported with {where}: in that "
-                "order a gradient bucket belongs to one or two partitions and every rank would send it to them "
-                "(an incast); set flat_order='interleaved' (or 'auto')")
     return topology

@@ -16,12 +16,14 @@ gradient reduction; a bucket of ``B`` elements):
   (``qzero plain``: bf16, synchronous after the step; quantized: with gather-ahead, under the
   next forward). Gradients per bucket: plain, a bf16 reduce-scatter (interleaved order) or
   reduces to the bucket's owner (contiguous); quantized, one all-to-all over the world whose
-  pieces are ``1/P`` of the bucket for every rank (interleaved) or the whole bucket for one
-  owner (contiguous: an incast).
+  pieces are ``1/P`` of the bucket for every rank. In the contiguous order that bucket is a
+  window of every partition, complete only when the backward ends: the exchange runs after it
+  (phase ``after_backward``; on two ranks a flat range goes to its owner under the backward).
 * **qzero, two-level**: gradients per bucket, a bf16 reduce-scatter inside the node (each
   local rank gets ``1/L``, summed over the node), then over the rail (``n`` ranks) on that
   ``1/L``: the quantized all-to-all (never an incast: ownership is renumbered rail-major), or
-  for plain gradients a bf16 reduce-scatter. Weights: the payload all-gathered over the rail
+  for plain gradients a bf16 reduce-scatter. Quantized, in the contiguous order, the windows run
+  after the backward as in the flat case. Weights: the payload all-gathered over the rail
   (each rank owning ``D/P``), then over the node, payload bytes. The two stages pipeline
   bucket by bucket (:mod:`qzero.plan.step`).
 
@@ -42,14 +44,14 @@ from .payloads import Payload, gradient_payload, weight_payload
 
 #: DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements).
 DEEPSPEED_BUCKET = 500_000_000
-PHASES = ("forward", "backward", "sync")
+PHASES = ("forward", "backward", "after_backward", "sync")
 
 
 @dataclass(frozen=True)
 class Workload:
     """The model as the plan sees it: ``params`` trainable elements, ``exact_params`` of them in
     small parameters (sent exactly), ``units`` FSDP2 units (layers), the buckets qzero uses
-    (elements), the flat order of qzero's flat arms, and element sizes (bf16: 2 bytes)."""
+    (elements), the flat order of qzero's arms, and element sizes (bf16: 2 bytes)."""
 
     params: int
     exact_params: int = 0
@@ -57,11 +59,6 @@ class Workload:
     allgather_bucket: int = DEFAULT_BUCKET_NUMEL
     reduce_bucket: int = DEFAULT_BUCKET_NUMEL
     order: str = "interleaved"
-    quantized_order: str = ""
-    """The flat order of the two-level arms that quantize gradients ("": ``order``): ``auto``
-    takes the interleaved order for them whatever it pads (``qzero.optim.flat.flat_order_for``)."""
-    quantized_flat_numel: int = 0
-    """Elements of the flat buffer in ``quantized_order`` (0: ``flat_numel``)."""
     weight_bytes: int = 2
     reduce_bytes: int = 2
     flat_numel: int = 0
@@ -81,10 +78,8 @@ class Workload:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.flat_numel and self.flat_numel < self.params:
             raise ValueError(f"flat_numel {self.flat_numel} is below params {self.params}")
-        for name in ("order", "quantized_order"):
-            value = getattr(self, name)
-            if value not in FLAT_ORDERS[1:] and not (name == "quantized_order" and value == ""):
-                raise ValueError(f"{name} must be interleaved or contiguous, got {value!r}")
+        if self.order not in FLAT_ORDERS[1:]:
+            raise ValueError(f"order must be interleaved or contiguous, got {self.order!r}")
 
     @property
     def exact_share(self) -> float:
@@ -103,11 +98,6 @@ class Workload:
     def moved(self) -> int:
         """Elements qzero's collectives carry: the flat buffer, padding included."""
         return self.flat_numel or self.params
-
-    def moved_by(self, arm: Arm) -> int:
-        """Elements ``arm``'s collectives carry: its flat order's buffer."""
-        two_level_quantized = arm.gradients is not None and arm.two_level
-        return (self.quantized_flat_numel or self.moved) if two_level_quantized else self.moved
 
 
 @dataclass(frozen=True)
@@ -140,8 +130,8 @@ def default_arms() -> list[Arm]:
 class Call:
     """``count`` collectives ``op`` on every group of ``scope`` at once, each of ``nbytes`` (as
     :func:`qzero.plan.collectives.collective_cost` reads it), in ``phase`` (``forward``: hidden
-    under the forward, ``backward``: under the backward, ``sync``: exposed); ``stage`` orders the
-    two stages of a two-level collective, which pipeline."""
+    under the forward, ``backward``: under the backward, ``after_backward`` and ``sync``:
+    exposed); ``stage`` orders the two stages of a two-level collective, which pipeline."""
 
     label: str
     op: str
@@ -193,7 +183,7 @@ def _deepspeed(w: Workload, cluster: Cluster) -> list[Call]:
 
 def _qzero_weights(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     P, L = cluster.world, cluster.gpus_per_node
-    moved = w.moved_by(arm)
+    moved = w.moved
     chunks = math.ceil(moved / w.allgather_bucket)
     per = w.gather_bytes_per_element(arm.weights)
     phase = "forward" if arm.gather_ahead else "sync"
@@ -206,23 +196,25 @@ def _qzero_weights(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
 
 def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     P, L = cluster.world, cluster.gpus_per_node
-    buckets = math.ceil(w.moved_by(arm) / w.reduce_bucket)
-    bucket = w.moved_by(arm) / buckets
+    buckets = math.ceil(w.moved / w.reduce_bucket)
+    bucket = w.moved / buckets
     q = arm.gradients.bytes_per_element(w.exact_share) if arm.gradients else None
+    # quantized windows of the contiguous order complete when the backward ends
+    windows = "after_backward" if q is not None and w.order == "contiguous" else "backward"
     if arm.two_level:
         first = Call("gradient reduce-scatter (node)", "reduce_scatter", "node", bucket * w.reduce_bytes, buckets,
-                     "backward")
+                     windows)
         if q is None:
             return [first, Call("gradient reduce-scatter (rail)", "reduce_scatter", "rail",
                                 bucket / L * w.reduce_bytes, buckets, "backward", stage=1)]
         return [first, Call("quantized gradient all-to-all (rail)", "all_to_all", "rail", bucket / P * q, buckets,
-                            "backward", stage=1)]
+                            windows, stage=1)]
     if q is None:
         if w.order == "contiguous":
             return [_owner_reduces(w.moved, w, cluster, w.reduce_bucket, "gradient reduces to owners")]
         return [Call("gradient reduce-scatter", "reduce_scatter", "world", bucket * w.reduce_bytes, buckets,
                      "backward")]
-    if w.order == "contiguous":  # every rank sends the whole bucket to its one owner
-        return [Call("quantized gradient all-to-all (incast)", "all_to_all", "world", bucket * q, buckets,
+    if w.order == "contiguous" and P <= 2:  # a flat range to its owner, the other rank
+        return [Call("quantized gradient all-to-all (owner)", "all_to_all", "world", bucket * q, buckets,
                      "backward", incast=True)]
-    return [Call("quantized gradient all-to-all", "all_to_all", "world", bucket / P * q, buckets, "backward")]
+    return [Call("quantized gradient all-to-all", "all_to_all", "world", bucket / P * q, buckets, windows)]

@@ -42,7 +42,8 @@ class Recommendation:
 
 def latency_share(arm: Arm, w: Workload, cluster: Cluster, phase: str) -> float:
     costs = [collective_cost(cluster, c.op, c.scope, c.nbytes, c.incast) for c in calls(arm, w, cluster)
-             if c.phase == phase or (phase == "forward" and c.phase == "sync" and "weight" in c.label)]
+             if c.phase == phase or (phase == "forward" and c.phase == "sync" and "weight" in c.label)
+             or (phase == "backward" and c.phase == "after_backward")]
     total = sum(c.seconds for c in costs)
     return sum(c.latency for c in costs) / total if total else 0.0
 

@@ -11,6 +11,9 @@ arm's collectives (:class:`qzero.plan.arms.Call`):
   ``max(first call, phase - forward)``.
 * ``backward``: stage-2 gradient reduction, under the backward; the last bucket is ready only
   when the backward ends: ``max(last call, phase - backward)``.
+* ``after_backward``: a reduction that can start only when the backward ends (qzero's quantized
+  windows in the contiguous order: every window holds a stretch of partition 0, the model's
+  first layers, whose gradients come last): all of it.
 * ``sync``: after the step, waited for (qzero's plain gather, DeepSpeed's all-gather): all of it.
 
 A phase's link time is the sum of its collectives (they run one after another on one stream);
@@ -90,7 +93,8 @@ def predict(arm: Arm, workload: Workload, cluster: Cluster, compute: float,
     """Project one step of ``arm`` (see the note); ``compute`` in seconds."""
     costs = [CallCost(c, collective_cost(cluster, c.op, c.scope, c.nbytes, c.incast))
              for c in calls(arm, workload, cluster)]
-    hide = {"forward": compute * forward_share, "backward": compute * (1 - forward_share), "sync": 0.0}
+    hide = {"forward": compute * forward_share, "backward": compute * (1 - forward_share), "after_backward": 0.0,
+            "sync": 0.0}
     phases, exposed = {}, 0.0
     for phase, under in hide.items():
         mine = [c for c in costs if c.call.phase == phase]
@@ -98,7 +102,7 @@ def predict(arm: Arm, workload: Workload, cluster: Cluster, compute: float,
             continue
         t = phase_seconds(mine)
         phases[phase] = 1e3 * t
-        exposed += t if phase == "sync" else max(_one_unit(mine), t - under)
+        exposed += t if not under else max(_one_unit(mine), t - under)
     nic = sum(c.one.nic_sent * c.call.count for c in costs)
     bits = 8 * nic / cluster.nodes / workload.params
     link = sum(phases.values())

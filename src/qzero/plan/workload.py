@@ -34,13 +34,5 @@ def workload_from_shapes(shapes: Sequence[Sequence[int]], world: int, *, units: 
                                   zero_quantized_weights_group_size=payload.group_size).gather
         slots.append((payload.fmt, payload.group_size,
                       sum(c.payload_bytes for c in gather.chunks) * world / gather.numel))
-    # qzero.optim.flat.flat_order_for: two-level collectives with quantized gradients take the
-    # interleaved order under auto, whatever it pads
-    quantized, quantized_numel = layout.order, layout.numel
-    if flat_order == "auto" and layout.order != "interleaved":
-        quantized = "interleaved"
-        quantized_numel = plan_flat_layout(shapes, world, small_param_numel=small_param_numel,
-                                           flat_order=quantized).numel
     return Workload(sum(sizes), exact, units=units, allgather_bucket=allgather_bucket, reduce_bucket=reduce_bucket,
-                    order=layout.order, quantized_order=quantized, quantized_flat_numel=quantized_numel,
-                    flat_numel=layout.numel, gather_slots=tuple(slots))
+                    order=layout.order, flat_numel=layout.numel, gather_slots=tuple(slots))
