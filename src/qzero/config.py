@@ -216,10 +216,12 @@ class ZeroConfig:
     then hide behind the whole forward instead of its first 1/world, and gradients are
     reduce-scattered window by window, using both directions of the link), or ``auto``
     (interleaved unless that pads more than 3% of the parameters, e.g. when one parameter is
-    larger than its fair share of a partition; contiguous then). With
-    ``zero_quantized_gradients`` on more than two ranks the contiguous order makes each quantized
-    exchange an incast on the bucket's owner, and two-level collectives take the interleaved
-    order whatever it pads: both are warned of on every rank."""
+    larger than its fair share of a partition; contiguous then), with flat and two-level
+    collectives alike. With ``zero_quantized_gradients`` on more than two ranks the contiguous
+    order reduces the gradients in windows of every partition, as the interleaved order does (no
+    exchange concentrates on an owner), but those windows complete only at the end of backward:
+    the reduction does not overlap backward, and stage 2 stages up to the whole gradient until
+    then. That is warned of on every rank, with the padding the interleaved order would take."""
 
     solo_reduce: bool = False
     """Interleaved order: reduce a parameter that starts a partition and spans several

@@ -24,7 +24,8 @@ owners' links, and over two-level collectives no exchange that spreads over the 
 interleaved order: window ``k`` is local ``[k w, (k+1) w)`` of every partition, and every rank
 sends and receives the same. The cost is time and memory: partition 0 holds the model's first
 layers, whose gradients come last in backward, so every window completes only at the end of
-backward. The reduction then runs after backward (nothing of it overlaps backward), and in
+backward (in its last ``1/world``, as partition 0's gradients arrive). The reduction then runs
+after backward (almost nothing of it overlaps backward; the plan counts none), and in
 stage 2 the windows' staging holds up to the whole gradient in the reduce dtype until then
 (what stage 1's gradient buffer holds). The interleaved order overlaps it, where its padding is
 small (``flat_order='auto'`` picks by padding; :func:`qzero.optim.flat.order_warning` says

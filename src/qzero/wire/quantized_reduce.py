@@ -1,10 +1,10 @@
 """The quantized gradient exchange: one all-to-all per bucket instead of a reduce-scatter
 or reduces (:attr:`qzero.ZeroConfig.zero_quantized_gradients`).
 
-A bucket (or a solo parameter) is cut into *pieces*, one per rank that owns part of it: in
-the interleaved order row ``r`` of the ``[world, width]`` staging buffer goes to rank ``r``;
-in the contiguous order the flat range is cut at partition edges (usually one or two
-owners). Every rank packs each piece another rank owns into one payload
+A bucket (or a solo parameter) is cut into *pieces*, one per rank that owns part of it: for a
+window (the interleaved order; the contiguous order on more than two ranks or two-level) row
+``r`` of the ``[world, width]`` staging buffer goes to rank ``r``; for a flat range (the
+contiguous order on two ranks) the range is cut at partition edges. Every rank packs each piece another rank owns into one payload
 (:mod:`qzero.quant.gradients`: codes, fp32 scales, small parameters verbatim in a side
 channel; groups restart at every piece, so none spans two owners) and one
 ``all_to_all_single`` with uneven splits moves them all: a rank sends nothing to itself
@@ -26,9 +26,10 @@ rank's piece.
 
 Traffic: a rank sends ``bits / 8 + 4 / group_size`` bytes per element (plus exact elements
 in the reduce dtype) for the pieces other ranks own, where the plain reduction sends the
-reduce dtype's size. In the contiguous order a bucket inside one partition is sent straight to
-its owner by every rank (an incast); at two ranks that is what a reduce moves, at larger
-worlds the owner's link carries ``world - 1`` payloads.
+reduce dtype's size. A flat range inside one partition is sent straight to its owner by every
+rank: at two ranks that is what a reduce moves; at larger worlds the owner's link would carry
+``world - 1`` payloads (an incast), which is why the contiguous order reduces windows there
+([Note: windows in the contiguous order] in :mod:`qzero.optim.grads`).
 """
 
 from __future__ import annotations
