@@ -3,8 +3,9 @@
 A *reducer* says what a gradient bucket is and which collective moves it:
 
 * :class:`ScatterReducer` (interleaved flat order, and quantized gradients in the contiguous
-  order where owners would be an incast): a bucket is the same window of every partition, staged as ``[world, width]`` and reduce-scattered, so every rank sends and
-  receives at once and both directions of the link carry data. With ``solo_reduce``, a
+  order where owners would be an incast): a bucket is the same window of every partition,
+  staged as ``[world, width]`` and reduce-scattered, so every rank sends and receives at once
+  and both directions of the link carry data. With ``solo_reduce``, a
   parameter that starts a partition and spans several windows (the embedding) is reduced
   to its owner on its own instead (see :attr:`qzero.ZeroConfig.solo_reduce` for the cost).
 * :class:`OwnerReducer` (contiguous flat order): a bucket is a contiguous flat range,

@@ -4,11 +4,11 @@ or reduces (:attr:`qzero.ZeroConfig.zero_quantized_gradients`).
 A bucket (or a solo parameter) is cut into *pieces*, one per rank that owns part of it: for a
 window (the interleaved order; the contiguous order on more than two ranks or two-level) row
 ``r`` of the ``[world, width]`` staging buffer goes to rank ``r``; for a flat range (the
-contiguous order on two ranks) the range is cut at partition edges. Every rank packs each piece another rank owns into one payload
-(:mod:`qzero.quant.gradients`: codes, fp32 scales, small parameters verbatim in a side
-channel; groups restart at every piece, so none spans two owners) and one
-``all_to_all_single`` with uneven splits moves them all: a rank sends nothing to itself
-and nothing to ranks that own no part of the bucket. The owner then sums, in fp32 and in
+contiguous order on two ranks) the range is cut at partition edges. Every rank packs each
+piece another rank owns into one payload (:mod:`qzero.quant.gradients`: codes, fp32 scales,
+small parameters verbatim in a side channel; groups restart at every piece, so none spans two
+owners) and one ``all_to_all_single`` with uneven splits moves them all: a rank sends nothing to
+itself and nothing to ranks that own no part of the bucket. The owner then sums, in fp32 and in
 rank order, its own piece unquantized and the others' dequantized payloads, and the
 reducer averages that into its gradient shard.
 
