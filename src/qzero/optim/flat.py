@@ -37,8 +37,8 @@ from .delta import DeltaLoop
 # alike. There a flat range belongs to one or two partitions, and sent to its owners it would be
 # an incast on more than two ranks; so quantized gradients are reduced in windows there too
 # ([Note: windows in the contiguous order] in grads.py): no incast, but a window of every
-# partition completes only at the end of backward, so the reduction waits for it (no overlap
-# with backward, and stage 2 stages up to the whole gradient until then). That cost is warned
+# partition completes only at the end of backward, so the reduction waits for it (it barely
+# overlaps backward, and stage 2 stages up to the whole gradient until then). That cost is warned
 # of on every rank with what the interleaved order would pad, never paid silently.
 def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) -> str | None:
     """What a quantized gradient exchange costs in ``layout``'s order where that is more than its
@@ -52,7 +52,7 @@ def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) ->
         layout.used_numel, 1)
     return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: the "
             "quantized gradients are reduced in windows of every partition, which complete only at the end of "
-            "backward, so the reduction waits for the end of backward (none of it overlaps backward) and stage 2 "
+            "backward, so the reduction waits for the end of backward (it barely overlaps backward) and stage 2 "
             "stages up to the whole gradient until then; flat_order='interleaved' overlaps it with backward, at "
             f"the cost of padding this model's parameters by {padding:.0%} (every gather, reduction and state grows "
             "by that much)")
