@@ -23,7 +23,7 @@ from .layout.gather_planner import DEFAULT_BUCKET_NUMEL
 from .quant.formats import DEFAULT_FORMAT, DEFAULT_GROUP_SIZE, check_group_size, get_format
 from .quant.gradients import check_rotation_block
 from .vocabulary import (DELTA_FORMATS, FLAT_ORDERS, GATHER_SCHEDULES, GRADIENT_FORMATS, GRADIENT_ROTATIONS,
-                         HIERARCHICAL_CHOICES, KERNELS,
+                         HIERARCHICAL_CHOICES, INTRA_NODE_FORMATS, KERNELS,
                          REDUCE_DTYPES, ZERO_ALIASES)
 
 #: ``zero_quantized_gradients_rotation_block``'s default (chosen by measurement:
@@ -325,6 +325,16 @@ class ZeroConfig:
     rescaled with the loss scale and dropped on a skipped step. Needs
     ``zero_quantized_gradients``."""
 
+    zero_quantized_gradients_intra_node: str = "none"
+    """The node stage of the two-level quantized gradient reduction (``hierarchical_collectives``):
+    ``none`` (the default) reduce-scatters the bucket inside the node in the reduce dtype, bit for bit
+    as without this setting; ``int8`` exchanges it quantized too (int8 codes, one fp32 scale per
+    group of ``min(zero_quantized_gradients_group_size, 64)`` elements, no rotation, small parameters
+    exact), each rank summing its block in fp32 before the rail stage quantizes that sum: about half
+    the node stage's bytes, for one more quantization error. For nodes whose GPUs talk over PCIe;
+    NVLink nodes gain little. Needs ``zero_quantized_gradients``, two-level collectives (refused on
+    every rank where the collectives are flat) and no error feedback. ``docs/multi-node.md``."""
+
     copy_engine_collectives: bool = False
     """Run qzero's weight all-gather and quantized gradient all-to-all on the GPU's copy
     engines, with no SMs taken from the forward and backward (NCCL >= 2.28: a second process
@@ -407,6 +417,7 @@ class ZeroConfig:
             )
         self._check_gradient_rotation()
         self._check_topology()
+        self._check_intra_node()
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ValueError(
                 "zero_quantized_gradients_error_feedback=true needs zero_quantized_gradients=true: error feedback "
@@ -465,6 +476,24 @@ class ZeroConfig:
             raise ValueError(
                 "copy_engine_collectives=true with hierarchical_collectives=true is not supported: the zero-CTA "
                 "group spans the whole world; set hierarchical_collectives=false or copy_engine_collectives=false")
+
+    def _check_intra_node(self) -> None:
+        value = self.zero_quantized_gradients_intra_node
+        if value not in INTRA_NODE_FORMATS:
+            raise ValueError(f"zero_quantized_gradients_intra_node must be one of {list(INTRA_NODE_FORMATS)}, "
+                             f"got {value!r}")
+        if value == "none":
+            return
+        if not self.zero_quantized_gradients:
+            raise ValueError(f"zero_quantized_gradients_intra_node={value!r} needs zero_quantized_gradients=true: "
+                             "it quantizes the node stage of the quantized gradient reduction")
+        if self.hierarchical_collectives is False:
+            raise ValueError(f"zero_quantized_gradients_intra_node={value!r} with hierarchical_collectives=false: "
+                             "flat collectives have no node stage; set zero_quantized_gradients_intra_node='none'")
+        if self.zero_quantized_gradients_error_feedback:
+            raise ValueError(f"zero_quantized_gradients_intra_node={value!r} with "
+                             "zero_quantized_gradients_error_feedback=true is not supported (the node stage keeps "
+                             "no residuals); set zero_quantized_gradients_error_feedback=false")
 
     def _refuse_moot_weight_settings(self) -> None:
         """A payload setting of the quantized weight gather given where that gather is off changes

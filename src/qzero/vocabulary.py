@@ -93,6 +93,9 @@ DELTA_FORMATS = ("int4", "int8")
 GRADIENT_FORMATS = ("int8", "fp8", "int4")
 #: Rotations applied to gradient pieces before they are quantized (``zero_quantized_gradients_rotation``).
 GRADIENT_ROTATIONS = ("hadamard", "none")
+#: Formats of the node stage of a two-level quantized gradient reduction
+#: (``zero_quantized_gradients_intra_node``): ``none`` reduces it plainly in the reduce dtype.
+INTRA_NODE_FORMATS = ("none", "int8")
 #: Dtypes of the gradient reduction (``ZeroConfig.reduce_dtype``).
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
 #: Dtypes of a model's weights that the quantized gather and the training command take (the
@@ -121,5 +124,6 @@ SETTING_VALUES = {
     "quant_kernels": KERNELS,
     "zero_quantized_gradients_format": GRADIENT_FORMATS,
     "zero_quantized_gradients_rotation": GRADIENT_ROTATIONS,
+    "zero_quantized_gradients_intra_node": INTRA_NODE_FORMATS,
     "hierarchical_collectives": HIERARCHICAL_CHOICES,
 }

@@ -164,15 +164,19 @@ class _Reducer:
         self.two_level = None
         # One rank has nothing to send: the plain path is already exact there.
         if two_level is not None and self.world > 1:
-            inner = None
+            inner = node = None
             if quant is not None:
                 t = two_level.topology
-                inner = QuantizedExchange.over(
-                    quant, dtype, two_level.rail_group, t.nodes, two_level.node, group.device,
-                    gradient_kernels_for(group.device, group.context.kernels_choice),
-                    [(s.start, s.stop) for s in group.layout.slots if s.exact])
+                kernels = gradient_kernels_for(group.device, group.context.kernels_choice)
+                exact = [(s.start, s.stop) for s in group.layout.slots if s.exact]
+                node_quant = quant.node_stage()
+                if node_quant is not None:  # the rail then quantizes the node's fp32 sums
+                    node = QuantizedExchange.over(node_quant, dtype, two_level.node_group, t.ranks_per_node,
+                                                  two_level.local, group.device, kernels, exact)
+                inner = QuantizedExchange.over(quant, dtype if node is None else torch.float32, two_level.rail_group,
+                                               t.nodes, two_level.node, group.device, kernels, exact)
                 inner.error_feedback = error_feedback
-            self.two_level = TwoLevelReduce(two_level, self.p, inner)
+            self.two_level = TwoLevelReduce(two_level, self.p, inner, node)
             self.quant = None
         else:
             self.quant = (QuantizedExchange(group, quant, dtype, error_feedback,

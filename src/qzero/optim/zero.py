@@ -716,4 +716,8 @@ def _topology(hosts, config: ZeroConfig) -> Topology:
             raise ValueError(f"solo_reduce=true is not supported with {where}: set solo_reduce=false")
         if config.copy_engine_collectives:
             raise ValueError(f"copy_engine_collectives=true is not supported with {where}")
+    elif config.zero_quantized_gradients_intra_node != "none" and topology.world > 1:
+        raise ValueError(f"zero_quantized_gradients_intra_node={config.zero_quantized_gradients_intra_node!r} "
+                         f"needs two-level collectives, and these are flat ({topology.describe()}): it quantizes "
+                         "their node stage; set zero_quantized_gradients_intra_node='none'")
     return topology

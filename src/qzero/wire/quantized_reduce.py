@@ -45,10 +45,15 @@ from ..layout.gather_planner import aligned_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
 
+#: The largest group of the quantized node stage (int8's default group).
+INTRA_NODE_GROUP_SIZE = 64
+
 
 class Piece(NamedTuple):
     """The part of a bucket rank ``dest`` owns: staging ``[offset, offset + numel)`` holds
-    flat ``[flat_lo, flat_lo + numel)``; exact ranges are relative to the piece."""
+    flat ``[flat_lo, flat_lo + numel)``, or, where ``flat_lo`` is a tuple of row starts, equal
+    rows that lie apart in flat space (row ``k`` at ``flat_lo[k]``); exact ranges are relative
+    to the piece."""
 
     dest: int
     offset: int
@@ -65,20 +70,31 @@ def plan_pieces(parts, exact_ranges, group_size: int, fmt: str, elem_size: int) 
     for dest, offset, numel, flat_lo in parts:
         if numel <= 0:
             continue
-        exact = tuple(clip_ranges(exact_ranges, flat_lo, flat_lo + numel))
+        exact = _exact_of(exact_ranges, flat_lo, numel)
         count = sum(b - a for a, b in exact)
         layout = aligned_layout(f.value_bytes(numel), -(-numel // group_size), count, elem_size)
         out.append(Piece(dest, offset, numel, flat_lo, layout, exact))
     return tuple(sorted(out, key=lambda p: p.dest))
 
 
+def _exact_of(exact_ranges, flat_lo, numel: int) -> tuple[tuple[int, int], ...]:
+    """The exact ranges of a piece, relative to it (``flat_lo``: an int, or a tuple of row starts)."""
+    if not isinstance(flat_lo, tuple):
+        return tuple(clip_ranges(exact_ranges, flat_lo, flat_lo + numel))
+    width = numel // len(flat_lo)
+    return tuple((a + k * width, b + k * width) for k, row in enumerate(flat_lo)
+                 for a, b in clip_ranges(exact_ranges, row, row + width))
+
+
 class GradientQuantization(NamedTuple):
-    """What the reducers need from the config: the group size, the format and the rotation
-    block (0: no rotation)."""
+    """What the reducers need from the config: the group size, the format, the rotation
+    block (0: no rotation) and the node stage's format under two-level collectives
+    (:attr:`qzero.ZeroConfig.zero_quantized_gradients_intra_node`)."""
 
     group_size: int
     fmt: str
     rotation: int = 0
+    intra_node: str = "none"
 
     @classmethod
     def from_config(cls, config) -> GradientQuantization | None:
@@ -86,7 +102,15 @@ class GradientQuantization(NamedTuple):
             return None
         rotation = (config.zero_quantized_gradients_rotation_block
                     if config.zero_quantized_gradients_rotation == "hadamard" else 0)
-        return cls(config.zero_quantized_gradients_group_size, config.zero_quantized_gradients_format, rotation)
+        return cls(config.zero_quantized_gradients_group_size, config.zero_quantized_gradients_format, rotation,
+                   config.zero_quantized_gradients_intra_node)
+
+    def node_stage(self) -> GradientQuantization | None:
+        """The quantization of the two-level node stage, or None where it is plain: ``int8``,
+        groups of at most :data:`INTRA_NODE_GROUP_SIZE`, no rotation."""
+        if self.intra_node == "none":
+            return None
+        return GradientQuantization(min(self.group_size, INTRA_NODE_GROUP_SIZE), self.intra_node)
 
 
 class _Pending(NamedTuple):
@@ -128,7 +152,7 @@ class QuantizedExchange:
         return self
 
     def _setup(self, quant, dtype, process_group, world, rank, device, kernels, exact) -> None:
-        self.group_size, self.fmt, self.rotation = quant
+        self.group_size, self.fmt, self.rotation = quant[:3]
         self.error_feedback = None
         self.dtype = dtype
         self.pg = process_group

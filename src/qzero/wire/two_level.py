@@ -15,7 +15,11 @@ in :mod:`qzero.layout.topology`. Here:
   the node (in the reduce dtype), then reduced over the rail on ``1/L`` of it, plainly
   (reduce-scatter) or quantized (the all-to-all of :mod:`qzero.wire.quantized_reduce` over the
   rail's ``n`` ranks, fp32 sums). No stage is an incast: every rank of a group sends and
-  receives the same amount.
+  receives the same amount. With a quantized node stage
+  (:attr:`qzero.ZeroConfig.zero_quantized_gradients_intra_node`) the node's reduce-scatter is
+  an all-to-all too: local rank ``j`` gets the rows of partitions ``j n + i`` (``i < n``) from
+  the node's ``L`` ranks as int8 payloads and sums them in fp32; the rail stage quantizes that
+  fp32 block (its small parameters travel in fp32, so they stay exact across both stages).
 
 [Note: two-level pipelining]
 The rail stage of a bucket needs its node stage's result. A bucket's node stage is launched
@@ -133,14 +137,17 @@ class TwoLevelReduce:
     each rank gets the sum of its own row, in two stages ([Note: two-level pipelining]).
 
     ``quantized``: a :class:`qzero.wire.quantized_reduce.QuantizedExchange` over the rail (its
-    rank is this rank's node) for the rail stage, or None for a plain reduce-scatter."""
+    rank is this rank's node) for the rail stage, or None for a plain reduce-scatter;
+    ``node_quantized``: one over the node (its rank is this rank's local index) for the node
+    stage, or None for a reduce-scatter in the reduce dtype."""
 
-    def __init__(self, groups: TwoLevelGroups, partition_numel: int, quantized=None):
+    def __init__(self, groups: TwoLevelGroups, partition_numel: int, quantized=None, node_quantized=None):
         self.groups = groups
         self.n = groups.topology.nodes
         self.L = groups.topology.ranks_per_node
         self.p = partition_numel
         self.quantized = quantized
+        self.node_quantized = node_quantized
         self._waiting: deque[_Bucket] = deque()  # node stage launched, rail stage not yet
 
     def rail_parts(self, lo: int, width: int) -> list[tuple[int, int, int, int]]:
@@ -149,20 +156,34 @@ class TwoLevelReduce:
         j = self.groups.local
         return [(i, i * width, width, (j * self.n + i) * self.p + lo) for i in range(self.n)]
 
+    def node_parts(self, lo: int, width: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
+        """The quantized node stage's pieces of a window at local offset ``lo``: ``(local,
+        offset, numel, row starts)`` (local rank ``j``'s piece: the ``n`` rows of partitions
+        ``j n + i``, one block of the staging buffer, apart in flat space)."""
+        n = self.n
+        return [(j, j * n * width, n * width, tuple((j * n + i) * self.p + lo for i in range(n)))
+                for j in range(self.L)]
+
     def launch(self, buf: torch.Tensor, key, width: int, lo: int) -> _Bucket:
         """Start the node stage of a bucket (and the rail stage of the one before it)."""
         b = _Bucket((key, lo), buf, width)
-        b.block = torch.empty(self.n * width, dtype=buf.dtype, device=buf.device)
-        with peer_failure("the gradient reduction (inside the node)"):
-            b.node_work = reduce_scatter_into(b.block, buf, group=self.groups.node_group, async_op=True)
+        if self.node_quantized is not None:
+            b.node_work, _ = self.node_quantized.launch(buf, b.key, self.node_parts(lo, width))
+        else:
+            b.block = torch.empty(self.n * width, dtype=buf.dtype, device=buf.device)
+            with peer_failure("the gradient reduction (inside the node)"):
+                b.node_work = reduce_scatter_into(b.block, buf, group=self.groups.node_group, async_op=True)
         while self._waiting:
             self._launch_rail(self._waiting.popleft())
         self._waiting.append(b)
         return b
 
     def _launch_rail(self, b: _Bucket) -> None:
-        with peer_failure("the gradient reduction (inside the node)"):
-            b.node_work.wait()
+        if self.node_quantized is not None:
+            b.block, _ = self.node_quantized.finish(b.node_work, b.key)  # fp32 sums of this rank's block
+        else:
+            with peer_failure("the gradient reduction (inside the node)"):
+                b.node_work.wait()
         b.node_work = None
         lo = b.key[1]
         if self.quantized is not None:
@@ -180,8 +201,12 @@ class TwoLevelReduce:
         return sum(p.layout.nbytes for p in pieces if p.dest != self.groups.node)
 
     def node_bytes(self, b: _Bucket) -> int:
-        """What this rank sends in the node stage of ``b`` (a reduce-scatter's share)."""
-        return (self.L - 1) * self.n * b.width * b.buf.element_size()
+        """What this rank sends in the node stage of ``b`` (a reduce-scatter's share, or the
+        quantized payloads to the node's other ranks)."""
+        if self.node_quantized is None:
+            return (self.L - 1) * self.n * b.width * b.buf.element_size()
+        pieces = self.node_quantized.pieces(b.key, self.node_parts(b.key[1], b.width))
+        return sum(p.layout.nbytes for p in pieces if p.dest != self.groups.local)
 
     def finish(self, b: _Bucket):
         """Wait for ``b``; returns ``(sum of this rank's row, fp32 or the reduce dtype)``."""
