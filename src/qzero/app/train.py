@@ -207,6 +207,9 @@ def validate(settings: TrainSettings) -> None:
     if settings.zero.zero_quantized_gradients_error_feedback and settings.backend != "qzero":
         raise WorkloadError(f"zero_quantized_gradients_error_feedback is a setting of the qzero backend: its residuals "
                             f"are ZeroOptimizer state, which the {settings.backend} backend does not have")
+    if settings.zero.zero_quantized_gradients_intra_node != "none" and settings.backend != "qzero":
+        raise WorkloadError(f"zero_quantized_gradients_intra_node is a setting of the qzero backend: the "
+                            f"{settings.backend} backend's gradient reduction has no quantized node stage")
     if settings.zero.zero_quantized_weights_delta and settings.backend != "qzero":
         raise WorkloadError(f"zero_quantized_weights_delta is a setting of the qzero backend: the {settings.backend} "
                             "backend's weight gather does not send delta payloads, so it would change nothing")

@@ -32,7 +32,7 @@ QZERO_KEYS = (GROUP_SIZE_KEY, FORMAT_KEY, SMALL_PARAM_KEY, OVERLAP_KEY, LOOKAHEA
 GRAD_ENABLE_KEY = "zero_quantized_gradients"
 GRAD_KEYS = ("zero_quantized_gradients_group_size", "zero_quantized_gradients_format",
              "zero_quantized_gradients_rotation", "zero_quantized_gradients_rotation_block",
-             "zero_quantized_gradients_error_feedback")
+             "zero_quantized_gradients_error_feedback", "zero_quantized_gradients_intra_node")
 #: :attr:`qzero.ZeroConfig.zero_quantized_weights_delta` and its resync interval: recognised and
 #: validated here, and a delta gather refused (see :func:`_check_delta_keys`).
 DELTA_KEYS = ("zero_quantized_weights_delta", "zero_quantized_weights_delta_resync_steps")
@@ -217,6 +217,12 @@ def _check_gradient_keys(zero: dict, stage: int,
         raise ValueError(
             "zero_optimization.zero_quantized_gradients_error_feedback=true: the DeepSpeed adapter keeps no "
             "gradient residuals; use qzero.ZeroOptimizer for error feedback, or remove the key"
+        )
+    if config.zero_quantized_gradients_intra_node != "none":
+        raise ValueError(
+            f"zero_optimization.zero_quantized_gradients_intra_node={config.zero_quantized_gradients_intra_node!r}: "
+            "the DeepSpeed adapter reduces each bucket in one stage (it has no node stage); use "
+            "qzero.ZeroOptimizer for a quantized node stage, or remove the key"
         )
     for key, want, why in (("reduce_scatter", True, "reduces by all-reduce, not by partition"),
                            ("contiguous_gradients", True, "reduces through its non-contiguous fallback")):
