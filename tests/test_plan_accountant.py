@@ -31,6 +31,10 @@ ARMS = {  # plan arm -> ZeroConfig settings of today's flat path
 
 #: the same arms with two-level collectives (hierarchical_collectives="auto" on declared nodes)
 TWO_LEVEL = {f"{arm} (two-level)": dict(settings, hierarchical_collectives="auto") for arm, settings in ARMS.items()}
+#: and the quantized-gradient ones with an INT8 node stage
+TWO_LEVEL.update({f"{arm} (two-level, INT8 inside)": dict(settings, hierarchical_collectives="auto",
+                                                         zero_quantized_gradients_intra_node="int8")
+                  for arm, settings in ARMS.items() if settings.get("zero_quantized_gradients")})
 FLAT = {arm: dict(settings, hierarchical_collectives=False) for arm, settings in ARMS.items()}
 #: the arms measured in the contiguous order as well: those that quantize gradients
 CONTIGUOUS = [arm for arm, settings in {**FLAT, **TWO_LEVEL}.items() if settings.get("zero_quantized_gradients")]
@@ -99,6 +103,10 @@ def test_accountant_equals_the_plan_within_one_percent(world, per_node):
             measured = cross_node_per_node(books, nodes)
             planned = predict(arms[arm], workload, cluster, 0.1).bits_per_param_per_node * params / 8
             assert measured == pytest.approx(planned, rel=0.01), (arm, order, measured, planned, merge(books))
+            if arm in TWO_LEVEL:  # inside the nodes too: the node stages (bf16 or INT8 gradients, the gather's)
+                inside = sum(v for (s, d), v in merge(books).items() if s == d) / nodes
+                planned = planned_inside(predict(arms[arm], workload, cluster, 0.1), per_node)
+                assert inside == pytest.approx(planned, rel=0.01), (arm, order, inside, planned)
     # probe: a 2,000-byte all-reduce is a ring (each rank sends 2(P-1)/P of it to the next rank, one crossing
     # edge per node), a 40-byte-per-peer all-to-all sends each rank on another node 40 bytes
     probe = merge([r["probe"] for r in results])
@@ -106,6 +114,16 @@ def test_accountant_equals_the_plan_within_one_percent(world, per_node):
     ring = 2 * (world - 1) / world * 2000 * nodes
     a2a = world * (world - per_node) * 40
     assert cross == pytest.approx(ring + a2a)
+
+
+#: bytes a node's ranks send each other per byte of a node-scope collective's ``bytes`` ([Note: what NCCL does
+#: with a collective] in qzero/plan/traffic.py: a ring of L edges, or an all-to-all's L (L - 1) splits)
+INSIDE = {"all_to_all": lambda L: L * (L - 1), "all_gather": lambda L: L * (L - 1),
+          "reduce_scatter": lambda L: L - 1, "all_reduce": lambda L: 2 * (L - 1)}
+
+
+def planned_inside(prediction, per_node: int) -> float:
+    return sum(INSIDE[c["op"]](per_node) * c["bytes"] * c["count"] for c in prediction.calls if c["scope"] == "node")
 
 
 def test_the_accountant_refuses_a_node_size_that_does_not_divide_the_world():

@@ -17,12 +17,15 @@ def test_plan_prints_the_arms_and_writes_json_and_plot(tmp_path, capsys):
     assert "projection" in text and "recommended:" in text
     record = json.loads(out.read_text())
     arms = {a["arm"]: a for a in record["arms"]}
-    assert len(arms) == 11 and record["projection"] is True
+    assert len(arms) == 13 and record["projection"] is True
     for a in arms.values():
         assert {"arm", "bits_per_param_per_node", "link_ms", "step_ms"} <= set(a)
         assert a["step_ms"] >= 100
     assert arms["qzero INT4 delta + INT4 grads (two-level)"]["bits_per_param_per_node"] < \
         arms["qzero INT4 delta + INT4 grads"]["bits_per_param_per_node"]
+    inside = [c["collective"] for c in arms["qzero INT4 delta + INT4 grads (two-level, INT8 inside)"]["collectives"]]
+    assert "quantized gradient all-to-all (node)" in inside and "gradient reduce-scatter (node)" not in inside
+    assert set(record["recommendation"]) >= {"arm", "intra_node"}
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

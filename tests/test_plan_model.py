@@ -10,6 +10,7 @@ import pytest
 
 from qzero.plan import (Arm, Cluster, Workload, all_to_all_traffic, collective_cost, cost_of, default_arms,
                         gradient_payload, groups_of, predict, ring_traffic, weight_payload)
+from qzero.plan.recommend import recommend
 from qzero.plan.step import phase_seconds
 
 ETHERNET = dict(intra_rate=25.2e9, inter_rate=12.5e9, intra_latency=20e-6, inter_latency=50e-6)
@@ -37,6 +38,28 @@ def test_the_bits_per_node_table(arm):
         got = predict(_arms()[arm], w, Cluster(nodes, 8, **ETHERNET), compute=0.3).bits_per_param_per_node
         digits = len(str(want).split(".")[1])
         assert round(got, digits) == pytest.approx(want, abs=10 ** -digits / 2 + 1e-9), (arm, nodes, got)
+
+
+def test_an_int8_node_stage_halves_the_node_bytes_and_wins_on_pcie_nodes():
+    """INT8 inside (8.5 bits) against the bf16 node reduce-scatter: a reduce-scatter of the whole
+    bucket sends (L - 1) / L of it, the all-to-all (L - 1) pieces of 1/L of it; across nodes the same
+    bits. On PCIe-class nodes it is faster, and the plan recommends it, naming the setting; on
+    NVLink nodes it changes the step by little."""
+    w = Workload(params=4_000_000_000, exact_params=1_000_000)
+    plain, inside = _arms()["qzero INT4 delta + INT4 grads (two-level)"], \
+        _arms()["qzero INT4 delta + INT4 grads (two-level, INT8 inside)"]
+    assert inside.intra_node.bits == 8.5 and inside.intra_node.group_size == 64
+    pcie = Cluster(8, 8, **ETHERNET)
+    a, b = predict(plain, w, pcie, 0.3), predict(inside, w, pcie, 0.3)
+    node = {p.arm: next(c for c in p.calls if c["scope"] == "node" and "gradient" in c["collective"]) for p in (a, b)}
+    sent = {k: (7 / 8 if c["op"] == "reduce_scatter" else 7) * c["bytes"] * c["count"] for k, c in node.items()}
+    assert sent[b.arm] / sent[a.arm] == pytest.approx(8.5 / 16, rel=0.01)
+    assert b.bits_per_param_per_node == pytest.approx(a.bits_per_param_per_node, rel=0.01)
+    assert b.step_ms < a.step_ms
+    rec = recommend(default_arms(), w, pcie, 0.3)
+    assert rec.intra_node == "int8" and "zero_quantized_gradients_intra_node=int8" in rec.describe()
+    nvlink = Cluster(8, 8, 290e9, 25e9, 2e-6, 5e-6, nic="rail")
+    assert predict(inside, w, nvlink, 0.3).step_ms == pytest.approx(predict(plain, w, nvlink, 0.3).step_ms, rel=0.05)
 
 
 def test_payload_bits_come_from_the_configs_defaults():

@@ -96,6 +96,8 @@ GRADIENT_ROTATIONS = ("hadamard", "none")
 #: Formats of the node stage of a two-level quantized gradient reduction
 #: (``zero_quantized_gradients_intra_node``): ``none`` reduces it plainly in the reduce dtype.
 INTRA_NODE_FORMATS = ("none", "int8")
+#: The largest group of the quantized node stage (int8's default gradient group).
+INTRA_NODE_GROUP_SIZE = 64
 #: Dtypes of the gradient reduction (``ZeroConfig.reduce_dtype``).
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")
 #: Dtypes of a model's weights that the quantized gather and the training command take (the

@@ -170,9 +170,11 @@ def _print(rows, w, cluster, compute, where, rec) -> None:
     print(f"qzero plan (a projection from the cluster cost model, not a measurement): {where}, "
           f"{w.params / 1e9:.3g}B parameters; {cluster.describe()}; 1-GPU step {1e3 * compute:.1f} ms; "
           f"qzero's flat order {w.order}")
-    print(f"{'arm':44} {'bits/param/node':>15} {'link ms':>9} {'step ms':>9} {'efficiency':>10}")
+    width = max(44, *(len(r.arm) for r in rows))
+    print(f"{'arm':{width}} {'bits/param/node':>15} {'link ms':>9} {'step ms':>9} {'efficiency':>10}")
     for r in rows:
-        print(f"{r.arm:44} {r.bits_per_param_per_node:15.2f} {r.link_ms:9.1f} {r.step_ms:9.1f} {r.efficiency:10.1%}")
+        print(f"{r.arm:{width}} {r.bits_per_param_per_node:15.2f} {r.link_ms:9.1f} {r.step_ms:9.1f} "
+              f"{r.efficiency:10.1%}")
     print(f"recommended: {rec.describe()}")
 
 

@@ -25,7 +25,10 @@ gradient reduction; a bucket of ``B`` elements):
   for plain gradients a bf16 reduce-scatter. Quantized, in the contiguous order, the windows run
   after the backward as in the flat case. Weights: the payload all-gathered over the rail
   (each rank owning ``D/P``), then over the node, payload bytes. The two stages pipeline
-  bucket by bucket (:mod:`qzero.plan.step`).
+  bucket by bucket (:mod:`qzero.plan.step`). With a quantized node stage (``INT8 inside``:
+  ``zero_quantized_gradients_intra_node="int8"``) the node's reduce-scatter is an all-to-all of
+  INT8 pieces of ``1/L`` of the bucket for every local rank, and the rail's pieces carry small
+  parameters in fp32 (the node's sums).
 
 Not modelled: the exact resync of delta gathers (a plain gather every
 ``zero_quantized_weights_delta_resync_steps``-th step: +0.3% of the bytes at the default), the
@@ -34,13 +37,14 @@ flat buffer's padding, the small collectives of agreement checks, loss and norms
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from ..layout.gather_planner import DEFAULT_BUCKET_NUMEL
 from ..vocabulary import FLAT_ORDERS
 from .cluster import Cluster
-from .payloads import Payload, gradient_payload, weight_payload
+from .payloads import Payload, gradient_payload, intra_node_payload, weight_payload
 
 #: DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements).
 DEEPSPEED_BUCKET = 500_000_000
@@ -111,10 +115,13 @@ class Arm:
     gradients: Payload | None = None
     two_level: bool = False
     gather_ahead: bool = False
+    intra_node: Payload | None = None
+    """The quantized node stage's payload (two-level, quantized gradients), or None: plain."""
 
 
 def default_arms() -> list[Arm]:
-    """FSDP2, FSDP2 HSDP, DeepSpeed ZeRO-2, and qzero's four modes flat and two-level."""
+    """FSDP2, FSDP2 HSDP, DeepSpeed ZeRO-2, qzero's four modes flat and two-level, and the two
+    quantized-gradient modes two-level with an INT8 node stage."""
     int8, delta = weight_payload(False), weight_payload(True)
     modes = [("plain", None, None), ("INT8", int8, None), ("INT8 + INT8 grads", int8, gradient_payload("int8")),
              ("INT4 delta + INT4 grads", delta, gradient_payload("int4"))]
@@ -123,6 +130,9 @@ def default_arms() -> list[Arm]:
         for label, w, g in modes:
             name = f"qzero {label}" + (" (two-level)" if two_level else "")
             arms.append(Arm(name, "qzero", w, g, two_level, gather_ahead=w is not None))
+    for label, w, g in modes[2:]:
+        arms.append(Arm(f"qzero {label} (two-level, INT8 inside)", "qzero", w, g, True, gather_ahead=True,
+                        intra_node=intra_node_payload(g)))
     return arms
 
 
@@ -201,6 +211,13 @@ def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
     q = arm.gradients.bytes_per_element(w.exact_share) if arm.gradients else None
     # quantized windows of the contiguous order complete when the backward ends
     windows = "after_backward" if q is not None and w.order == "contiguous" else "backward"
+    if arm.two_level and arm.intra_node is not None:
+        node = arm.intra_node.bytes_per_element(w.exact_share)
+        rail = dataclasses.replace(arm.gradients, plain_bytes=4).bytes_per_element(w.exact_share)  # fp32 sums
+        return [Call("quantized gradient all-to-all (node)", "all_to_all", "node", bucket / L * node, buckets,
+                     windows),
+                Call("quantized gradient all-to-all (rail)", "all_to_all", "rail", bucket / P * rail, buckets,
+                     windows, stage=1)]
     if arm.two_level:
         first = Call("gradient reduce-scatter (node)", "reduce_scatter", "node", bucket * w.reduce_bytes, buckets,
                      windows)

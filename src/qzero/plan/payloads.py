@@ -7,7 +7,9 @@ coded values are zeros: the layout of :func:`qzero.layout.gather_planner.aligned
 Sections are aligned to a few bytes each: not modelled. Formats and group sizes are the ones
 :class:`qzero.ZeroConfig` resolves for each mode (its defaults, not constants of this model):
 INT8 weights in groups of 64 (8.5 bits an element), INT4 weight differences in groups of 64
-(4.5), INT8 gradients in groups of 64 (8.5), INT4 gradients in groups of 256 (4.125).
+(4.5), INT8 gradients in groups of 64 (8.5), INT4 gradients in groups of 256 (4.125). A quantized
+node stage (:attr:`qzero.ZeroConfig.zero_quantized_gradients_intra_node`) sends INT8 in groups of
+``min(gradient group, 64)`` (8.5 bits), and its rail stage then carries small parameters in fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from ..config import ZeroConfig
 from ..quant.formats import get_format
+from ..vocabulary import INTRA_NODE_GROUP_SIZE
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,9 @@ def gradient_payload(fmt: str, plain_bytes: int = 2) -> Payload:
 
 def plain(nbytes: int = 2) -> Payload:
     return Payload(None, 0, nbytes)
+
+
+def intra_node_payload(gradients: Payload, fmt: str = "int8") -> Payload:
+    """The quantized node stage's payload under the rail's ``gradients`` (groups capped as the
+    reducer caps them; small parameters in the reduce dtype)."""
+    return Payload(fmt, min(gradients.group_size, INTRA_NODE_GROUP_SIZE), gradients.plain_bytes)

@@ -32,9 +32,12 @@ class Recommendation:
     reduce_bucket_size: int
     step_ms: float
     speedup_vs_fsdp2: float
+    intra_node: str = "none"
+    """``zero_quantized_gradients_intra_node`` of the arm."""
 
     def describe(self) -> str:
-        return (f"{self.arm}: two-level collectives {'on' if self.two_level else 'off'}, "
+        intra = f"zero_quantized_gradients_intra_node={self.intra_node}, " if self.intra_node != "none" else ""
+        return (f"{self.arm}: two-level collectives {'on' if self.two_level else 'off'}, {intra}"
                 f"allgather_bucket_size={self.allgather_bucket_size:.3g}, "
                 f"reduce_bucket_size={self.reduce_bucket_size:.3g}"
                 f" -> {self.step_ms:,.1f} ms a step projected ({self.speedup_vs_fsdp2:.2f}x FSDP2)")
@@ -73,4 +76,4 @@ def recommend(arms: list[Arm], w: Workload, cluster: Cluster, compute: float) ->
     p, arm, sized = best
     fsdp2 = next((predict(a, w, cluster, compute).step_ms for a in arms if a.system == "fsdp2"), p.step_ms)
     return Recommendation(arm.name, arm.two_level, sized.allgather_bucket, sized.reduce_bucket, p.step_ms,
-                          fsdp2 / p.step_ms)
+                          fsdp2 / p.step_ms, arm.intra_node.fmt if arm.intra_node is not None else "none")

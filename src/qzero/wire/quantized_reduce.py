@@ -44,9 +44,7 @@ from ..layout.gather_plan import PayloadLayout, clip_ranges, merge_adjacent
 from ..layout.gather_planner import aligned_layout
 from ..quant import gradient_kernels_for
 from ..quant.formats import get_format
-
-#: The largest group of the quantized node stage (int8's default group).
-INTRA_NODE_GROUP_SIZE = 64
+from ..vocabulary import INTRA_NODE_GROUP_SIZE
 
 
 class Piece(NamedTuple):
