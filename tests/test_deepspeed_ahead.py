@@ -250,7 +250,10 @@ def test_parameters_of_containers_are_waited_for_by_the_module_that_reads_them()
       "needs ZeRO stage 2, got stage 1"),
      (dict(backend="deepspeed", zero={"stage": 2, "zero_quantized_gradients": True,
                                       "zero_quantized_gradients_error_feedback": True}),
-      "setting of the qzero backend")],
+      "setting of the qzero backend"),
+     (dict(backend="fsdp2", zero={"stage": 2, "zero_quantized_gradients": True,
+                                  "zero_quantized_gradients_intra_node": "int8"}),
+      "zero_quantized_gradients_intra_node is a setting of the qzero backend")],
 )
 def test_train_settings_offload_is_checked(kwargs, words):
     from qzero.app.train import TrainSettings, validate

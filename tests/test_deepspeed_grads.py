@@ -232,6 +232,7 @@ def test_gradient_settings_that_differ_between_ranks_raise_on_every_rank(world2)
     (dict(reduce_scatter=False), ["reduce_scatter=False"]),
     (dict(contiguous_gradients=False), ["contiguous_gradients=False"]),
     (dict(zero_quantized_gradients_error_feedback=True), ["zero_quantized_gradients_error_feedback=true", "residuals"]),
+    (dict(zero_quantized_gradients_intra_node="int8"), ["zero_quantized_gradients_intra_node='int8'", "node stage"]),
     (dict(zero_quantized_gradients_format="int4", zero_quantized_gradients_group_size=12),
      ["zero_quantized_gradients_group_size", "12"]),
     (dict(zero_quantized_gradients_format="int2"), ["zero_quantized_gradients_format", "int2"]),

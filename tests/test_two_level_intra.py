@@ -275,7 +275,8 @@ def test_refused_by_the_config():
 
 def refusal_worker(rank, world):
     out = {}
-    for name, kw in (("flat, one host", {}), ("flat, declared", dict(ranks_per_node=4))):
+    for name, kw in (("flat, one host", {}), ("flat, declared", dict(ranks_per_node=4)),
+                     ("flat, asked for", dict(ranks_per_node=2, hierarchical_collectives=False))):
         try:
             qzero.ZeroOptimizer(small_model(), ADAMW, config=qzero.ZeroConfig(
                 zero_quantized_gradients=True, zero_quantized_gradients_intra_node="int8", **kw))
@@ -289,3 +290,4 @@ def test_flat_collectives_refused_on_every_rank():
     for out in run_distributed(refusal_worker, 4):
         for name in ("flat, one host", "flat, declared"):
             assert "needs two-level collectives" in out[name] and "intra_node='none'" in out[name], out[name]
+        assert "hierarchical_collectives=false" in out["flat, asked for"], out["flat, asked for"]
