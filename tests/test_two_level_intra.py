@@ -7,6 +7,7 @@
   stages 1 and 2.
 * Training: replicas bit-identical after every step (INT4 delta weights with INT4 Hadamard
   gradients, INT8 with INT8), a checkpoint resumed bit for bit, and the setting changing the bits.
+* Pipelining: the node stage of the next bucket is issued before a bucket's rail stage.
 * Bytes: the node stage sends about half of what its bf16 reduce-scatter sends.
 * Refusals: without quantized gradients, with error feedback, with flat collectives (on every rank).
 """
@@ -225,6 +226,42 @@ def test_replicas_identical_and_resume_exact(world, kw, tmp_path):
     assert not torch.equal(results[0]["flats"][2], results[0]["plain"][2])
     for res in results[1:]:
         assert torch.equal(res["plain"][2].view(torch.int16), results[0]["plain"][2].view(torch.int16))
+
+
+# ------------------------------------------------------------------ pipelining
+
+
+def order_worker(rank, world):
+    """The stage (node or rail) of every all-to-all this rank issues in one backward."""
+    import torch.distributed as dist
+
+    model = small_model()
+    opt = qzero.ZeroOptimizer(model, ADAMW, config=qzero.ZeroConfig(
+        ranks_per_node=2, flat_order="interleaved", reduce_bucket_size=100, small_param_numel=0,
+        zero_quantized_gradients=True, zero_quantized_gradients_intra_node="int8"))
+    issued, real = [], dist.all_to_all_single
+
+    def booked(*args, group=None, **kw):
+        ranks = dist.get_process_group_ranks(group)
+        issued.append("node" if ranks[1] - ranks[0] == 1 else "rail")
+        return real(*args, group=group, **kw)
+
+    dist.all_to_all_single = booked
+    try:
+        opt.backward(model(torch.randn(8, 32).to(torch.bfloat16)).float().pow(2).mean())
+        opt.step()
+    finally:
+        dist.all_to_all_single = real
+    return issued
+
+
+def test_the_node_stage_of_the_next_bucket_goes_before_the_rail_stage_waits():
+    """[Note: two-level pipelining]: a bucket's rail stage is launched when the next bucket's
+    node stage has been, so the sequence is node, node, rail, node, rail, ..., rail."""
+    for issued in run_distributed(order_worker, 4):
+        buckets = issued.count("node")
+        assert buckets > 2 and issued.count("rail") == buckets
+        assert issued == ["node"] + ["node", "rail"] * (buckets - 1) + ["rail"], issued
 
 
 # ------------------------------------------------------------------ bytes: about half the bf16 node stage
