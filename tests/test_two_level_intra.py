@@ -228,6 +228,22 @@ def test_replicas_identical_and_resume_exact(world, kw, tmp_path):
         assert torch.equal(res["plain"][2].view(torch.int16), results[0]["plain"][2].view(torch.int16))
 
 
+# ------------------------------------------------------------------ pieces of rows apart in flat space
+
+
+def test_a_piece_of_rows_takes_each_rows_exact_ranges():
+    """The node stage's piece for a local rank is ``n`` rows of the window, one block of staging but
+    apart in flat space: each row's exact ranges land at the row's offset in the piece."""
+    from qzero.wire.quantized_reduce import plan_pieces
+
+    exact = [(5, 12), (100, 104), (203, 230)]  # flat coordinates
+    # two rows of 10 at flat 0 and 200, then one piece of a single contiguous row at flat 100
+    (a, b) = plan_pieces([(1, 0, 20, (0, 200)), (0, 20, 10, 100)], exact, 16, "int8", 2)
+    assert (b.dest, b.exact) == (1, ((5, 10), (13, 20)))  # row 0: [5, 10); row 1: flat [203, 210) -> [13, 20)
+    assert (a.dest, a.exact) == (0, ((0, 4),))
+    assert b.layout.exact_numel == 12 and b.numel == 20 and b.offset == 0
+
+
 # ------------------------------------------------------------------ pipelining
 
 
