@@ -331,7 +331,8 @@ class ZeroConfig:
     as without this setting; ``int8`` exchanges it quantized too (int8 codes, one fp32 scale per
     group of ``min(zero_quantized_gradients_group_size, 64)`` elements, no rotation, small parameters
     exact), each rank summing its block in fp32 before the rail stage quantizes that sum: about half
-    the node stage's bytes, for one more quantization error. For nodes whose GPUs talk over PCIe;
+    the node stage's bytes, for one more quantization error (and, per bucket in flight, the node's
+    int8 payloads and an fp32 block of ``1/L`` of the bucket). For nodes whose GPUs talk over PCIe;
     NVLink nodes gain little. Needs ``zero_quantized_gradients``, two-level collectives (refused on
     every rank where the collectives are flat) and no error feedback. ``docs/multi-node.md``."""
 
