@@ -22,31 +22,10 @@ import warnings
 import pytest
 import torch
 from _support.distributed import run_distributed
+from _support.two_level import GS, SMALL, Chosen, coeffs, flat_of, small_model
 
 import qzero
 from qzero.layout.topology import Topology, resolve_topology, topology_from_hosts
-
-SHAPES = [(40, 24), (7,), (24, 36), (5,), (3, 50), (300,), (6,), (48, 20)]
-SMALL = 40
-GS = 16
-
-
-class Chosen(torch.nn.Module):
-    """``loss = sum(p * c)``: every parameter's gradient is its coefficient ``c``."""
-
-    def __init__(self):
-        super().__init__()
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in SHAPES])
-
-    def forward(self, coeffs):
-        return sum((p.float() * c).sum() for p, c in zip(self.ps, coeffs))
-
-
-def coeffs(rank: int, micro: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7919 * rank + 104729 * micro + 1)
-    return [(torch.randint(-127, 128, s, generator=g).float() * torch.pow(2.0, torch.randint(-6, 1, s, generator=g)))
-            .to(torch.bfloat16).float() for s in SHAPES]
-
 
 # ------------------------------------------------------------------ the topology, pure
 
@@ -91,13 +70,6 @@ def grad_worker(rank, world, kw, micro):
     return {"shard": g.grad.clone(), "lo": g.lo, "numel": g.layout.numel, "topology": opt.topology,
             "slots": [(s.start, s.numel, s.exact) for s in g.layout.slots], "flat": g.flat.clone(),
             "reduce": opt.last_reduce[0], "gather": opt.last_gather[0], "params": sum(s.numel for s in g.layout.slots)}
-
-
-def flat_of(res, per_param) -> torch.Tensor:
-    f = torch.zeros(res["numel"], dtype=torch.float64)
-    for (start, n, _), c in zip(res["slots"], per_param):
-        f[start:start + n] = c.reshape(-1).double()
-    return f
 
 
 def check_shards(results, world: int, micro: int, stage: int, quantized: bool):
@@ -174,12 +146,6 @@ def test_gradient_shards_within_the_format_error_of_fp64(world, rpn, stage, quan
 
 
 # ------------------------------------------------------------------ training: replicas, flat, resume
-
-
-def small_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
-                               torch.nn.LayerNorm(40), torch.nn.Linear(40, 8)).to(torch.bfloat16)
 
 
 def train(opt, model, rank, steps, seed=0):

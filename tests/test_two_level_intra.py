@@ -19,31 +19,12 @@ import functools
 import pytest
 import torch
 from _support.distributed import run_distributed
+from _support.two_level import GS, SMALL, Chosen, coeffs, flat_of, small_model
 
 import qzero
 from qzero.layout.topology import Topology
 
-SHAPES = [(40, 24), (7,), (24, 36), (5,), (3, 50), (300,), (6,), (48, 20)]
-SMALL = 40
-GS = 16  # the rail's group; the node stage's is min(GS, 64) = GS
-
-
-class Chosen(torch.nn.Module):
-    """``loss = sum(p * c)``: every parameter's gradient is its coefficient ``c``."""
-
-    def __init__(self):
-        super().__init__()
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in SHAPES])
-
-    def forward(self, coeffs):
-        return sum((p.float() * c).sum() for p, c in zip(self.ps, coeffs))
-
-
-def coeffs(rank: int, micro: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7919 * rank + 104729 * micro + 1)
-    return [(torch.randint(-127, 128, s, generator=g).float() * torch.pow(2.0, torch.randint(-6, 1, s, generator=g)))
-            .to(torch.bfloat16).float() for s in SHAPES]
-
+# GS is the rail stage's group; the node stage's INT8 group is min(GS, 64) = GS
 
 # ------------------------------------------------------------------ gradients against fp64
 
@@ -59,13 +40,6 @@ def grad_worker(rank, world, kw, micro):
     return {"shard": g.grad.clone(), "lo": g.lo, "numel": g.layout.numel, "topology": opt.topology,
             "slots": [(s.start, s.numel) for s in g.layout.slots], "flat": g.flat.clone(),
             "windows": [(b.lo, b.width) for b in opt.grads[0].reducer.buckets], "reduce": opt.last_reduce[0]}
-
-
-def flat_of(res, per_param) -> torch.Tensor:
-    f = torch.zeros(res["numel"], dtype=torch.float64)
-    for (start, n), c in zip(res["slots"], per_param):
-        f[start:start + n] = c.reshape(-1).double()
-    return f
 
 
 def group_max(v: torch.Tensor, gs: int) -> torch.Tensor:
@@ -157,12 +131,6 @@ def test_gradient_shards_within_both_stages_error_of_fp64(world, rpn, stage, fmt
 
 
 # ------------------------------------------------------------------ training: replicas, resume, bits changed
-
-
-def small_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
-                               torch.nn.LayerNorm(40), torch.nn.Linear(40, 8)).to(torch.bfloat16)
 
 
 def train(opt, model, rank, steps, seed=0):
