@@ -279,7 +279,7 @@ def test_the_matrix_runs_a_cluster_on_the_cpu(tmp_path):
     flat arm's."""
     proc = bench_scripts.run_emulated_matrix(
         tmp_path, "--steps", "3", "--warmup", "1", "--rounds", "1", "--world-size", "4", "--nodes", "2",
-        "--gpus-per-node", "2", "--inter-gbps", "50", "--intra-gbps", "100",
+        "--gpus-per-node", "2", "--inter-gbps", "50", "--intra-gbps", "100", "--links", "none,none:nic=rail",
         "--arm", "fsdp2:backend=fsdp2",
         "--arm", "flat:quantized=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
                  "zero_quantized_gradients_format=int4,hierarchical_collectives=false,flat_order=interleaved",
@@ -297,3 +297,25 @@ def test_the_matrix_runs_a_cluster_on_the_cpu(tmp_path):
     nic = {n: sum(v.get("nic_sent", 0) for v in r["link_per_step"].values()) for n, r in runs.items()}
     assert 0 < nic["two"] < nic["flat"], nic
     assert "emulated cluster" in m["regime_label"]
+    rail = json.loads((cell / "cluster_2x2_rail_intra100_inter50" / "matrix.json").read_text())  # the same processes
+    assert all(r[0]["cluster"]["nic"] == "rail" and r[0]["finite"] for r in rail["runs"].values())
+    assert rail["emulated_cluster"]["nic"] == "rail" and m["emulated_cluster"]["nic"] == "shared"
+
+
+def test_a_link_entry_may_change_the_clusters_fabric_not_its_nodes():
+    base = Cluster(2, 4, 25.2e9, 12.5e9, 20e-6, 50e-6)
+    roce, text = ec.fabric_of("none:ctas=8,intra_gbps=290,inter_gbps=25,nic=rail,time_scale=1.2", base)
+    assert roce == Cluster(2, 4, 290e9, 25e9, 20e-6, 50e-6, "rail") and text == "none:ctas=8,time_scale=1.2"
+    assert ec.fabric_of("none", base) == (base, "none")
+    assert ec.fabric_of("none:inter_latency_us=0", base)[0].inter_latency == 0
+    for bad, what in (("none:nic=ring", "nic must be one of"), ("none:inter_gbps=0", "inter_gbps must be a positive"),
+                      ("none:intra_latency_us=-1", "intra_latency_us must be a >= 0"),
+                      ("none:intra_gbps=fast", "intra_gbps must be a positive number, got 'fast'")):
+        with pytest.raises(ValueError, match=what):
+            ec.fabric_of(bad, base)
+    link = ec.ClusterLink(base)
+    link.set_cluster(roce)
+    assert link.cluster == roce and link.two_tier.cluster == roce
+    with pytest.raises(ValueError, match="only the fabric can change"):
+        link.set_cluster(Cluster(4, 2, 25e9, 12.5e9))
+    assert em.link_name("none:ctas=8,nic=rail,inter_gbps=25", base) == "cluster_2x4_rail_intra25.2_inter25:ctas=8"

@@ -78,6 +78,18 @@ class ClusterLink(Link):
         self._costs: dict[tuple, object] = {}
         self._lanes: dict[str, object] = {}
 
+    def set_cluster(self, cluster: Cluster) -> None:
+        """Charge the next collectives on ``cluster``'s fabric (rates, latencies, NICs); its
+        nodes and GPUs per node are this link's (the fake world's size). Synchronize first, as
+        for :meth:`emulated_link.EmulatedWorld.set_link`."""
+        if (cluster.nodes, cluster.gpus_per_node) != (self.cluster.nodes, self.cluster.gpus_per_node):
+            raise ValueError(f"a cluster of {cluster.nodes} x {cluster.gpus_per_node} GPUs on a world of "
+                             f"{self.cluster.nodes} x {self.cluster.gpus_per_node}: only the fabric can change")
+        self.cluster = cluster
+        self.two_tier = TwoTierCharge(cluster)
+        self.timeline = TwoTierTimeline(self.two_tier, keep=self.timeline.placed.maxlen)
+        self._costs.clear()
+
     def ranks_of(self, group) -> tuple[int, ...]:
         """The global ranks of ``group`` (None or the default group: every rank), in group order."""
         if group is None or group is dist.group.WORLD:
@@ -192,6 +204,45 @@ def cluster_from_args(args) -> Cluster | None:
             raise ValueError(f"{flag} must be a number >= 0, got {value}")
     return Cluster(args.nodes, args.gpus_per_node, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
                    args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6, args.nic)
+
+
+#: The keys a cluster's link entry may carry to change the fabric of the command line's cluster
+#: (units as the flags'): one arm's process then measures several fabrics of one world.
+FABRIC_KEYS = ("intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us", "nic")
+
+
+def fabric_of(link: str, cluster: Cluster) -> tuple[Cluster, str]:
+    """A cluster's link entry -> the cluster it runs on and its link text for
+    :func:`emulated_link.parse_link`: ``none:ctas=8,time_scale=1.2,intra_gbps=290,inter_gbps=25,nic=rail``
+    is ``cluster`` with NVLink-class links inside, one 25 GB/s NIC per GPU, and
+    ``none:ctas=8,time_scale=1.2``. A ValueError names a bad key or value."""
+    name, _, rest = link.strip().partition(":")
+    keep, fabric = [], {}
+    for pair in filter(None, (p.strip() for p in rest.replace(";", ",").split(","))):
+        key, _, value = pair.partition("=")
+        if key.strip() not in FABRIC_KEYS:
+            keep.append(pair)
+            continue
+        key, value = key.strip(), value.strip()
+        if key == "nic":
+            from qzero.plan import NICS
+
+            if value not in NICS:
+                raise ValueError(f"link {link!r}: nic must be one of {', '.join(NICS)}, got {value!r}")
+            fabric["nic"] = value
+            continue
+        try:
+            x = float(value)
+        except ValueError:
+            x = float("nan")
+        if not math.isfinite(x) or x < 0 or (x == 0 and key.endswith("gbps")):
+            raise ValueError(f"link {link!r}: {key} must be a {'positive' if key.endswith('gbps') else '>= 0'} "
+                             f"number, got {value!r}")
+        field = {"intra_gbps": "intra_rate", "inter_gbps": "inter_rate", "intra_latency_us": "intra_latency",
+                 "inter_latency_us": "inter_latency"}[key]
+        fabric[field] = x * (1e9 if key.endswith("gbps") else 1e-6)
+    text = name + (":" + ",".join(keep) if keep else "")
+    return (dataclasses.replace(cluster, **fabric) if fabric else cluster), text
 
 
 def cluster_label(cluster: Cluster) -> str:

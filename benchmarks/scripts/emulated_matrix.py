@@ -29,7 +29,9 @@ With ``--nodes N`` (and ``qzero plan``'s other cluster flags: ``--gpus-per-node`
 the world is a cluster of ``N x L`` ranks (``benchmarks/scripts/emulated_cluster.py``): every
 collective is charged by the cluster cost model for its whole group and held on the cluster's
 two links; ``--links`` then gives only contention and time scale (regime ``none`` with keys,
-default ``none``); every arm gets ``ranks_per_node = L`` (``hierarchical_collectives=false``
+default ``none``) and, with the keys ``intra_gbps``, ``inter_gbps``, ``intra_latency_us``,
+``inter_latency_us`` and ``nic``, another fabric for the same nodes (``none,none:intra_gbps=290;
+inter_gbps=25;nic=rail``: each arm's process measures an Ethernet and a RoCE cluster); every arm gets ``ranks_per_node = L`` (``hierarchical_collectives=false``
 makes an arm flat) and an arm with ``world_size=1`` is the one-GPU floor, with no link. A
 record's ``link_busy_ms_modelled`` is then the busier link's, and ``link_per_step`` has the
 bytes every node together sent across the network (``nic_sent``) and inside nodes
@@ -274,6 +276,13 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
     links' keys giving contention and time scale)."""
     from emulated_link import init_emulated_world, parse_link
 
+    fabrics = [None] * len(links)
+    if cluster is not None:
+        from emulated_cluster import fabric_of
+
+        from qzero.plan import Cluster
+
+        fabrics, links = zip(*(fabric_of(x, Cluster(**cluster)) for x in links))
     models = [parse_link(x) for x in links]
     n = int(given.get("world_size", 2))
     from one_gpu import launcher_environment
@@ -282,9 +291,7 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
     if cluster is not None:
         from emulated_cluster import init_cluster_world
 
-        from qzero.plan import Cluster
-
-        world = init_cluster_world(Cluster(**cluster), models[0])
+        world = init_cluster_world(fabrics[0], models[0])
     else:
         world = init_emulated_world(n, models[0])
     import torch
@@ -298,7 +305,9 @@ def run_arm_here(given: dict, links: list[str], out_path: str, timeline: bool = 
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     backend, corpus = build_backend(s, device)
     records, losses, times, skipped = [], [], [], 0
-    for i, model in enumerate(models):
+    for i, (model, fabric) in enumerate(zip(models, fabrics)):
+        if fabric is not None:
+            world.link.set_cluster(fabric)
         world.set_link(model)
         rec = _measure(backend, s, world, device, corpus, first_step=i * s.steps, timeline=timeline)
         if timeline:
@@ -459,7 +468,9 @@ def build_parser():
     e.add_argument("--links", default=None,
                    help="comma-separated links, each REGIME or REGIME:key=value;... (';' between a link's keys), "
                         "regimes: none, pcie, ethernet, nvlink (benchmarks/scripts/emulated_link.py); default pcie, "
-                        "or with --nodes none (the cluster's links; none:key=value;... for contention and time scale)")
+                        "or with --nodes none (the cluster's links; none:key=value;... for contention and time scale, "
+                        "and intra_gbps, inter_gbps, intra_latency_us, inter_latency_us, nic to run the link on "
+                        "another fabric of the same nodes: several fabrics in one arm's process)")
     e.add_argument("--budget", type=float, default=0, help="seconds: start no run that would not end inside it")
     e.add_argument("--arm-timeout", type=float, default=540, help="seconds per arm process (default 540)")
     e.add_argument("--resume", action="store_true",
@@ -491,10 +502,14 @@ def cluster_and_links(args) -> tuple:
     if not links:
         raise ValueError("--links: give at least one link")
     for x in links:
+        if cluster is not None:
+            from emulated_cluster import fabric_of
+
+            x = fabric_of(x, cluster)[1]
         parse_link(x)
         if cluster is not None and x.partition(":")[0].strip() != "none":
             raise ValueError(f"--links with --nodes: the cluster sets the rates and latencies; give "
-                             f"none:key=value;... for contention and time scale, not {x!r}")
+                             f"none:key=value;... for contention, time scale and fabric, not {x!r}")
     if cluster is None:
         args.world_size = TrainSettings().world_size if args.world_size is None else args.world_size
     elif args.world_size is None:
@@ -543,8 +558,9 @@ def link_name(link: str, cluster=None) -> str:
     link's contention keys)."""
     if cluster is None:
         return link
-    from emulated_cluster import cluster_label
+    from emulated_cluster import cluster_label, fabric_of
 
+    cluster, link = fabric_of(link, cluster)
     keys = link.partition(":")[2]
     return f"cluster_{cluster_label(cluster)}" + (f":{keys}" if keys else "")
 
@@ -681,6 +697,7 @@ def _write_all(args, plans, links, done, env, reference, peers, floor_arm, runs_
                plots=False) -> str:
     from qzero.app.benchmarks import steps as steps_matrix
 
+    from emulated_cluster import fabric_of
     from emulated_link import parse_link
 
     cluster = getattr(args, "cluster", None)
@@ -693,8 +710,8 @@ def _write_all(args, plans, links, done, env, reference, peers, floor_arm, runs_
         matrix = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "regime_label": label,
-            "emulated_link": dataclasses.asdict(parse_link(link)),
-            "emulated_cluster": dataclasses.asdict(cluster) if cluster is not None else None,
+            "emulated_link": dataclasses.asdict(parse_link(link if cluster is None else fabric_of(link, cluster)[1])),
+            "emulated_cluster": dataclasses.asdict(fabric_of(link, cluster)[0]) if cluster is not None else None,
             "settings": dataclasses.asdict(base),
             "arms": [{"name": n, "diff": diffs[n], "settings": dataclasses.asdict(s)} for n, s in arms.items()],
             "reference": reference, "peers": peers, "rounds": args.rounds,
@@ -725,9 +742,9 @@ def parse_link_text(text: str, cluster=None) -> str:
 
     if cluster is None:
         return parse_link(text).describe()
-    from emulated_cluster import ClusterLink
+    from emulated_cluster import ClusterLink, fabric_of
 
-    return ClusterLink(cluster, text).describe()
+    return ClusterLink(*fabric_of(text, cluster)).describe()
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@
 #   lowbit500  the 4-bit payloads at 5e8 gather / 5e7 reduce buckets, LOWBIT500_LINKS (Ethernet-class and PCIe-class)
 #   scale      rank 0 of DP-N for N in SCALE_WORLDS (4 8 64): INT8 + gather-ahead, INT8 gradients, the
 #              4-bit payloads, FSDP2; Ethernet-class and PCIe-class
-#   cluster    an emulated cluster (benchmarks/scripts/emulated_cluster.py): CLUSTER_NODES (2) x CLUSTER_GPUS (4), CLUSTER_INTRA_GBPS
-#              (25.2) inside a node, CLUSTER_INTER_GBPS (12.5) per NIC, CLUSTER_NIC (shared); the one-GPU floor, FSDP2 and each of
-#              CLUSTER_ARMS (int8_ahead delta_ahead_qgrad4_g256) two-level and flat (NAME_flat); at the fitted contention
+#   cluster    emulated clusters (benchmarks/scripts/emulated_cluster.py): for each of CLUSTER_NODES (2) nodes x CLUSTER_GPUS (4),
+#              CLUSTER_INTRA_GBPS (25.2) inside a node, CLUSTER_INTER_GBPS (12.5) per NIC, CLUSTER_NIC (shared), and the fabrics
+#              of CLUSTER_FABRICS in the same processes (e.g. "none:ctas=16;intra_gbps=290;inter_gbps=25;nic=rail"); the
+#              one-GPU floor, FSDP2 and each of CLUSTER_ARMS (int8_ahead delta_ahead_qgrad4_g256) two-level and flat
+#              (NAME_flat); at the fitted contention
 #   table      the calibration table from everything measured
 # Usage (repository root, one GPU): bash benchmarks/scripts/run_emulated.sh OUT [STAGE ...]   (default: all but ethernet)
 # Environment: LIMIT (seconds for the whole script, default 550), S and CTAS (skip floor / grid when given),
@@ -159,15 +161,17 @@ if has scale; then  # DP-N: rank 0's shard and ring bytes (N-1)/N of a larger wo
     done
 fi
 if has cluster; then  # every collective charged by the cluster cost model for the whole group
-    cw=$(( ${CLUSTER_NODES:-2} * ${CLUSTER_GPUS:-4} ))
-    a=(--arm "$(spec gpu1)" --arm "$(spec fsdp2)")
-    for n in ${CLUSTER_ARMS:-int8_ahead delta_ahead_qgrad4_g256}; do
-        a+=(--arm "$(spec "$n")" --arm "$(spec "$n" | sed 's/^\([^:]*\):/\1_flat:/'),hierarchical_collectives=false")
+    for nodes in ${CLUSTER_NODES:-2}; do
+        a=(--arm "$(spec gpu1)" --arm "$(spec fsdp2)")
+        for n in ${CLUSTER_ARMS:-int8_ahead delta_ahead_qgrad4_g256}; do
+            a+=(--arm "$(spec "$n")" --arm "$(spec "$n" | sed 's/^\([^:]*\):/\1_flat:/'),hierarchical_collectives=false")
+        done
+        python3 "$here/emulated_matrix.py" "${common[@]}" --world-size "$(( nodes * ${CLUSTER_GPUS:-4} ))" --presets qwen3-4b \
+            --allgather-bucket-sizes 5e7 --reduce-bucket-sizes 2.6e7 --nodes "$nodes" --gpus-per-node "${CLUSTER_GPUS:-4}" \
+            --intra-gbps "${CLUSTER_INTRA_GBPS:-25.2}" --inter-gbps "${CLUSTER_INTER_GBPS:-12.5}" --nic "${CLUSTER_NIC:-shared}" \
+            --links "none:$k${CLUSTER_FABRICS:+,$CLUSTER_FABRICS}" "${a[@]}" --peers fsdp2 --budget "$(left 15)" \
+            --out "$out/cluster_${nodes}x${CLUSTER_GPUS:-4}" > "$out/cluster_${nodes}x${CLUSTER_GPUS:-4}.log" 2>&1
     done
-    python3 "$here/emulated_matrix.py" "${common[@]}" --world-size "$cw" --presets qwen3-4b --allgather-bucket-sizes 5e7 \
-        --reduce-bucket-sizes 2.6e7 --nodes "${CLUSTER_NODES:-2}" --gpus-per-node "${CLUSTER_GPUS:-4}" \
-        --intra-gbps "${CLUSTER_INTRA_GBPS:-25.2}" --inter-gbps "${CLUSTER_INTER_GBPS:-12.5}" --nic "${CLUSTER_NIC:-shared}" \
-        --links "none:$k" "${a[@]}" --peers fsdp2 --budget "$(left 15)" --out "$out/cluster" > "$out/cluster.log" 2>--out "$out/cluster_4b" > "$out/cluster_4b.log" 2>&11
 fi
 if has table; then
     dirs=()
