@@ -31,7 +31,8 @@ collective is charged by the cluster cost model for its whole group and held on 
 two links; ``--links`` then gives only contention and time scale (regime ``none`` with keys,
 default ``none``) and, with the keys ``intra_gbps``, ``inter_gbps``, ``intra_latency_us``,
 ``inter_latency_us`` and ``nic``, another fabric for the same nodes (``none,none:intra_gbps=290;
-inter_gbps=25;nic=rail``: each arm's process measures an Ethernet and a RoCE cluster); every arm gets ``ranks_per_node = L`` (``hierarchical_collectives=false``
+inter_gbps=25;nic=rail``: each arm's process measures an Ethernet and a RoCE cluster); every arm
+gets ``ranks_per_node = L`` (``hierarchical_collectives=false``
 makes an arm flat) and an arm with ``world_size=1`` is the one-GPU floor, with no link. A
 record's ``link_busy_ms_modelled`` is then the busier link's, and ``link_per_step`` has the
 bytes every node together sent across the network (``nic_sent``) and inside nodes
