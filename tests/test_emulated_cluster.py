@@ -282,9 +282,10 @@ def test_the_matrix_runs_a_cluster_on_the_cpu(tmp_path):
         "--gpus-per-node", "2", "--inter-gbps", "50", "--intra-gbps", "100", "--links", "none,none:nic=rail",
         "--arm", "fsdp2:backend=fsdp2",
         "--arm", "flat:quantized=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
-                 "zero_quantized_gradients_format=int4,hierarchical_collectives=false,flat_order=interleaved",
+                 "zero_quantized_gradients_format=int4,hierarchical_collectives=false,flat_order=interleaved,"
+                 "small_param_numel=1024",
         "--arm", "two:quantized=true,zero_quantized_weights_delta=true,zero_quantized_gradients=true,"
-                 "zero_quantized_gradients_format=int4,flat_order=interleaved",
+                 "zero_quantized_gradients_format=int4,flat_order=interleaved,small_param_numel=1024",
         "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
@@ -300,6 +301,32 @@ def test_the_matrix_runs_a_cluster_on_the_cpu(tmp_path):
     rail = json.loads((cell / "cluster_2x2_rail_intra100_inter50" / "matrix.json").read_text())  # the same processes
     assert all(r[0]["cluster"]["nic"] == "rail" and r[0]["finite"] for r in rail["runs"].values())
     assert rail["emulated_cluster"]["nic"] == "rail" and m["emulated_cluster"]["nic"] == "shared"
+    cal = bench_scripts.load("cluster_calibration").rows_of([str(out)], floor_ms=1.0)  # the plan beside each arm
+    assert {(r["nic"], r["plan_arm"]) for r in cal} == {(nic, a) for nic in ("shared", "rail") for a in (
+        "FSDP2", "qzero INT4 delta + INT4 grads", "qzero INT4 delta + INT4 grads (two-level)")}
+    # the bytes the emulator counted are the plan's (with few exact elements: the emulator charges every rank
+    # rank 0's all-to-all splits, and where most parameters are small, partitions' exact shares differ)
+    for r in cal:
+        assert r["emulated_bits_per_param_per_node"] == pytest.approx(r["plan_bits_per_param_per_node"], rel=0.01), r
+
+
+def test_the_calibration_maps_each_arm_to_the_plans():
+    cal = bench_scripts.load("cluster_calibration")
+    from qzero.app.train import settings_from
+
+    def name(**given):
+        return cal.plan_arm_name(dataclasses.asdict(settings_from({"world_size": 8, **given})))
+
+    q4 = dict(quantized=True, zero_quantized_weights_delta=True, zero_quantized_gradients=True,
+              zero_quantized_gradients_format="int4")
+    assert name(backend="fsdp2") == "FSDP2" and name() == "qzero plain (two-level)"
+    assert name(quantized=True, hierarchical_collectives=False) == "qzero INT8"
+    assert name(quantized=True, zero_quantized_gradients=True) == "qzero INT8 + INT8 grads (two-level)"
+    assert name(**q4) == "qzero INT4 delta + INT4 grads (two-level)"
+    assert name(**q4, zero_quantized_gradients_intra_node="int8") == (
+        "qzero INT4 delta + INT4 grads (two-level, INT8 inside)")
+    assert name(**q4, hierarchical_collectives=False) == "qzero INT4 delta + INT4 grads"
+    assert name(world_size=1) is None and name(backend="fsdp2", quantized=True) is None  # no plan row
 
 
 def test_a_link_entry_may_change_the_clusters_fabric_not_its_nodes():

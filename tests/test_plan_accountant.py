@@ -1,9 +1,8 @@
 """The byte accountant against the plan: what the ZeroOptimizer arms send across pseudo-nodes on
 gloo, flat and two-level, booked collective by collective, equals the cluster model's bytes per
-node for the same arm within 1% (the model leaves out the flat buffer's padding and the small
-collectives of checks): every arm in the interleaved order, and the quantized-gradient arms in
-the contiguous order too (their windows: [Note: windows in the contiguous order] in
-qzero/optim/grads.py)."""
+node for the same arm within 1% (the model leaves out the small collectives of checks): every
+arm in both flat orders (the quantized gradients' windows of the contiguous order: [Note:
+windows in the contiguous order] in qzero/optim/grads.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from _support.distributed import run_distributed
 import qzero
 from qzero.app.benchmarks.accountant import ByteAccountant, cross_node_per_node, merge
 from qzero.plan import Cluster, default_arms, predict
+from qzero.plan.collectives import collective_cost
 from qzero.plan.workload import workload_from_shapes
 
 WIDTH = 256
@@ -36,8 +36,9 @@ TWO_LEVEL.update({f"{arm} (two-level, INT8 inside)": dict(settings, hierarchical
                                                          zero_quantized_gradients_intra_node="int8")
                   for arm, settings in ARMS.items() if settings.get("zero_quantized_gradients")})
 FLAT = {arm: dict(settings, hierarchical_collectives=False) for arm, settings in ARMS.items()}
-#: the arms measured in the contiguous order as well: those that quantize gradients
-CONTIGUOUS = [arm for arm, settings in {**FLAT, **TWO_LEVEL}.items() if settings.get("zero_quantized_gradients")]
+#: the arms measured in the contiguous order as well: every one (plain gradients reach their owners by chain
+#: reduces there, two-level or not; quantized ones go in windows)
+CONTIGUOUS = [*FLAT, *TWO_LEVEL]
 
 
 def make_model():
@@ -105,7 +106,7 @@ def test_accountant_equals_the_plan_within_one_percent(world, per_node):
             assert measured == pytest.approx(planned, rel=0.01), (arm, order, measured, planned, merge(books))
             if arm in TWO_LEVEL:  # inside the nodes too: the node stages (bf16 or INT8 gradients, the gather's)
                 inside = sum(v for (s, d), v in merge(books).items() if s == d) / nodes
-                planned = planned_inside(predict(arms[arm], workload, cluster, 0.1), per_node)
+                planned = planned_inside(predict(arms[arm], workload, cluster, 0.1), cluster)
                 assert inside == pytest.approx(planned, rel=0.01), (arm, order, inside, planned)
     # probe: a 2,000-byte all-reduce is a ring (each rank sends 2(P-1)/P of it to the next rank, one crossing
     # edge per node), a 40-byte-per-peer all-to-all sends each rank on another node 40 bytes
@@ -116,14 +117,11 @@ def test_accountant_equals_the_plan_within_one_percent(world, per_node):
     assert cross == pytest.approx(ring + a2a)
 
 
-#: bytes a node's ranks send each other per byte of a node-scope collective's ``bytes`` ([Note: what NCCL does
-#: with a collective] in qzero/plan/traffic.py: a ring of L edges, or an all-to-all's L (L - 1) splits)
-INSIDE = {"all_to_all": lambda L: L * (L - 1), "all_gather": lambda L: L * (L - 1),
-          "reduce_scatter": lambda L: L - 1, "all_reduce": lambda L: 2 * (L - 1)}
-
-
-def planned_inside(prediction, per_node: int) -> float:
-    return sum(INSIDE[c["op"]](per_node) * c["bytes"] * c["count"] for c in prediction.calls if c["scope"] == "node")
+def planned_inside(prediction, cluster) -> float:
+    """Bytes a node's ranks send each other in one step of the plan: every call's (node-scope
+    stages, and a world-scope chain's edges inside the nodes)."""
+    return sum(collective_cost(cluster, c["op"], c["scope"], c["bytes"]).intra_sent * c["count"]
+               for c in prediction.calls) / cluster.nodes
 
 
 def test_the_accountant_refuses_a_node_size_that_does_not_divide_the_world():

@@ -607,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     from qzero.app.qualify.run import ArmFailed
     from qzero.app.train import validate
 
+    from emulated_cluster import fabric_of
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -668,8 +670,10 @@ def main(argv: list[str] | None = None) -> int:
             log = os.path.join(args.out, "logs", f"r{r}_{c}_{name}.log")
             t0 = time.monotonic()
             try:
-                recs = run_arm(arms[name], run_links, out, log, timeout=min(args.arm_timeout, max(remaining, 1)),
-                               timeline=args.timeline, cluster=cluster if arms[name].world_size > 1 else None)
+                solo = cluster is not None and arms[name].world_size == 1  # the one-GPU floor: no link
+                recs = run_arm(arms[name], [fabric_of(x, cluster)[1] for x in run_links] if solo else run_links, out,
+                               log, timeout=min(args.arm_timeout, max(remaining, 1)), timeline=args.timeline,
+                               cluster=None if solo else cluster)
                 for link, rec in zip(run_links, recs):
                     rec["round"], rec["index"] = r, kept + i
                     done[(c, link)][name].append(rec)

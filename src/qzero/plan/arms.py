@@ -218,6 +218,8 @@ def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
                      windows),
                 Call("quantized gradient all-to-all (rail)", "all_to_all", "rail", bucket / P * rail, buckets,
                      windows, stage=1)]
+    if q is None and w.order == "contiguous":  # flat ranges reduced to their owners, two-level or not
+        return [_owner_reduces(w.moved, w, cluster, w.reduce_bucket, "gradient reduces to owners")]
     if arm.two_level:
         first = Call("gradient reduce-scatter (node)", "reduce_scatter", "node", bucket * w.reduce_bytes, buckets,
                      windows)
@@ -227,8 +229,6 @@ def _qzero_gradients(arm: Arm, w: Workload, cluster: Cluster) -> list[Call]:
         return [first, Call("quantized gradient all-to-all (rail)", "all_to_all", "rail", bucket / P * q, buckets,
                             windows, stage=1)]
     if q is None:
-        if w.order == "contiguous":
-            return [_owner_reduces(w.moved, w, cluster, w.reduce_bucket, "gradient reduces to owners")]
         return [Call("gradient reduce-scatter", "reduce_scatter", "world", bucket * w.reduce_bytes, buckets,
                      "backward")]
     if w.order == "contiguous" and P <= 2:  # a flat range to its owner, the other rank

@@ -11,8 +11,9 @@ on each node it spans, ``k`` nodes spanned, ``c = L / g`` groups running at once
   ``c·E`` across the network when ``k > 1``; per NIC port that is ``c·E`` (shared) or ``E/g``
   (rail: the ``c`` groups' crossings spread over the node's ``L`` NICs); each GPU's intra port
   carries ``E`` when ``g > 1``.
-* chain (reduce / broadcast, one root): as a ring with ``E = B``, but only ``k-1`` of the ``k``
-  nodes send across (``(k-1)/k·c·B`` a node on average).
+* chain (reduce / broadcast, one root): as a ring with ``E = B`` without the edge out of the
+  root (a reduce's chain runs back to it), which crosses nodes for ``k`` of the ``m`` roots: the
+  group sends ``k(m-1)/m·B`` across on average over roots (``k-1`` edges with one rank a node).
 * all-to-all, ``p`` bytes from every rank to every other (``incast=False``): a rank sends
   ``(m-g)·p`` across the network and ``(g-1)·p`` inside; a node ``L·(m-g)·p``, through one NIC
   (shared) or ``L`` (rail).
@@ -54,7 +55,9 @@ def collective_cost(cluster: Cluster, op: str, scope: str, nbytes: float, incast
         e = edge_bytes(op, m, nbytes)
         steps, inter = ring_steps(op, m, k)
         chain = op in CHAIN_OPS
-        crossing = (k - 1 if chain else k) if k > 1 else 0  # node-crossing edges of one group
+        # node-crossing edges of one group; a chain leaves out the edge out of its root, which crosses
+        # for k of the m roots (the roots of a step's chains are every rank, so averaged over them)
+        crossing = (k * (m - 1) / m if chain else k) if k > 1 else 0
         inside = (m - 1 if chain else m) - crossing
         nic_port = (c * e if cluster.nic == "shared" else e / g) if k > 1 else 0.0
         intra_port = e if g > 1 else 0.0
