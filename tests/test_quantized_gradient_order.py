@@ -70,9 +70,9 @@ def test_auto_takes_the_interleaved_order_where_it_pads_little_two_level_too():
 
 @pytest.mark.parametrize("world,shapes,quantized,settings", [
     (2, PADDED, True, {}),  # two ranks: every exchange is between the two, and overlaps backward
-    (3, PADDED, False, {}),  # plain gradients: reduce-scatters and reduces, no all-to-all
+    (3, PADDED, False, {}),  # plain gradients: reduce-scatters and reduces, no all-to-all, few ranks
     (4, EVEN, True, {}),  # interleaved, unpadded
-    (4, PADDED, False, TWO_LEVEL),  # plain gradients, two-level
+    (4, EVEN, False, TWO_LEVEL),  # plain gradients, two-level reduce-scatters
 ])
 def test_nothing_is_said_where_nothing_is_paid(world, shapes, quantized, settings):
     for _, said in run_distributed(_build, world, shapes, quantized, settings):
@@ -117,3 +117,14 @@ def test_no_exchange_of_the_contiguous_order_concentrates_on_an_owner(world, set
     assert len(calls[0]) >= 4 and all(len(c) == len(calls[0]) for c in calls)
     for k, per_rank in enumerate(zip(*calls)):
         assert min(per_rank) > 0 and len(set(per_rank)) == 1, f"all-to-all {k}: received {per_rank}"
+
+
+def test_plain_gradients_that_are_not_two_level_say_so_on_every_rank():
+    """Plain gradients in the contiguous order go to their owners by chain reduces over the
+    whole group: on declared nodes that is not the two-level reduction the user asked for."""
+    results = run_distributed(_build, 4, PADDED, False, TWO_LEVEL)
+    assert len(results) == 4
+    for orders, said in results:
+        assert orders == ["contiguous"] and len(said) == 1, said
+        assert "chain reduce per owner and bucket over all 4 ranks, not in two levels" in said[0], said
+        assert "zero_quantized_gradients=true reduces them in windows in two levels" in said[0], said

@@ -40,16 +40,30 @@ from .delta import DeltaLoop
 # partition completes only at the end of backward, so the reduction waits for it (it barely
 # overlaps backward, and stage 2 stages up to the whole gradient until then). That cost is warned
 # of on every rank with what the interleaved order would pad, never paid silently.
+#: Plain gradients of the contiguous order on more flat ranks than this are latency-bound chains: said.
+CHAIN_WARN_WORLD = 8
+
+
 def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) -> str | None:
-    """What a quantized gradient exchange costs in ``layout``'s order where that is more than its
-    bytes ([Note: quantized gradients and the flat order]); None where it is not."""
-    if not config.zero_quantized_gradients or layout.order != "contiguous":
+    """What the gradient reduction costs in ``layout``'s order where that is more than its bytes
+    ([Note: quantized gradients and the flat order]): quantized windows that wait for the end of
+    backward, or plain chains to the owners where the world is two-level or large; None where
+    it is not."""
+    if layout.order != "contiguous" or topology.world <= 2:
+        return None  # two ranks: flat ranges to the other rank, no incast, and they overlap backward
+    if not config.zero_quantized_gradients and not topology.two_level and topology.world <= CHAIN_WARN_WORLD:
         return None
-    if topology.world <= 2:
-        return None  # flat ranges to the other rank: no incast, and they overlap backward
     sizes = [s.numel for s in layout.slots]  # in model order
     padding = (interleaved_starts(sizes, layout.world_size, layout.alignment)[1] - layout.used_numel) / max(
         layout.used_numel, 1)
+    if not config.zero_quantized_gradients:
+        return (f"the flat order is contiguous on {topology.world} ranks: plain gradients reach their owners by one "
+                f"chain reduce per owner and bucket over all {topology.world} ranks"
+                f"{', not in two levels,' if topology.two_level else ''} and each chain pays a step of latency per "
+                "rank, so the reduction is latency-bound at large worlds (qzero plan shows the cost); "
+                "zero_quantized_gradients=true reduces them in windows"
+                f"{' in two levels' if topology.two_level else ''}, and flat_order='interleaved' by reduce-scatters, "
+                f"at the cost of padding this model's parameters by {padding:.0%}")
     return (f"the flat order is contiguous on {topology.world} ranks with zero_quantized_gradients=true: the "
             "quantized gradients are reduced in windows of every partition, which complete only at the end of "
             "backward, so the reduction waits for the end of backward (it barely overlaps backward) and stage 2 "
