@@ -62,6 +62,23 @@ def test_an_int8_node_stage_halves_the_node_bytes_and_wins_on_pcie_nodes():
     assert predict(inside, w, nvlink, 0.3).step_ms == pytest.approx(predict(plain, w, nvlink, 0.3).step_ms, rel=0.05)
 
 
+def test_the_order_auto_did_not_pick_is_advised_where_it_wins_and_pads_moderately():
+    """Contiguous windows wait for the end of backward; the interleaved order overlaps the
+    backward at the cost of its padding. The plan advises ``flat_order`` only where the other
+    order is at least 5% faster and pads at most 60%, naming the padding."""
+    cluster = Cluster(2, 8, **ETHERNET)
+    w = Workload(params=4_000_000_000, order="contiguous")
+    for padding, advised in ((0.3, True), (0.7, False)):
+        other = Workload(params=4_000_000_000, order="interleaved", flat_numel=int(4e9 * (1 + padding)))
+        rec = recommend(default_arms(), w, cluster, 0.3, other)
+        assert (rec.flat_order == "interleaved") is advised, (padding, rec)
+        assert (f"flat_order=interleaved (pads the parameters by {padding:.0%}" in rec.describe()) is advised
+        alone = recommend(default_arms(), w, cluster, 0.3)
+        assert alone.flat_order is None and (rec.step_ms < 0.95 * alone.step_ms) is advised
+    same = recommend(default_arms(), w, cluster, 0.3, w)  # nothing to gain: auto's order stays
+    assert same.flat_order is None and same.padding == 0.0
+
+
 def test_payload_bits_come_from_the_configs_defaults():
     assert weight_payload(False).bits == 8.5  # INT8 g64
     assert weight_payload(True).bits == 4.5  # INT4 differences g64

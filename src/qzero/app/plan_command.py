@@ -150,7 +150,11 @@ def run(args) -> int:
     w = workload(cluster.world)
     arms = default_arms()
     rows = [predict(a, w, cluster, compute) for a in arms]
-    rec = recommend(arms, w, cluster, compute)
+    other = None
+    if args.flat_order == "auto":  # the order auto did not pick may still win (padding against overlap)
+        other = workload_from_shapes(shapes, cluster.world, units=layers, **buckets,
+                                     flat_order="interleaved" if w.order == "contiguous" else "contiguous")
+    rec = recommend(arms, w, cluster, compute, other)
     _print(rows, w, cluster, compute, where, rec)
     if args.json:
         record = {"projection": True, "model": where, "params": w.params, "qzero_flat_order": w.order,

@@ -21,6 +21,11 @@ from .collectives import collective_cost
 from .step import Prediction, predict
 
 LATENCY_SHARE = 0.05
+#: The order ``auto`` did not pick is advised only where it pads the parameters at most this much
+#: (every shard, gather and optimizer state grows by it) and saves at least :data:`ORDER_GAIN` of
+#: the step.
+MAX_ORDER_PADDING = 0.6
+ORDER_GAIN = 0.05
 BUCKET_CHOICES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 500_000_000, 1_000_000_000)
 
 
@@ -34,9 +39,16 @@ class Recommendation:
     speedup_vs_fsdp2: float
     intra_node: str = "none"
     """``zero_quantized_gradients_intra_node`` of the arm."""
+    flat_order: str | None = None
+    """``flat_order`` to set where the other order than ``auto``'s wins (None: leave ``auto``)."""
+    padding: float = 0.0
+    """How much that order pads the parameters (0.25: every shard and state a quarter larger)."""
 
     def describe(self) -> str:
         intra = f"zero_quantized_gradients_intra_node={self.intra_node}, " if self.intra_node != "none" else ""
+        if self.flat_order is not None:
+            intra += (f"flat_order={self.flat_order} (pads the parameters by {self.padding:.0%}: every shard, "
+                      "gather and optimizer state grows by that much), ")
         return (f"{self.arm}: two-level collectives {'on' if self.two_level else 'off'}, {intra}"
                 f"allgather_bucket_size={self.allgather_bucket_size:.3g}, "
                 f"reduce_bucket_size={self.reduce_bucket_size:.3g}"
@@ -60,20 +72,35 @@ def bucket_for(arm: Arm, w: Workload, cluster: Cluster, field: str, phase: str) 
     return BUCKET_CHOICES[-1]
 
 
-def recommend(arms: list[Arm], w: Workload, cluster: Cluster, compute: float) -> Recommendation:
-    """The fastest projected qzero arm with buckets sized for ``cluster`` (see the note)."""
-    best: tuple[Prediction, Arm, Workload] | None = None
-    for arm in arms:
-        if arm.system != "qzero" or (arm.two_level and (cluster.nodes == 1 or cluster.gpus_per_node == 1)):
-            continue
-        sized = dataclasses.replace(w, allgather_bucket=bucket_for(arm, w, cluster, "allgather_bucket", "forward"),
-                                    reduce_bucket=bucket_for(arm, w, cluster, "reduce_bucket", "backward"))
-        p = predict(arm, sized, cluster, compute)
-        if best is None or p.step_ms < best[0].step_ms:
-            best = (p, arm, sized)
+def recommend(arms: list[Arm], w: Workload, cluster: Cluster, compute: float,
+              other_order: Workload | None = None) -> Recommendation:
+    """The fastest projected qzero arm with buckets sized for ``cluster`` (see the note), in
+    ``w``'s flat order or, where given and faster, ``other_order``'s (the same model in the
+    order ``flat_order="auto"`` did not pick: ``flat_order`` is then part of the advice)."""
+    best = _fastest(arms, w, cluster, compute)
+    if other_order is not None and other_order.moved / other_order.params - 1 <= MAX_ORDER_PADDING:
+        other = _fastest(arms, other_order, cluster, compute)
+        if other is not None and best is not None and other[0].step_ms <= (1 - ORDER_GAIN) * best[0].step_ms:
+            best = other
     if best is None:
         raise ValueError("no qzero arm to recommend")
     p, arm, sized = best
     fsdp2 = next((predict(a, w, cluster, compute).step_ms for a in arms if a.system == "fsdp2"), p.step_ms)
+    order = sized.order if sized.order != w.order else None
     return Recommendation(arm.name, arm.two_level, sized.allgather_bucket, sized.reduce_bucket, p.step_ms,
-                          fsdp2 / p.step_ms, arm.intra_node.fmt if arm.intra_node is not None else "none")
+                          fsdp2 / p.step_ms, arm.intra_node.fmt if arm.intra_node is not None else "none",
+                          order, sized.moved / sized.params - 1 if order else 0.0)
+
+
+def _fastest(arms: list[Arm], load: Workload, cluster: Cluster, compute: float):
+    """``(prediction, arm, sized workload)`` of the fastest qzero arm on ``load`` (None: none)."""
+    best: tuple[Prediction, Arm, Workload] | None = None
+    for arm in arms:
+        if arm.system != "qzero" or (arm.two_level and (cluster.nodes == 1 or cluster.gpus_per_node == 1)):
+            continue
+        sized = dataclasses.replace(load, allgather_bucket=bucket_for(arm, load, cluster, "allgather_bucket", "forward"),
+                                    reduce_bucket=bucket_for(arm, load, cluster, "reduce_bucket", "backward"))
+        p = predict(arm, sized, cluster, compute)
+        if best is None or p.step_ms < best[0].step_ms:
+            best = (p, arm, sized)
+    return best
