@@ -98,8 +98,9 @@ def _fastest(arms: list[Arm], load: Workload, cluster: Cluster, compute: float):
     for arm in arms:
         if arm.system != "qzero" or (arm.two_level and (cluster.nodes == 1 or cluster.gpus_per_node == 1)):
             continue
-        sized = dataclasses.replace(load, allgather_bucket=bucket_for(arm, load, cluster, "allgather_bucket", "forward"),
-                                    reduce_bucket=bucket_for(arm, load, cluster, "reduce_bucket", "backward"))
+        sized = dataclasses.replace(
+            load, allgather_bucket=bucket_for(arm, load, cluster, "allgather_bucket", "forward"),
+            reduce_bucket=bucket_for(arm, load, cluster, "reduce_bucket", "backward"))
         p = predict(arm, sized, cluster, compute)
         if best is None or p.step_ms < best[0].step_ms:
             best = (p, arm, sized)
