@@ -55,28 +55,31 @@ def plan_arm_name(settings: dict) -> str | None:
 
 
 def _shapes(preset: str, config_path: str | None = None):
-    import torch
-    from transformers import AutoModelForCausalLM
+    """``(shapes, layers)`` of the model as ``qzero plan`` counts it."""
+    import types
 
-    from qzero.app.workload import model_config
+    from qzero.app.plan_command import _model
 
-    config = model_config(None if config_path else preset, config_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return [tuple(p.shape) for p in model.parameters() if p.requires_grad], config.num_hidden_layers
+    shapes, layers, _, _ = _model(types.SimpleNamespace(preset=None if config_path else preset,
+                                                        model_config=config_path, seq_len=4096))
+    return shapes, layers
 
 
-def folders(dirs: list[str]):
-    """Every ``matrix.json`` under ``dirs`` (``OUT/<cell>/<cluster>/matrix.json``)."""
+def matrices(dirs: list[str]) -> list[dict]:
+    """Every emulated cluster matrix under ``dirs`` (``OUT/<cell>/<cluster>/matrix.json``)."""
+    found = []
     for d in dirs:
         for root, _, files in os.walk(d):
-            if "matrix.json" in files and "emulated_cluster" in open(os.path.join(root, "matrix.json")).read(200000):
-                yield os.path.join(root, "matrix.json")
+            if "matrix.json" in files:
+                m = json.load(open(os.path.join(root, "matrix.json")))
+                if m.get("emulated_cluster"):
+                    found.append(m)
+    return found
 
 
-def _median_ms(runs: list[dict], key: str = "step_times") -> float | None:
+def _median_ms(runs: list[dict]) -> float | None:
     ok = [r for r in runs if not r.get("failed")]
-    ts = [t for r in ok for t in r[key]]
+    ts = [t for r in ok for t in r["step_times"]]
     return 1e3 * statistics.median(ts) if ts else None
 
 
@@ -84,9 +87,9 @@ def rows_of(dirs: list[str], floor_ms: float | None = None) -> list[dict]:
     from qzero.plan import Cluster, default_arms, predict
     from qzero.plan.workload import workload_from_shapes
 
-    matrices = [json.load(open(p)) for p in folders(dirs)]
+    found = matrices(dirs)
     if floor_ms is None:  # the one-GPU arm of any matrix given
-        floors = [_median_ms(runs) for m in matrices for name, runs in m["runs"].items()
+        floors = [_median_ms(runs) for m in found for name, runs in m["runs"].items()
                   if next(a for a in m["arms"] if a["name"] == name)["settings"]["world_size"] == 1]
         floors = [f for f in floors if f is not None]
         if not floors:
@@ -94,7 +97,7 @@ def rows_of(dirs: list[str], floor_ms: float | None = None) -> list[dict]:
         floor_ms = statistics.median(floors)
     arms = {a.name: a for a in default_arms()}
     shapes_of, rows = {}, []
-    for m in matrices:
+    for m in found:
         c = m["emulated_cluster"]
         cluster = Cluster(**c)
         s0 = m["settings"]

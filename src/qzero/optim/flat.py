@@ -27,6 +27,10 @@ from ..layout.topology import Topology
 from .delta import DeltaLoop
 
 
+#: Plain gradients of the contiguous order on more flat ranks than this are latency-bound chains: said.
+CHAIN_WARN_WORLD = 8
+
+
 # [Note: quantized gradients and the flat order]
 # A quantized gradient exchange is an all-to-all of each bucket's pieces to their owners. In the
 # interleaved order every bucket holds a window of every partition, so each rank sends and
@@ -40,10 +44,6 @@ from .delta import DeltaLoop
 # partition completes only at the end of backward, so the reduction waits for it (it barely
 # overlaps backward, and stage 2 stages up to the whole gradient until then). That cost is warned
 # of on every rank with what the interleaved order would pad, never paid silently.
-#: Plain gradients of the contiguous order on more flat ranks than this are latency-bound chains: said.
-CHAIN_WARN_WORLD = 8
-
-
 def order_warning(config: ZeroConfig, topology: Topology, layout: FlatLayout) -> str | None:
     """What the gradient reduction costs in ``layout``'s order where that is more than its bytes
     ([Note: quantized gradients and the flat order]): quantized windows that wait for the end of
